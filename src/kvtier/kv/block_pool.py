@@ -1,0 +1,280 @@
+"""BlockPool: one tier's physical blocks, ref counts, the prefix-cache map, the quarantine, events.
+
+Torch-free bookkeeping over integer block ids; never decides *which* request needs blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from kvtier.kv.block import BlockHash, BlockId, FreeBlockQueue, KVBlock
+from kvtier.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+_CachedEntry = KVBlock | dict[BlockId, KVBlock]
+
+
+class BlockPool:
+    """Pre-allocated blocks with ref counts, a null block, an LRU free queue and a hash map.
+
+    Free policy (as vLLM since #33710): blocks whose ref count reaches 0 go to the free queue in the
+    order given; unhashed ("fresh") ones are prepended (reused first), hashed ones appended (kept
+    longest as prefix-cache candidates). With caching off every freed block is prepended (LIFO).
+    LIFO reuse maximises locality and would amplify any premature free; the quarantine makes it safe.
+
+    Quarantine (DESIGN.md §2): `free(blocks, last_step_seq)` with a stamp the device may still be
+    working on keeps the blocks' references until `release_quarantine(processed)` reaches the stamp.
+    A quarantined block is neither allocatable nor counted free. It stays findable as a prefix hit
+    when it carries a hash: hashes are set only on full blocks whose tokens are final, so every
+    pending access to such a block is a compute-stream read or the write that produced it, and a new
+    holder only adds compute-stream reads in later steps (FIFO-ordered after them). Taking a hit just
+    adds a reference, so the block cannot be recycled until both the stamp and the new holder release.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        enable_quarantine: bool = True,
+        enable_kv_events: bool = False,
+        medium: str = "device",
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_quarantine = enable_quarantine
+        self.enable_kv_events = enable_kv_events
+        self.medium = medium
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # Block 0 is the null block: a placeholder for skipped positions; never freed or cached.
+        self.null_block = self.free_queue.popleft()
+        self.null_block.is_null = True
+        # group id -> block hash -> one block, or {block id: block} when several share the hash.
+        self._cached: dict[int, dict[BlockHash, _CachedEntry]] = {}
+        # (stamp, insertion seq, blocks); INVARIANT: every stamp > processed_step_seq.
+        self._quarantine: list[tuple[int, int, list[KVBlock]]] = []
+        self._quarantine_seq = 0
+        self.num_quarantined_refs = 0
+        self.processed_step_seq = 0
+        self._events: list[KVEvent] = []
+
+    # ---- capacity ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now (cached-but-unreferenced blocks included; quarantined excluded)."""
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable (non-null) blocks that are not free."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    # ---- prefix-cache map ----------------------------------------------------------------------
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> KVBlock | None:
+        """One block of `group_id` registered under `block_hash`, or None."""
+        entry = self._cached.get(group_id, {}).get(block_hash)
+        if entry is None or isinstance(entry, KVBlock):
+            return entry
+        return next(iter(entry.values()))
+
+    def cache_full_blocks(
+        self,
+        group_id: int,
+        blocks: Sequence[KVBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register blocks [num_cached_blocks, num_full_blocks) under their hashes (mutates map).
+
+        Null blocks are skipped; a block that already carries a hash (a prefix hit) must carry the
+        expected one. Duplicates of identical content are kept side by side, never merged.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        table = self._cached.setdefault(group_id, {})
+        new_hashes: list[BlockHash] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            if block.block_hash is not None:
+                assert block.block_hash == block_hash and block.group_id == group_id
+                continue
+            block.block_hash = block_hash
+            block.group_id = group_id
+            entry = table.get(block_hash)
+            if entry is None:
+                table[block_hash] = block
+            elif isinstance(entry, KVBlock):
+                table[block_hash] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
+            new_hashes.append(block_hash)
+        if self.enable_kv_events and new_hashes:
+            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            toks = list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size])
+            self._events.append(
+                BlockStored(new_hashes, parent, toks, block_size, group_id, self.medium)
+            )
+
+    def _uncache(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        if block_hash is None:
+            return
+        table = self._cached[block.group_id]
+        entry = table[block_hash]
+        if isinstance(entry, KVBlock):
+            del table[block_hash]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                table[block_hash] = next(iter(entry.values()))
+        if self.enable_kv_events:
+            self._events.append(BlockRemoved([block_hash], block.group_id, self.medium))
+        block.block_hash = None
+        block.group_id = -1
+
+    def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop the given blocks from the prefix-cache map only (e.g. after a failed load)."""
+        for block_id in block_ids:
+            self._uncache(self.blocks[block_id])
+
+    # ---- allocation and ref counts -------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pop `num_blocks` from the LRU end, evicting their cache entries; ref 1 each.
+
+        Raises ValueError if fewer are free; callers check `num_free_blocks` first.
+        """
+        blocks = self.free_queue.popleft_n(num_blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0
+            if block.block_hash is not None:
+                self._uncache(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each non-null block, taking ref-0 blocks out of the free queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock], last_step_seq: int | None = None) -> None:
+        """Drop one reference per block, in eviction order (the first given is evicted first).
+
+        `last_step_seq` is the last scheduled step that may still read or write the blocks; if the
+        quarantine is on and that step is unprocessed, the references are kept until it is.
+        """
+        live = [b for b in blocks if not b.is_null]
+        if not live:
+            return
+        if (
+            self.enable_quarantine
+            and last_step_seq is not None
+            and last_step_seq > self.processed_step_seq
+        ):
+            heapq.heappush(self._quarantine, (last_step_seq, self._quarantine_seq, live))
+            self._quarantine_seq += 1
+            self.num_quarantined_refs += len(live)
+            return
+        self._release(live)
+
+    def _release(self, blocks: list[KVBlock]) -> None:
+        fresh: list[KVBlock] = []
+        cached: list[KVBlock] = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block!r} freed more often than referenced"
+            if block.ref_cnt == 0:
+                if self.enable_caching and block.block_hash is not None:
+                    cached.append(block)
+                else:
+                    fresh.append(block)
+        self.free_queue.prepend_n(fresh)
+        self.free_queue.append_n(cached)
+
+    def release_quarantine(self, processed_step_seq: int) -> int:
+        """Record that steps ≤ `processed_step_seq` are processed; free what they held.
+
+        Returns the number of block references released.
+        """
+        if processed_step_seq > self.processed_step_seq:
+            self.processed_step_seq = processed_step_seq
+        released = 0
+        while self._quarantine and self._quarantine[0][0] <= self.processed_step_seq:
+            _, _, blocks = heapq.heappop(self._quarantine)
+            self._release(blocks)
+            released += len(blocks)
+        self.num_quarantined_refs -= released
+        return released
+
+    def quarantined_block_ids(self) -> list[BlockId]:
+        """Block ids held by the quarantine (with repeats for repeated references)."""
+        return [b.block_id for _, _, blocks in self._quarantine for b in blocks]
+
+    # ---- reset, events, integrity --------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use or quarantined."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.group_id = -1
+        self._cached.clear()
+        if self.enable_kv_events:
+            self._events.append(AllBlocksCleared(self.medium))
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain and return the queued KV events."""
+        events, self._events = self._events, []
+        return events
+
+    def num_cached_entries(self) -> int:
+        """Blocks registered in the prefix-cache map (all groups)."""
+        return sum(
+            1 if isinstance(e, KVBlock) else len(e) for t in self._cached.values() for e in t.values()
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants; raises AssertionError naming the first broken one."""
+        in_queue = set()
+        for block in self.free_queue:
+            assert block.ref_cnt == 0, f"{block!r} in the free queue with references"
+            assert not block.is_null, "null block in the free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.num_free_blocks, "free count disagrees with the queue"
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"{block!r} has a negative ref count"
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"{block!r} misfiled"
+            if block.block_hash is not None:
+                found = self._cached[block.group_id].get(block.block_hash)
+                ok = found is block or (isinstance(found, dict) and found.get(block.block_id) is block)
+                assert ok, f"{block!r} has a hash but is not in the map"
+        assert self.null_block.block_hash is None and self.null_block.ref_cnt == 0
+        for gid, table in self._cached.items():
+            for block_hash, entry in table.items():
+                group = [entry] if isinstance(entry, KVBlock) else list(entry.values())
+                assert group, "empty duplicate set in the map"
+                for block in group:
+                    assert block.block_hash == block_hash and block.group_id == gid
+        refs = 0
+        for stamp, _, blocks in self._quarantine:
+            assert stamp > self.processed_step_seq, "quarantine entry past its stamp"
+            for block in blocks:
+                assert block.ref_cnt > 0, f"quarantined {block!r} without a reference"
+            refs += len(blocks)
+        assert refs == self.num_quarantined_refs, "quarantine ref count drifted"

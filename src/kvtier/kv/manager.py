@@ -1,0 +1,225 @@
+"""KVCacheManager: the scheduler's one door to the KV cache of a tier (lookup, allocate, prune, free).
+
+Request semantics on top of the coordinator: hit accounting, the shared transient reserve at
+admission, caching bounds. Never decides which request runs; never reads a clock or a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.kv.block import BlockId, KVBlock
+from kvtier.kv.block_pool import BlockPool
+from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
+from kvtier.kv.events import KVEvent
+from kvtier.kv.hashing import BlockHasher, HashExtras
+from kvtier.kv.request import KVSequence
+from kvtier.kv.specs import KVSpec, blocks_for_requests, max_concurrency
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters with their denominators (tokens)."""
+
+    num_requests: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class KVCacheManager:
+    """Facade over one pool and its coordinator.
+
+    `max_in_flight_tokens` bounds tokens scheduled but not yet settled across all requests
+    (async depth × token budget); it sizes the pool-wide transient reserve that window groups need
+    while steps are in flight. Admission of a new request keeps that reserve available.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[KVSpec],
+        num_blocks: int,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_quarantine: bool = True,
+        max_in_flight_tokens: int = 0,
+        hash_fn: str = "sha256",
+        enable_kv_events: bool = False,
+        medium: str = "device",
+    ) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if max_in_flight_tokens < 0:
+            raise ValueError(f"max_in_flight_tokens must be ≥ 0, got {max_in_flight_tokens}")
+        self.pool = BlockPool(
+            num_blocks, enable_caching, enable_quarantine, enable_kv_events, medium=medium
+        )
+        self.coordinator = KVCacheCoordinator(specs, self.pool)
+        self.specs = self.coordinator.specs
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_fn)
+        self.stats = PrefixCacheStats()
+        self._no_hits: GroupBlocks = [[] for _ in self.specs]
+
+    def new_sequence(
+        self, request_id: str, prompt_token_ids: Sequence[int], extras: HashExtras | None = None
+    ) -> KVSequence:
+        """A `KVSequence` hashed with this manager's hasher (what the scheduler's requests hold)."""
+        return KVSequence(request_id, prompt_token_ids, self.hasher, extras)
+
+    # ---- lookup --------------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: KVSequence) -> tuple[GroupBlocks, int]:
+        """Longest prefix hit for a waiting request: (blocks per group, hit tokens). Touches nothing.
+
+        The last prompt token is always recomputed (its logits are needed), so at most
+        num_tokens − 1 tokens hit.
+        """
+        if not self.enable_caching:
+            return self._no_hits, 0
+        max_length = min(request.num_tokens - 1, self.max_model_len)
+        hits, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+        self.stats.num_requests += 1
+        self.stats.num_query_tokens += request.num_tokens
+        self.stats.num_hit_tokens += num_hit
+        return hits, num_hit
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def reserve_shortfall(self, num_new_requests: int = 0) -> int:
+        """Blocks of the pool-wide transient reserve not currently held (≥ 0).
+
+        Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests)`; held: blocks
+        tables keep beyond their steady charge plus quarantined references.
+        """
+        if self.max_in_flight_tokens <= 0:
+            return 0
+        n = self.coordinator.num_requests + num_new_requests
+        reserve = sum(s.transient_blocks(self.max_in_flight_tokens, n) for s in self.specs)
+        held = sum(m.num_excess_blocks for m in self.coordinator.managers)
+        return max(0, reserve - held - self.pool.num_quarantined_refs)
+
+    def allocate_slots(
+        self,
+        request: KVSequence,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: GroupBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> GroupBlocks | None:
+        """Make room for `num_new_tokens` (+ lookahead) after the request's computed tokens.
+
+        For a new request also installs its prefix hits and room for externally loaded tokens.
+        Returns the newly allocated blocks per group, or None — changing nothing — when the
+        free blocks (less the transient reserve, for a new request) do not suffice.
+        Out-of-window pruning is separate: `remove_skipped_blocks` on the settled count.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:
+            raise ValueError("token counts passed to allocate_slots must be ≥ 0")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError("allocate_slots needs new tokens or externally computed tokens")
+        req_id = request.request_id
+        hits = new_computed_blocks if new_computed_blocks is not None else self._no_hits
+        is_new = not self.coordinator.has_request(req_id)
+        assert is_new or not any(hits), "prefix hits are only added to a new request"
+        total_computed = min(
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
+            self.max_model_len,
+        )
+        num_tokens = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
+        if is_new:
+            need += self.reserve_shortfall(num_new_requests=1)
+        if need > self.pool.num_free_blocks:
+            return None
+        if is_new:
+            self.coordinator.add_computed_blocks(req_id, hits, total_computed)
+        new_blocks = self.coordinator.allocate_new_blocks(req_id, num_tokens, total_computed)
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: KVSequence, num_tokens: int) -> None:
+        """Publish the request's full blocks up to `num_tokens` as prefix-cache entries."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(
+                request.request_id, request.block_hashes, num_tokens, request.all_token_ids
+            )
+
+    def remove_skipped_blocks(
+        self, request_id: str, num_settled_tokens: int, last_step_seq: int | None = None
+    ) -> int:
+        """Null and free out-of-window blocks below `num_settled_tokens` (through the quarantine,
+        stamped `last_step_seq`). Returns the number of blocks taken out of the tables."""
+        return self.coordinator.remove_skipped_blocks(request_id, num_settled_tokens, last_step_seq)
+
+    def free(self, request_id: str, last_step_seq: int | None = None) -> None:
+        """Release every block of the request (tail first), quarantined until `last_step_seq`."""
+        self.coordinator.free(request_id, last_step_seq)
+
+    def release_quarantine(self, processed_step_seq: int) -> int:
+        """Steps up to `processed_step_seq` are processed; returns references released."""
+        return self.pool.release_quarantine(processed_step_seq)
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> GroupBlocks:
+        return self.coordinator.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[BlockId], ...]:
+        return tuple([b.block_id for b in blocks] for blocks in self.get_blocks(request_id))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def max_concurrency(self, num_tokens: int | None = None) -> int:
+        """Requests of `num_tokens` (default max_model_len) that fit; same formula as admission."""
+        n = self.max_model_len if num_tokens is None else num_tokens
+        return max_concurrency(self.specs, self.pool.num_blocks - 1, n, self.max_in_flight_tokens)
+
+    def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
+        return blocks_for_requests(self.specs, num_requests, num_tokens, self.max_in_flight_tokens)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
+        """Assert pool invariants and that every reference has a holder (I1, I5): tables,
+        quarantine, and `num_pinned` references held by others (e.g. transfers)."""
+        self.pool.check_integrity()
+        holders: dict[BlockId, int] = dict(num_pinned or {})
+        for mgr in self.coordinator.managers:
+            for req_id, table in mgr.req_to_blocks.items():
+                real = 0
+                for block in table:
+                    if not block.is_null:
+                        holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                        real += 1
+                assert real == mgr.num_real_blocks(req_id), f"{req_id}: real-block count drifted"
+        for block_id in self.pool.quarantined_block_ids():
+            holders[block_id] = holders.get(block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            expected = holders.get(block.block_id, 0)
+            assert block.ref_cnt == expected, f"{block!r}: {expected} holders"
+
+
+__all__ = ["KVBlock", "KVCacheManager", "PrefixCacheStats"]

@@ -1,0 +1,98 @@
+"""Device layer: the `Device` the runner talks to (KV tiers, streams, events, ops with declared
+access sets), its sim / cpu / cuda backends and the torch-free happens-before sanitizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvtier.device.base import Device, OpFn
+from kvtier.device.costs import CostModel, Work
+from kvtier.device.sanitizer import Hazard, OpInfo, RaceError, Sanitizer, SanitizerMode
+from kvtier.device.types import (
+    COMPUTE,
+    HOST_STREAM,
+    LOAD,
+    STORE,
+    WHOLE,
+    AccessSet,
+    BlockId,
+    EventId,
+    KVLayout,
+    OpId,
+    OpMeta,
+    ReqId,
+    StreamId,
+    Tier,
+)
+
+Backend = Literal["sim", "cpu", "cuda"]
+BACKENDS: tuple[Backend, ...] = ("sim", "cpu", "cuda")
+
+
+def make_device(
+    backend: Backend,
+    layout: KVLayout,
+    num_device_blocks: int,
+    num_host_blocks: int,
+    *,
+    sanitize: SanitizerMode | None = "raise",
+    poison: bool = False,
+    seed: int = 0,
+    cost_model: CostModel | None = None,
+) -> Device:
+    """Build a device of kind `backend`; `seed` and `cost_model` matter to "sim" only."""
+    if backend == "sim":
+        from kvtier.device.sim import SimDevice
+
+        return SimDevice(
+            layout,
+            num_device_blocks,
+            num_host_blocks,
+            cost_model=cost_model,
+            seed=seed,
+            sanitize=sanitize,
+            poison=poison,
+        )
+    if backend == "cpu":
+        from kvtier.device.cpu import CpuDevice
+
+        return CpuDevice(
+            layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
+        )
+    if backend == "cuda":
+        from kvtier.device.cuda import CudaDevice
+
+        return CudaDevice(
+            layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
+        )
+    raise ValueError(f"device backend must be one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = [
+    "BACKENDS",
+    "COMPUTE",
+    "HOST_STREAM",
+    "LOAD",
+    "STORE",
+    "WHOLE",
+    "AccessSet",
+    "Backend",
+    "BlockId",
+    "CostModel",
+    "Device",
+    "EventId",
+    "Hazard",
+    "KVLayout",
+    "OpFn",
+    "OpId",
+    "OpInfo",
+    "OpMeta",
+    "RaceError",
+    "ReqId",
+    "Sanitizer",
+    "SanitizerMode",
+    "StreamId",
+    "Tier",
+    "Work",
+    "make_device",
+]

@@ -1,0 +1,349 @@
+"""The backend-independent half of a device: buffers, stream and event ids, access-set checks,
+the sanitizer feed, block copies and poison. Backends implement only the `_hooks` at the bottom;
+this module decides nothing about timing."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.device.costs import Work
+from kvtier.device.sanitizer import Hazard, Sanitizer, SanitizerMode
+from kvtier.device.types import (
+    DEFAULT_STREAMS,
+    DTYPE_BYTES,
+    TIERS,
+    WHOLE,
+    AccessSet,
+    BlockId,
+    EventId,
+    KVLayout,
+    OpId,
+    OpMeta,
+    StreamId,
+    Tier,
+)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+assert set(TORCH_DTYPES) == set(DTYPE_BYTES)
+
+OpFn = Callable[[], None]
+
+
+class Device(ABC):
+    """What the runner talks to: KV tiers, named buffers, streams, events, ops with access sets.
+
+    Backends (`SimDevice`, `CpuDevice`, `CudaDevice`) subclass it and implement the hooks only.
+    Every call is forwarded to the sanitizer when one is on, whatever the backend.
+    """
+
+    kind = "base"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        sanitize: SanitizerMode | None = "raise",
+        poison: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_device_blocks", num_device_blocks),
+            ("num_host_blocks", num_host_blocks),
+        ):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.layout = layout
+        self.sanitizer = Sanitizer(sanitize) if sanitize is not None else None
+        self.poison_enabled = poison
+        self._stream_names: dict[StreamId, str] = {}
+        self._stream_ids: dict[str, StreamId] = {}
+        self._num_events = 0
+        self._num_ops = 0
+        self._num_blocks: dict[str, int] = {"device": num_device_blocks, "host": num_host_blocks}
+        self._buffers: dict[str, torch.Tensor] = {}
+        dtype = TORCH_DTYPES[layout.dtype]
+        # One tensor per layer slot: [num_blocks, 2, block_size, num_kv_heads, head_dim].
+        self._kv: dict[str, list[torch.Tensor]] = {
+            tier: [
+                self._alloc(layout.slot_shape(self._num_blocks[tier]), dtype, tier)
+                for _ in range(layout.num_layer_slots)
+            ]
+            for tier in TIERS
+        }
+        for sid, name in DEFAULT_STREAMS.items():
+            self._add_stream(sid, name)
+
+    # -- buffers ---------------------------------------------------------------------------
+
+    def kv(self, tier: Tier) -> list[torch.Tensor]:
+        """The KV tensors of `tier`, one per layer slot. Read/write them only inside ops."""
+        if tier not in self._kv:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        return self._kv[tier]
+
+    def num_blocks(self, tier: Tier) -> int:
+        """Number of blocks in `tier`'s KV pool."""
+        self.kv(tier)
+        return self._num_blocks[tier]
+
+    def alloc_buffer(
+        self, name: str, shape: Sequence[int], dtype: str = "float32", tier: Tier = "device"
+    ) -> torch.Tensor:
+        """Allocate a named, unpaged buffer (zeros; pinned on a CUDA host tier) and return it.
+
+        Ops access it in their access set as `{name: None}`. Names are unique per device.
+        """
+        if name in self._buffers or name in self._kv:
+            raise ValueError(f"buffer name {name!r} is taken; pick another name")
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
+        self.kv(tier)
+        tensor = self._alloc(tuple(shape), TORCH_DTYPES[dtype], tier)
+        self._buffers[name] = tensor
+        return tensor
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The named buffer `name` allocated by `alloc_buffer`."""
+        if name not in self._buffers:
+            raise ValueError(f"no buffer named {name!r}; allocate it with alloc_buffer first")
+        return self._buffers[name]
+
+    # -- streams and events ----------------------------------------------------------------
+
+    def stream(self, name: str) -> StreamId:
+        """The stream called `name`, created on first use ("compute", "load", "store" exist)."""
+        sid = self._stream_ids.get(name)
+        if sid is None:
+            sid = StreamId(len(self._stream_ids))
+            self._add_stream(sid, name)
+        return sid
+
+    def stream_name(self, stream: StreamId) -> str:
+        self._check_stream(stream)
+        return self._stream_names[stream]
+
+    def new_event(self) -> EventId:
+        """A fresh, unrecorded event (waiting on it orders nothing; querying it says done)."""
+        self._num_events += 1
+        event = EventId(self._num_events)
+        self._new_event(event)
+        return event
+
+    def record(self, stream: StreamId, event: EventId | None = None) -> EventId:
+        """Record `event` (a fresh one when None) after all work launched so far on `stream`.
+
+        Re-recording replaces the event's earlier record. Returns the event.
+        """
+        self._check_stream(stream)
+        if event is None:
+            event = self.new_event()
+        self._check_event(event)
+        self._record(stream, event)
+        if self.sanitizer is not None:
+            self.sanitizer.record(event, stream)
+        return event
+
+    def wait(self, stream: StreamId, event: EventId) -> None:
+        """Work launched later on `stream` starts after `event`'s latest record completes."""
+        self._check_stream(stream)
+        self._check_event(event)
+        self._wait(stream, event)
+        if self.sanitizer is not None:
+            self.sanitizer.wait(stream, event)
+
+    def query(self, event: EventId) -> bool:
+        """True when `event` has completed. Orders nothing: `synchronize_event` before acting."""
+        self._check_event(event)
+        return self._query(event)
+
+    def synchronize_event(self, event: EventId) -> None:
+        """Block the host until `event` completes; later host work is ordered after it."""
+        self._check_event(event)
+        self._sync_event(event)
+        if self.sanitizer is not None:
+            self.sanitizer.sync_event(event)
+
+    def synchronize_stream(self, stream: StreamId) -> None:
+        """Block the host until all work launched so far on `stream` completes."""
+        self._check_stream(stream)
+        self._sync_stream(stream)
+        if self.sanitizer is not None:
+            self.sanitizer.sync_stream(stream)
+
+    def synchronize(self) -> None:
+        """Block the host until every stream is idle."""
+        self._sync_all()
+        if self.sanitizer is not None:
+            self.sanitizer.sync_all()
+
+    # -- ops ---------------------------------------------------------------------------------
+
+    def launch(
+        self,
+        stream: StreamId,
+        fn: OpFn,
+        access: AccessSet,
+        meta: OpMeta,
+        work: Work | None = None,
+    ) -> OpId:
+        """Launch `fn` (the op's real tensor effect) on `stream`; returns the op id.
+
+        `access` must declare every block and named buffer `fn` touches: the sanitizer checks it.
+        """
+        self._check_stream(stream)
+        self._check_access(access)
+        op_id = self._next_op()
+        if self.sanitizer is not None:
+            self.sanitizer.launch(stream, op_id, access, meta)
+        self._launch(stream, op_id, fn, meta, work)
+        return op_id
+
+    def host_op(self, fn: OpFn, access: AccessSet, meta: OpMeta) -> OpId:
+        """Run `fn` on the host now (e.g. read sampled tokens); checked as a host access."""
+        self._check_access(access)
+        op_id = self._next_op()
+        if self.sanitizer is not None:
+            self.sanitizer.host_access(op_id, access, meta)
+        self._host_run(fn)
+        return op_id
+
+    def copy_blocks(
+        self,
+        stream: StreamId,
+        src: Tier,
+        dst: Tier,
+        src_ids: Sequence[BlockId],
+        dst_ids: Sequence[BlockId],
+        meta: OpMeta,
+    ) -> OpId:
+        """Copy blocks `src_ids` of tier `src` onto `dst_ids` of tier `dst`, in every layer slot.
+
+        A load is host → device on the load stream, a store device → host on the store stream.
+        """
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(
+                f"copy_blocks needs as many src_ids as dst_ids, got {len(src_ids)} and "
+                f"{len(dst_ids)}"
+            )
+        srcs, dsts = self.kv(src), self.kv(dst)
+        src_list, dst_list = list(src_ids), list(dst_ids)
+
+        def copy() -> None:
+            for s, d in zip(srcs, dsts, strict=True):
+                src_index = torch.tensor(src_list, device=s.device)
+                dst_index = torch.tensor(dst_list, device=d.device)
+                rows = s.index_select(0, src_index).to(d.device, non_blocking=True)
+                d.index_copy_(0, dst_index, rows)
+
+        access = AccessSet(reads=((src, tuple(src_list)),), writes=((dst, tuple(dst_list)),))
+        work = Work.copy(len(src_list) * self.layout.block_bytes)
+        return self.launch(stream, copy, access, meta, work)
+
+    def poison_blocks(
+        self,
+        tier: Tier,
+        block_ids: Sequence[BlockId],
+        *,
+        stream: StreamId | None = None,
+        meta: OpMeta | None = None,
+    ) -> OpId | None:
+        """Fill `block_ids` of `tier` with NaN if poisoning is on; returns None when it is off.
+
+        Call on (re)allocation. With `stream=None` the host writes at once, so the sanitizer checks
+        that no launched op may still touch the blocks (what quarantine promises); with a stream
+        it is an ordinary op ordered like any other write.
+        """
+        if not self.poison_enabled:
+            return None
+        tensors, ids = self.kv(tier), list(block_ids)
+
+        def poison() -> None:
+            for t in tensors:
+                t[torch.tensor(ids, device=t.device)] = float("nan")
+
+        access = AccessSet(writes=((tier, tuple(ids)),))
+        meta = meta or OpMeta("poison")
+        if stream is None:
+            return self.host_op(poison, access, meta)
+        return self.launch(stream, poison, access, meta)
+
+    @property
+    def hazards(self) -> list[Hazard]:
+        """Hazards kept by the sanitizer (empty when it is off)."""
+        return [] if self.sanitizer is None else self.sanitizer.hazards
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _next_op(self) -> OpId:
+        self._num_ops += 1
+        return OpId(self._num_ops)
+
+    def _add_stream(self, sid: StreamId, name: str) -> None:
+        self._stream_names[sid] = name
+        self._stream_ids[name] = sid
+        self._new_stream(sid)
+        if self.sanitizer is not None:
+            self.sanitizer.add_stream(sid, name)
+
+    def _check_stream(self, stream: StreamId) -> None:
+        if stream not in self._stream_names:
+            raise ValueError(f"unknown stream id {stream!r}; get one from device.stream(name)")
+
+    def _check_event(self, event: EventId) -> None:
+        if not 0 < event <= self._num_events:
+            raise ValueError(f"unknown event id {event!r}; get one from new_event() or record()")
+
+    def _check_access(self, access: AccessSet) -> None:
+        for name, ids in (*access.reads, *access.writes):
+            size = self._num_blocks.get(name)
+            if size is not None:
+                if ids and (min(ids) < 0 or max(ids) >= size):
+                    raise ValueError(
+                        f"access to {name!r} blocks {list(ids)} is out of range [0, {size})"
+                    )
+            elif name not in self._buffers:
+                raise ValueError(
+                    f"access names unknown buffer {name!r}; use a tier {TIERS} or alloc_buffer"
+                )
+            elif ids != (WHOLE,):
+                raise ValueError(
+                    f"buffer {name!r} is unpaged: declare it as {{{name!r}: None}}, not {ids}"
+                )
+
+    # -- backend hooks ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier) -> torch.Tensor: ...
+    @abstractmethod
+    def _new_stream(self, stream: StreamId) -> None: ...
+    @abstractmethod
+    def _new_event(self, event: EventId) -> None: ...
+    @abstractmethod
+    def _launch(
+        self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
+    ) -> None: ...
+    @abstractmethod
+    def _record(self, stream: StreamId, event: EventId) -> None: ...
+    @abstractmethod
+    def _wait(self, stream: StreamId, event: EventId) -> None: ...
+    @abstractmethod
+    def _query(self, event: EventId) -> bool: ...
+    @abstractmethod
+    def _sync_event(self, event: EventId) -> None: ...
+    @abstractmethod
+    def _sync_stream(self, stream: StreamId) -> None: ...
+    @abstractmethod
+    def _sync_all(self) -> None: ...
+    @abstractmethod
+    def _host_run(self, fn: OpFn) -> None: ...

@@ -1,0 +1,126 @@
+"""Torch-free records of the device layer: id types, the KV layout, op metadata and access sets.
+
+Shared by the sanitizer (which must never import torch) and every backend; holds no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, NewType, TypeAlias
+
+StreamId = NewType("StreamId", int)
+EventId = NewType("EventId", int)
+OpId = NewType("OpId", int)
+BlockId: TypeAlias = int  # plain alias so block ids from `kv/` pass through unchanged
+ReqId: TypeAlias = str
+Tier = Literal["device", "host"]
+
+TIERS: tuple[Tier, ...] = ("device", "host")
+HOST_STREAM = StreamId(-1)  # the host as an actor in the sanitizer, traces and hazard reports
+COMPUTE = StreamId(0)
+LOAD = StreamId(1)
+STORE = StreamId(2)
+DEFAULT_STREAMS: dict[StreamId, str] = {COMPUTE: "compute", LOAD: "load", STORE: "store"}
+WHOLE: BlockId = -1  # the one "block" of a named, unpaged buffer (e.g. "sampled_tokens")
+
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+}
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One KV pool: `num_layer_slots` tensors, each [num_blocks, 2, block_size, heads, dim].
+
+    A block id indexes the same block in every layer slot; the device and host tiers share the
+    layout and differ only in `num_blocks`.
+    """
+
+    num_layer_slots: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layer_slots", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(FLOAT_DTYPES)}, got {self.dtype!r}"
+            )
+
+    def slot_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer slot's tensor holding `num_blocks` blocks."""
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block summed over all layer slots (what one block copy moves)."""
+        per_slot = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return per_slot * DTYPE_BYTES[self.dtype] * self.num_layer_slots
+
+
+@dataclass(frozen=True, slots=True)
+class OpMeta:
+    """Who launched an op, for traces and hazard reports: a label, the step and its requests."""
+
+    label: str
+    step_seq: int | None = None
+    req_ids: tuple[ReqId, ...] = ()
+
+    def describe(self) -> str:
+        parts = [repr(self.label)]
+        if self.step_seq is not None:
+            parts.append(f"step {self.step_seq}")
+        if self.req_ids:
+            parts.append("reqs " + ",".join(self.req_ids))
+        return " ".join(parts)
+
+
+BufferAccess: TypeAlias = tuple[str, tuple[BlockId, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class AccessSet:
+    """The blocks an op declares it reads and writes, as (buffer name, block ids) pairs.
+
+    Paged KV buffers are named by tier ("device", "host"); a named unpaged buffer is accessed as
+    the single block `WHOLE`. An op that reads and writes one block lists it in `writes` only
+    (listing it in both is allowed and means the same).
+    """
+
+    reads: tuple[BufferAccess, ...] = ()
+    writes: tuple[BufferAccess, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        reads: Mapping[str, Iterable[BlockId] | None] | None = None,
+        writes: Mapping[str, Iterable[BlockId] | None] | None = None,
+    ) -> AccessSet:
+        """Build from {buffer: block ids}; `None` block ids mean the whole unpaged buffer."""
+        return cls(_pairs(reads), _pairs(writes))
+
+    def buffers(self) -> set[str]:
+        """Names of every buffer the op touches."""
+        return {name for name, _ in self.reads} | {name for name, _ in self.writes}
+
+    def num_blocks(self) -> int:
+        """Number of (buffer, block) accesses declared, counting reads and writes."""
+        return sum(len(ids) for _, ids in self.reads) + sum(len(ids) for _, ids in self.writes)
+
+
+def _pairs(spec: Mapping[str, Iterable[BlockId] | None] | None) -> tuple[BufferAccess, ...]:
+    if not spec:
+        return ()
+    return tuple((name, (WHOLE,) if ids is None else tuple(ids)) for name, ids in spec.items())

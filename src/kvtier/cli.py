@@ -19,12 +19,19 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints a summary, saves JSON)")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name in BENCHMARKS:
-        mod = importlib.import_module(f"kvtier.bench.{name}")
-        bp = bsub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
+    p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    p.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="its flags (NAME --help lists them)"
+    )
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    # Imported lazily: a benchmark may pull in torch, which `kvtier plan` must not pay for.
+    mod = importlib.import_module(f"kvtier.bench.{args.name}")
+    parser = argparse.ArgumentParser(prog=f"kvtier bench {args.name}", description=mod.__doc__)
+    mod.add_arguments(parser)
+    return int(mod.run(parser.parse_args(args.bench_args)) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

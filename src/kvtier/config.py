@@ -1,0 +1,214 @@
+"""Frozen configuration dataclasses and the HF `config.json` reader; validation errors name the fix.
+
+Values known only at run time (blocks after sizing) are returned by planners, never written back.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
+_HF_LAYER_TYPES = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "mamba": "mamba",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the KV cache and the model need to know about an architecture."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    layer_kinds: tuple[str, ...]  # one of LAYER_KINDS per layer
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    dtype: str = "float32"
+    source: str = ""  # where the configuration came from (folder, file or preset name)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_kinds) != self.num_layers:
+            raise ValueError(
+                f"{self.source}: {len(self.layer_kinds)} layer types for {self.num_layers} layers"
+            )
+        bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+        if bad:
+            raise ValueError(f"{self.source}: unknown layer types {bad}; known: {LAYER_KINDS}")
+        if "sliding" in self.layer_kinds and not self.sliding_window:
+            raise ValueError(f"{self.source}: sliding-window layers but no `sliding_window` size")
+        if "chunked" in self.layer_kinds and not self.attention_chunk_size:
+            raise ValueError(f"{self.source}: chunked layers but no `attention_chunk_size`")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"{self.source}: dtype {self.dtype!r} unsupported; use {list(DTYPE_BYTES)}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
+        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text)."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "")]
+        arch = str(archs[0])
+        try:
+            num_layers = int(cfg["num_hidden_layers"])
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+        except KeyError as exc:
+            raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
+        kinds = _layer_kinds(arch, cfg, num_layers, source)
+        window = cfg.get("sliding_window") if "sliding" in kinds else None
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        return cls(
+            architecture=arch,
+            num_layers=num_layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg.get("vocab_size", 0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            layer_kinds=kinds,
+            sliding_window=int(window) if window else None,
+            attention_chunk_size=cfg.get("attention_chunk_size"),
+            dtype=dtype,
+            source=source,
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path) -> ModelConfig:
+        """Load from a local HF folder, a `config.json` path, or a bundled preset name."""
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        elif not path.exists() and (PRESETS_DIR / f"{model}.json").exists():
+            path = PRESETS_DIR / f"{model}.json"
+        if not path.is_file():
+            presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+            raise ValueError(
+                f"model {str(model)!r}: no config.json there; pass a local HF model folder, a "
+                f"config.json file, or one of the bundled presets: {presets}"
+            )
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_hf_dict(cfg, source=str(model))
+
+
+def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
+    if cfg.get("layer_types"):
+        try:
+            return tuple(_HF_LAYER_TYPES[t] for t in cfg["layer_types"])
+        except KeyError as exc:
+            raise ValueError(
+                f"{source}: unknown layer type {exc.args[0]!r} in layer_types"
+            ) from None
+    if arch.startswith(("LlamaFor", "Llama4For")):
+        if cfg.get("attention_chunk_size"):  # Llama-4 style: every 4th layer global, rest chunked
+            return tuple("full" if (i + 1) % 4 == 0 else "chunked" for i in range(n))
+        return ("full",) * n
+    if arch.startswith("Qwen2For"):
+        first_swa = int(cfg.get("max_window_layers", n))
+        use = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window")
+        return tuple("sliding" if use and i >= first_swa else "full" for i in range(n))
+    if arch.startswith("MistralFor"):
+        return ("sliding" if cfg.get("sliding_window") else "full",) * n
+    if arch.startswith("Gemma2For"):
+        return tuple("sliding" if (i + 1) % 2 else "full" for i in range(n))
+    if arch.startswith("Gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
+    raise ValueError(
+        f"{source}: architecture {arch!r} is not supported; supported: Llama, Qwen2, Mistral, "
+        "Gemma2, Gemma3 (text)"
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Device KV cache: block geometry and budget (blocks or bytes), caching and protections."""
+
+    block_size: int = 16
+    num_device_blocks: int | None = None  # wins over kv_cache_memory_bytes when set
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str | None = None  # default: the model's dtype
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_offloading_size: float | None = None  # host tier, GiB
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.num_device_blocks is not None and self.num_device_blocks < 2:
+            raise ValueError(f"--num-device-blocks must be ≥ 2, got {self.num_device_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("--kv-cache-memory-bytes must be positive")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_BYTES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(DTYPE_BYTES)}")
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError("--kv-offloading-size must be a positive number of GiB")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits and how far the host may run ahead of the device."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    async_scheduling: bool = True
+    async_depth: int = 2  # unprocessed steps allowed at once when async_scheduling is on
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("--max-num-batched-tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
+        if not 1 <= self.async_depth <= 3:
+            raise ValueError(f"--async-depth must be 1, 2 or 3, got {self.async_depth}")
+
+    @property
+    def depth(self) -> int:
+        """Steps that may be unprocessed at once (1 = synchronous)."""
+        return self.async_depth if self.async_scheduling else 1
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """Upper bound of tokens scheduled but not settled across all requests."""
+        return self.depth * self.max_num_batched_tokens
+
+
+# Help text for the flags the CLI derives from these dataclasses (`kvtier.cli_args`).
+FLAG_HELP = {
+    "block_size": "tokens per KV block",
+    "num_device_blocks": "device KV blocks (overrides --kv-cache-memory-bytes)",
+    "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
+    "kv_cache_dtype": "KV dtype (default: the model's)",
+    "enable_prefix_caching": "reuse KV blocks of shared prefixes",
+    "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
+    "kv_offloading_size": "host-memory KV tier size in GiB",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_model_len": "longest prompt + output (default: the model's max positions)",
+    "async_scheduling": "schedule the next step while the device runs this one",
+    "async_depth": "unprocessed steps allowed at once with async scheduling (1-3)",
+}

@@ -1,0 +1,168 @@
+"""The byte plan: KV-cache groups from a model's layers, bytes per block, blocks for a budget, and
+max concurrency at a length — with the same sizing formula runtime admission uses (`specs.py`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.kv.specs import (
+    ChunkedLocal,
+    FullAttention,
+    KVSpec,
+    SlidingWindow,
+    blocks_for_requests,
+    max_concurrency,
+)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table (same spec); `layer_indices` fill the group's slots."""
+
+    spec: KVSpec
+    layer_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    name: str  # "device", "host"
+    num_blocks: int  # including the null block
+    bytes_per_block: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Layout shared by every tier: a block id is one page in each of `layers_per_group` slots."""
+
+    groups: tuple[KVGroup, ...]
+    block_size: int
+    layers_per_group: int  # slots per block id; groups with fewer layers leave slots unused
+    page_bytes: int  # one layer's K and V for one block
+    max_model_len: int
+    max_in_flight_tokens: int
+    tiers: tuple[TierPlan, ...]
+
+    @property
+    def specs(self) -> list[KVSpec]:
+        return [g.spec for g in self.groups]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.layers_per_group * self.page_bytes
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of slot memory left unused by groups with fewer layers than slots."""
+        used = sum(len(g.layer_indices) for g in self.groups)
+        return 1.0 - used / (len(self.groups) * self.layers_per_group)
+
+    def blocks_per_request(self, num_tokens: int) -> int:
+        """Blocks one request of `num_tokens` needs, its share of the transient reserve included."""
+        return blocks_for_requests(self.specs, 1, num_tokens, self.max_in_flight_tokens)
+
+    def max_concurrency(self, tier: str = "device", num_tokens: int | None = None) -> int:
+        n = self.max_model_len if num_tokens is None else num_tokens
+        blocks = next(t.num_blocks for t in self.tiers if t.name == tier)
+        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens)
+
+
+def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
+    if kind == "full":
+        return FullAttention(block_size)
+    if kind == "sliding":
+        assert model.sliding_window is not None
+        return SlidingWindow(block_size, model.sliding_window)
+    if kind == "chunked":
+        assert model.attention_chunk_size is not None
+        return ChunkedLocal(block_size, model.attention_chunk_size)
+    raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan yet (mamba state layout)")
+
+
+def group_layers(model: ModelConfig, block_size: int) -> tuple[tuple[KVGroup, ...], int]:
+    """Split layers into groups of equal slot count (the smallest kind's layer count), full first."""
+    by_spec: dict[KVSpec, list[int]] = defaultdict(list)
+    for i, kind in enumerate(model.layer_kinds):
+        by_spec[layer_spec(model, kind, block_size)].append(i)
+    slots = min(len(v) for v in by_spec.values())
+    groups: list[KVGroup] = []
+    ordered = sorted(by_spec.items(), key=lambda kv: not isinstance(kv[0], FullAttention))
+    for spec, layers in ordered:
+        for start in range(0, len(layers), slots):
+            groups.append(KVGroup(spec, tuple(layers[start : start + slots])))
+    return tuple(groups), slots
+
+
+def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPlan:
+    """Compute the plan; raises ValueError naming the flag to change if no request fits."""
+    dtype = cache.kv_cache_dtype or model.dtype
+    page_bytes = 2 * block_size_bytes(model, cache.block_size, dtype)
+    groups, slots = group_layers(model, cache.block_size)
+    max_model_len = sched.max_model_len or model.max_position_embeddings
+    bytes_per_block = slots * page_bytes
+    if cache.num_device_blocks is not None:
+        device_blocks = cache.num_device_blocks
+    elif cache.kv_cache_memory_bytes is not None:
+        device_blocks = cache.kv_cache_memory_bytes // bytes_per_block
+    else:
+        raise ValueError(
+            "give a device KV budget: --num-device-blocks N or --kv-cache-memory-bytes"
+        )
+    tiers = [TierPlan("device", device_blocks, bytes_per_block)]
+    if cache.kv_offloading_size:
+        tiers.append(
+            TierPlan(
+                "host", int(cache.kv_offloading_size * GIB) // bytes_per_block, bytes_per_block
+            )
+        )
+    plan = KVPlan(
+        groups,
+        cache.block_size,
+        slots,
+        page_bytes,
+        max_model_len,
+        sched.max_in_flight_tokens,
+        tuple(tiers),
+    )
+    need = plan.blocks_per_request(max_model_len)
+    if device_blocks - 1 < need:
+        fit = _longest_fitting(plan, device_blocks - 1)
+        have = f"the device KV budget holds {device_blocks} blocks ({device_blocks * bytes_per_block / GIB:.3f} GiB)"
+        more = (
+            f"raise --num-device-blocks to ≥ {need + 1} or --kv-cache-memory-bytes to "
+            f"≥ {(need + 1) * bytes_per_block}"
+        )
+        if fit == 0:
+            reserve = plan.blocks_per_request(1) - len(groups)
+            raise ValueError(
+                f"{have}, but the in-flight reserve of the window groups alone needs {reserve} "
+                f"blocks: {more}, or lower --max-num-batched-tokens or --async-depth"
+            )
+        raise ValueError(
+            f"{have}, but one request of --max-model-len {max_model_len} needs {need} + 1 null "
+            f"blocks: {more}, or lower --max-model-len to ≤ {fit}"
+        )
+    return plan
+
+
+def block_size_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of K (or V) of one layer for one block."""
+    return block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
+
+
+def _longest_fitting(plan: KVPlan, usable_blocks: int) -> int:
+    lo, hi = 0, plan.max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan.blocks_per_request(mid) <= usable_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

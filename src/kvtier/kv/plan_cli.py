@@ -1,0 +1,90 @@
+"""`kvtier plan`: print (and optionally save) the KV byte plan of a model configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.cli_args import add_dataclass_args, dataclass_from_args
+from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.kv.plan import GIB, KVPlan, plan_kv
+
+DEFAULT_MODEL = "gemma-3-1b"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"local HF model folder, config.json, or bundled preset (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--json", dest="json_out", default=None, help="also save the plan as JSON here"
+    )
+    add_dataclass_args(parser, CacheConfig)
+    add_dataclass_args(parser, SchedulerConfig)
+
+
+def plan_summary(model: ModelConfig, plan: KVPlan) -> dict[str, Any]:
+    groups = [{"spec": repr(g.spec), "layers": list(g.layer_indices)} for g in plan.groups]
+    tiers = [
+        {
+            "tier": t.name,
+            "blocks": t.num_blocks,
+            "bytes_per_block": t.bytes_per_block,
+            "total_bytes": t.total_bytes,
+            "max_concurrency_at_max_len": plan.max_concurrency(t.name),
+        }
+        for t in plan.tiers
+    ]
+    return {
+        "model": model.source,
+        "architecture": model.architecture,
+        "block_size": plan.block_size,
+        "max_model_len": plan.max_model_len,
+        "max_in_flight_tokens": plan.max_in_flight_tokens,
+        "layers_per_group": plan.layers_per_group,
+        "page_bytes": plan.page_bytes,
+        "padding_fraction": plan.padding_fraction,
+        "blocks_per_max_len_request": plan.blocks_per_request(plan.max_model_len),
+        "groups": groups,
+        "tiers": tiers,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model = ModelConfig.from_pretrained(args.model)
+    cache = dataclass_from_args(CacheConfig, args)
+    sched = dataclass_from_args(SchedulerConfig, args)
+    if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
+        cache = CacheConfig(**{**cache.__dict__, "kv_cache_memory_bytes": 4 * GIB})
+    plan = plan_kv(model, cache, sched)
+    s = plan_summary(model, plan)
+    print(f"model {s['model']} ({s['architecture']}), {len(model.layer_kinds)} layers")
+    print(
+        f"block size {plan.block_size} tokens, {plan.layers_per_group} layer slots per block, "
+        f"{plan.page_bytes} B per layer page, {plan.bytes_per_block} B per block "
+        f"(slot padding {plan.padding_fraction:.1%})"
+    )
+    for g in plan.groups:
+        print(f"  group {g.spec!r}: layers {list(g.layer_indices)}")
+    print(
+        f"max_model_len {plan.max_model_len}, max in-flight tokens {plan.max_in_flight_tokens} "
+        f"(async depth × --max-num-batched-tokens)"
+    )
+    print(
+        f"one max-length request needs {s['blocks_per_max_len_request']} blocks (reserve included)"
+    )
+    for t in s["tiers"]:
+        print(
+            f"tier {t['tier']:6s}: {t['blocks']} blocks × {t['bytes_per_block']} B "
+            f"= {t['total_bytes'] / GIB:.3f} GiB (ids shared by {len(plan.groups)} groups); "
+            f"max concurrency at max length: {t['max_concurrency_at_max_len']}"
+        )
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(s, indent=2) + "\n")
+        print(f"saved {args.json_out}")
+    return 0

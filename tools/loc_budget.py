@@ -11,7 +11,9 @@ SOFT, HARD = 300, 400
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if a module exceeds {HARD} lines")
+    parser.add_argument(
+        "--check", action="store_true", help=f"exit 1 if a module exceeds {HARD} lines"
+    )
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent / "src" / "kvtier"
     sizes = sorted(

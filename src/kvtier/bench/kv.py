@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             )
     target = result["manager"]["full/sha256"]["lookup_miss_plus_allocate_us"]
     result["target"] = {"lookup_plus_allocate_under_us": 1000.0, "measured_us": target}
-    print(f"\ntarget: 4096-token lookup + allocation < 1000 µs; measured {target:.1f} µs (full/sha256)")
+    print(
+        f"\ntarget: 4096-token lookup + allocation < 1000 µs; measured {target:.1f} µs (full/sha256)"
+    )
     print(f"saved {save_json(result, args.out)}")
     return 0

@@ -1,0 +1,110 @@
+"""HF config reading and config validation: errors name the input and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+
+
+def write(tmp_path: Path, cfg: dict[str, object]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "kinds"),
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, ("full",) * 4),
+        (
+            {"architectures": ["LlamaForCausalLM"], "attention_chunk_size": 32},
+            ("chunked", "chunked", "chunked", "full"),
+        ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, ("sliding",) * 4),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, ("full",) * 4),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 2,
+            },
+            ("full", "full", "sliding", "sliding"),
+        ),
+        (
+            {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8},
+            ("sliding", "full", "sliding", "full"),
+        ),
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "sliding_window": 8,
+                "sliding_window_pattern": 2,
+            },
+            ("sliding", "full", "sliding", "full"),
+        ),
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "sliding_window": 8,
+                "layer_types": ["full_attention", "sliding_attention"] * 2,
+            },
+            ("full", "sliding", "full", "sliding"),
+        ),
+    ],
+)
+def test_layer_kinds_per_architecture(
+    tmp_path: Path, cfg: dict[str, object], kinds: tuple[str, ...]
+) -> None:
+    model = ModelConfig.from_pretrained(write(tmp_path, {**BASE, **cfg}))
+    assert model.layer_kinds == kinds
+    assert model.head_dim == 16 and model.num_kv_heads == 4
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported"):
+        ModelConfig.from_pretrained(
+            write(tmp_path, {**BASE, "architectures": ["GPTNeoXForCausalLM"]})
+        )
+
+
+def test_missing_field_and_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lacks 'num_hidden_layers'"):
+        ModelConfig.from_pretrained(write(tmp_path, {"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"bundled presets: .*gemma-3-1b"):
+        ModelConfig.from_pretrained(tmp_path / "nowhere")
+
+
+def test_bad_json_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda: CacheConfig(block_size=0), "--block-size"),
+        (lambda: CacheConfig(num_device_blocks=1), "--num-device-blocks"),
+        (lambda: CacheConfig(kv_cache_dtype="int3"), "--kv-cache-dtype"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs"),
+        (lambda: SchedulerConfig(async_depth=4), "--async-depth"),
+        (lambda: SchedulerConfig(max_model_len=-1), "--max-model-len"),
+    ],
+)
+def test_validation_names_the_flag(make: object, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        make()  # type: ignore[operator]
+
+
+def test_in_flight_bound_follows_depth() -> None:
+    assert SchedulerConfig(max_num_batched_tokens=512).max_in_flight_tokens == 1024
+    assert SchedulerConfig(max_num_batched_tokens=512, async_depth=3).max_in_flight_tokens == 1536
+    sync = SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False, async_depth=3)
+    assert sync.max_in_flight_tokens == 512

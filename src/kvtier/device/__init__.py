@@ -1,11 +1,13 @@
 """Device layer: the `Device` the runner talks to (KV tiers, streams, events, ops with declared
-access sets), its sim / cpu / cuda backends and the torch-free happens-before sanitizer."""
+access sets), its sim / cpu / cuda backends and the torch-free happens-before sanitizer.
+
+Importing this package does not import torch: `Device` and the backends load on first use, so
+`kvtier.device.sanitizer` stays usable where torch is blocked."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from kvtier.device.base import Device, OpFn
 from kvtier.device.costs import CostModel, Work
 from kvtier.device.sanitizer import Hazard, OpInfo, RaceError, Sanitizer, SanitizerMode
 from kvtier.device.types import (
@@ -24,6 +26,9 @@ from kvtier.device.types import (
     StreamId,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from kvtier.device.base import Device, OpFn
 
 Backend = Literal["sim", "cpu", "cuda"]
 BACKENDS: tuple[Backend, ...] = ("sim", "cpu", "cuda")
@@ -66,6 +71,14 @@ def make_device(
             layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
         )
     raise ValueError(f"device backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Device", "OpFn"):
+        from kvtier.device import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

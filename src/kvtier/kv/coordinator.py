@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvtier.kv.block import BlockHash, KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.managers import FullAttentionManager, ReqId, SingleTypeManager, make_manager
-from kvtier.kv.specs import KVSpec, validate_spec
+from kvtier.kv.specs import ChunkedLocal, KVSpec, validate_spec
 
 GroupBlocks = list[list[KVBlock]]  # one block list per group
 
@@ -24,11 +24,19 @@ class KVCacheCoordinator:
             validate_spec(spec)
         self.specs = list(specs)
         self.pool = pool
-        self.managers: list[SingleTypeManager] = [make_manager(s, pool, g) for g, s in enumerate(specs)]
+        self.managers: list[SingleTypeManager] = [
+            make_manager(s, pool, g) for g, s in enumerate(specs)
+        ]
         sizes = [s.block_size for s in specs]
         self.hash_block_size = math.gcd(*sizes)  # hashes are kept at the finest granularity
         self.alignment = math.lcm(*sizes)  # every hit is a multiple of every group's block size
         self._ratios = [bs // self.hash_block_size for bs in sizes]
+        for spec in specs:
+            if isinstance(spec, ChunkedLocal) and spec.chunk % self.alignment:
+                raise ValueError(
+                    f"attention chunk {spec.chunk} must be a multiple of the block size "
+                    f"{self.alignment} (lcm of all groups' block sizes); change --block-size"
+                )
         # Full attention first: its left-to-right scan bounds the hit cheaply, then only truncates.
         self._lookup_order = sorted(
             range(len(specs)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager)
@@ -92,10 +100,16 @@ class KVCacheCoordinator:
     def allocate_new_blocks(
         self, req_id: ReqId, num_tokens: int, total_computed_tokens: int
     ) -> GroupBlocks:
-        return [m.allocate_new_blocks(req_id, num_tokens, total_computed_tokens) for m in self.managers]
+        return [
+            m.allocate_new_blocks(req_id, num_tokens, total_computed_tokens) for m in self.managers
+        ]
 
     def cache_blocks(
-        self, req_id: ReqId, block_hashes: Sequence[BlockHash], num_tokens: int, token_ids: Sequence[int]
+        self,
+        req_id: ReqId,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        token_ids: Sequence[int],
     ) -> None:
         for m, view in zip(self.managers, self.group_hashes(block_hashes)):
             m.cache_blocks(req_id, view, num_tokens, token_ids)
@@ -104,7 +118,8 @@ class KVCacheCoordinator:
         self, req_id: ReqId, num_settled_tokens: int, last_step_seq: int | None
     ) -> int:
         return sum(
-            m.remove_skipped_blocks(req_id, num_settled_tokens, last_step_seq) for m in self.managers
+            m.remove_skipped_blocks(req_id, num_settled_tokens, last_step_seq)
+            for m in self.managers
         )
 
     def free(self, req_id: ReqId, last_step_seq: int | None) -> None:

@@ -60,7 +60,9 @@ class SingleTypeManager:
             return self._num_real_of_new(max(required - len(table), 0))
         skipped = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(required - max(skipped, len(new_computed_blocks)), 0)
-        evictable = sum(1 for b in new_computed_blocks[skipped:] if b.ref_cnt == 0 and not b.is_null)
+        evictable = sum(
+            1 for b in new_computed_blocks[skipped:] if b.ref_cnt == 0 and not b.is_null
+        )
         return self._num_real_of_new(num_new) + evictable
 
     # ---- mutation ------------------------------------------------------------------------------
@@ -213,6 +215,8 @@ class SlidingWindowManager(SingleTypeManager):
         bs, needed = self.block_size, self._num_contiguous_needed()
         step = alignment // bs
         num_blocks = min(max_length // bs, len(block_hashes))
+        if needed == 0:  # a one-token window reads only keys the step computes itself
+            return [self.null_block] * (num_blocks // step * step)
         get = self.pool.get_cached_block
         run: list[KVBlock] = []  # the current run, right to left
         run_end = num_blocks
@@ -235,10 +239,11 @@ class ChunkedLocalManager(SingleTypeManager):
     ) -> list[KVBlock]:
         assert isinstance(self.spec, ChunkedLocal)
         bs = self.block_size
+        max_length = min(max_length, len(block_hashes) * bs)  # only full blocks can hit
         local_start = max_length // self.spec.chunk * self.spec.chunk // bs
         hits = [self.null_block] * local_start  # earlier chunks are invisible: nothing to look up
         get = self.pool.get_cached_block
-        for i in range(local_start, min(max_length // bs, len(block_hashes))):
+        for i in range(local_start, max_length // bs):
             block = get(self.group_id, block_hashes[i])
             if block is None:
                 break

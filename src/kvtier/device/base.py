@@ -36,7 +36,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 assert set(TORCH_DTYPES) == set(DTYPE_BYTES)
 
-OpFn = Callable[[], None]
+OpFn = Callable[[], object]  # the return value, if any, is ignored
 
 
 class Device(ABC):
@@ -238,13 +238,14 @@ class Device(ABC):
             )
         srcs, dsts = self.kv(src), self.kv(dst)
         src_list, dst_list = list(src_ids), list(dst_ids)
+        runs = _runs(src_list, dst_list)
 
         def copy() -> None:
+            # Slice copies only: on CUDA each is one async memcpy queued on the op's stream
+            # (pinned host), never a host-side gather that would run at launch time.
             for s, d in zip(srcs, dsts, strict=True):
-                src_index = torch.tensor(src_list, device=s.device)
-                dst_index = torch.tensor(dst_list, device=d.device)
-                rows = s.index_select(0, src_index).to(d.device, non_blocking=True)
-                d.index_copy_(0, dst_index, rows)
+                for s0, d0, n in runs:
+                    d[d0 : d0 + n].copy_(s[s0 : s0 + n], non_blocking=True)
 
         access = AccessSet(reads=((src, tuple(src_list)),), writes=((dst, tuple(dst_list)),))
         work = Work.copy(len(src_list) * self.layout.block_bytes)
@@ -267,10 +268,12 @@ class Device(ABC):
         if not self.poison_enabled:
             return None
         tensors, ids = self.kv(tier), list(block_ids)
+        runs = _runs(ids, ids)
 
         def poison() -> None:
             for t in tensors:
-                t[torch.tensor(ids, device=t.device)] = float("nan")
+                for b0, _, n in runs:
+                    t[b0 : b0 + n].fill_(float("nan"))
 
         access = AccessSet(writes=((tier, tuple(ids)),))
         meta = meta or OpMeta("poison")
@@ -347,3 +350,15 @@ class Device(ABC):
     def _sync_all(self) -> None: ...
     @abstractmethod
     def _host_run(self, fn: OpFn) -> None: ...
+
+
+def _runs(src_ids: list[BlockId], dst_ids: list[BlockId]) -> list[tuple[int, int, int]]:
+    """Coalesce (src, dst) id pairs into (src start, dst start, length) runs of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            s0, d0, n = runs[-1]
+            runs[-1] = (s0, d0, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -92,6 +92,15 @@ def test_store_after_compute_done_event_is_clean_and_lands(backend: str) -> None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_released_event_leaves_no_snapshot_behind(backend: str) -> None:
+    dev = dev_of(backend)
+    done = dev.record(COMPUTE)
+    assert dev.sanitizer is not None and len(dev.sanitizer._events) == 1
+    dev.release_event(done)
+    assert dev.sanitizer._events == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_poison_fills_only_the_given_blocks_with_nan(backend: str) -> None:
     dev = dev_of(backend, poison=True)
     assert dev.poison_blocks("device", [1, 4]) is not None
@@ -184,7 +193,8 @@ BAD_CALLS: list[tuple[str, Callable[[Device], object]]] = [
                            d.launch(COMPUTE, lambda: None, AccessSet.of(reads={"tok": [0]}),
                                     OpMeta("x")))),
     ("unknown stream", lambda d: d.record(StreamId(9))),
-    ("unknown event", lambda d: d.wait(COMPUTE, EventId(5))),
+    ("unknown or released event", lambda d: d.wait(COMPUTE, EventId(5))),
+    ("released event", lambda d: (d.release_event(e := d.record(COMPUTE)), d.query(e))),
     ("as many src_ids", lambda d: d.copy_blocks(LOAD, "host", "device", [0, 1], [0],
                                                 OpMeta("x"))),
     ("tier must be", lambda d: d.kv("disk")),  # type: ignore[arg-type]

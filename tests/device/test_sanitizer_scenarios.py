@@ -208,6 +208,16 @@ def test_wait_on_a_never_recorded_event_orders_nothing() -> None:
     assert p.summary() == [("RAW", "device", (4,), fwd, st)]
 
 
+def test_wait_on_a_forgotten_event_orders_nothing() -> None:
+    p = Prog()
+    fwd = p.forward(5, ("a",), reads=[], writes=[4])
+    p.san.record(E1, COMPUTE)
+    p.san.forget_event(E1)
+    p.san.wait(STORE, E1)
+    st = p.store(5, [4], [0])
+    assert p.summary() == [("RAW", "device", (4,), fwd, st)]
+
+
 def test_concurrent_readers_are_not_a_hazard() -> None:
     p = Prog()
     p.forward(4, ("a",), reads=[7], writes=[])

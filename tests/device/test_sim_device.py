@@ -195,7 +195,7 @@ def run_program(seed: int, jitter: float = 0.3) -> tuple[list[TraceEntry], torch
         if step >= 1:
             dev.synchronize_event(done)
     dev.synchronize()
-    return dev.trace, dev.kv("host")[1].clone()
+    return list(dev.trace), dev.kv("host")[1].clone()
 
 
 def test_same_seed_gives_the_same_trace_and_data() -> None:
@@ -209,6 +209,13 @@ def test_different_jitter_seeds_give_different_traces_but_the_same_ordered_resul
     assert len({tuple(t) for t in traces}) == 4
     results = [run_program(seed)[1] for seed in range(4)]
     assert all(torch.equal(results[0], r) for r in results)
+
+
+def test_trace_keeps_only_the_latest_max_trace_ops() -> None:
+    dev = SimDevice(LAYOUT, 2, 2, max_trace=2)
+    for label in ("a", "b", "c"):
+        noop(dev, COMPUTE, label, 1)
+    assert [e.label for e in dev.trace] == ["b", "c"]
 
 
 def test_without_jitter_the_seed_does_not_matter() -> None:

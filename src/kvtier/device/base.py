@@ -69,6 +69,7 @@ class Device(ABC):
         self._stream_names: dict[StreamId, str] = {}
         self._stream_ids: dict[str, StreamId] = {}
         self._num_events = 0
+        self._live_events: set[EventId] = set()
         self._num_ops = 0
         self._num_blocks: dict[str, int] = {"device": num_device_blocks, "host": num_host_blocks}
         self._buffers: dict[str, torch.Tensor] = {}
@@ -137,8 +138,18 @@ class Device(ABC):
         """A fresh, unrecorded event (waiting on it orders nothing; querying it says done)."""
         self._num_events += 1
         event = EventId(self._num_events)
+        self._live_events.add(event)
         self._new_event(event)
         return event
+
+    def release_event(self, event: EventId) -> None:
+        """Forget `event` (any later use is a ValueError). Release events you stop using, or
+        re-record a fixed ring of them: every live event holds a snapshot in the sanitizer."""
+        self._check_event(event)
+        self._live_events.discard(event)
+        self._release_event(event)
+        if self.sanitizer is not None:
+            self.sanitizer.forget_event(event)
 
     def record(self, stream: StreamId, event: EventId | None = None) -> EventId:
         """Record `event` (a fresh one when None) after all work launched so far on `stream`.
@@ -282,6 +293,11 @@ class Device(ABC):
         return self.launch(stream, poison, access, meta)
 
     @property
+    def num_ops(self) -> int:
+        """Ops launched so far, host ops included."""
+        return self._num_ops
+
+    @property
     def hazards(self) -> list[Hazard]:
         """Hazards kept by the sanitizer (empty when it is off)."""
         return [] if self.sanitizer is None else self.sanitizer.hazards
@@ -304,8 +320,10 @@ class Device(ABC):
             raise ValueError(f"unknown stream id {stream!r}; get one from device.stream(name)")
 
     def _check_event(self, event: EventId) -> None:
-        if not 0 < event <= self._num_events:
-            raise ValueError(f"unknown event id {event!r}; get one from new_event() or record()")
+        if event not in self._live_events:
+            raise ValueError(
+                f"unknown or released event id {event!r}; get one from new_event() or record()"
+            )
 
     def _check_access(self, access: AccessSet) -> None:
         for name, ids in (*access.reads, *access.writes):
@@ -332,6 +350,8 @@ class Device(ABC):
     def _new_stream(self, stream: StreamId) -> None: ...
     @abstractmethod
     def _new_event(self, event: EventId) -> None: ...
+    @abstractmethod
+    def _release_event(self, event: EventId) -> None: ...
     @abstractmethod
     def _launch(
         self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None

@@ -26,6 +26,9 @@ class CpuDevice(Device):
     def _new_event(self, event: EventId) -> None:
         pass
 
+    def _release_event(self, event: EventId) -> None:
+        pass
+
     def _launch(
         self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
     ) -> None:

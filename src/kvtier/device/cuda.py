@@ -63,6 +63,9 @@ class CudaDevice(Device):
     def _new_event(self, event: EventId) -> None:
         self._events[event] = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
+    def _release_event(self, event: EventId) -> None:
+        del self._events[event]
+
     def _launch(
         self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
     ) -> None:

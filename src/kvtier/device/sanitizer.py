@@ -135,6 +135,10 @@ class Sanitizer:
         if snapshot is not None:
             _merge(clock, snapshot)
 
+    def forget_event(self, event: EventId) -> None:
+        """Drop `event`'s snapshot; a later wait on it orders nothing, as if never recorded."""
+        self._events.pop(event, None)
+
     def sync_event(self, event: EventId) -> None:
         """The host waited for `event`: it is ordered after the event's last record."""
         snapshot = self._events.get(event)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +50,13 @@ class SimDevice(Device):
         *,
         cost_model: CostModel | None = None,
         seed: int = 0,
+        max_trace: int = 100_000,
         sanitize: SanitizerMode | None = "raise",
         poison: bool = False,
     ) -> None:
         self.cost_model = cost_model or CostModel()
         self.now_ns = 0
-        self.trace: list[TraceEntry] = []
+        self.trace: deque[TraceEntry] = deque(maxlen=max_trace)  # the latest ops only
         self._rng = random.Random(seed)
         self._ready_ns: dict[StreamId, int] = {}  # when the stream's next op may start
         self._event_ns: dict[EventId, int] = {}  # completion time of each event's last record
@@ -78,6 +80,9 @@ class SimDevice(Device):
 
     def _new_event(self, event: EventId) -> None:
         pass  # an unrecorded event has no time: waits ignore it, queries say done
+
+    def _release_event(self, event: EventId) -> None:
+        self._event_ns.pop(event, None)
 
     def _launch(
         self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None

@@ -40,7 +40,9 @@ class BlockPool:
         medium: str = "device",
     ) -> None:
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be at least 2 (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_quarantine = enable_quarantine
@@ -246,7 +248,9 @@ class BlockPool:
     def num_cached_entries(self) -> int:
         """Blocks registered in the prefix-cache map (all groups)."""
         return sum(
-            1 if isinstance(e, KVBlock) else len(e) for t in self._cached.values() for e in t.values()
+            1 if isinstance(e, KVBlock) else len(e)
+            for t in self._cached.values()
+            for e in t.values()
         )
 
     def check_integrity(self) -> None:
@@ -261,8 +265,10 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"{block!r} has a negative ref count"
             assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"{block!r} misfiled"
             if block.block_hash is not None:
-                found = self._cached[block.group_id].get(block.block_hash)
-                ok = found is block or (isinstance(found, dict) and found.get(block.block_id) is block)
+                found = self._cached.get(block.group_id, {}).get(block.block_hash)
+                ok = found is block or (
+                    isinstance(found, dict) and found.get(block.block_id) is block
+                )
                 assert ok, f"{block!r} has a hash but is not in the map"
         assert self.null_block.block_hash is None and self.null_block.ref_cnt == 0
         for gid, table in self._cached.items():

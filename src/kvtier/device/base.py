@@ -1,4 +1,4 @@
-"""The backend-independent half of a device: buffers, stream and event ids, access-set checks,
+"""The backend-independent half of a device: stream and event ids, op launch with access sets,
 the sanitizer feed, block copies and poison. Backends implement only the `_hooks` at the bottom;
 this module decides nothing about timing."""
 
@@ -9,13 +9,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.device.buffers import Buffers
 from kvtier.device.costs import Work
 from kvtier.device.sanitizer import Hazard, Sanitizer, SanitizerMode
 from kvtier.device.types import (
     DEFAULT_STREAMS,
-    DTYPE_BYTES,
-    TIERS,
-    WHOLE,
     AccessSet,
     BlockId,
     EventId,
@@ -25,16 +23,6 @@ from kvtier.device.types import (
     StreamId,
     Tier,
 )
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-assert set(TORCH_DTYPES) == set(DTYPE_BYTES)
 
 OpFn = Callable[[], object]  # the return value, if any, is ignored
 
@@ -57,12 +45,6 @@ class Device(ABC):
         sanitize: SanitizerMode | None = "raise",
         poison: bool = False,
     ) -> None:
-        for name, value in (
-            ("num_device_blocks", num_device_blocks),
-            ("num_host_blocks", num_host_blocks),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.layout = layout
         self.sanitizer = Sanitizer(sanitize) if sanitize is not None else None
         self.poison_enabled = poison
@@ -71,17 +53,7 @@ class Device(ABC):
         self._num_events = 0
         self._live_events: set[EventId] = set()
         self._num_ops = 0
-        self._num_blocks: dict[str, int] = {"device": num_device_blocks, "host": num_host_blocks}
-        self._buffers: dict[str, torch.Tensor] = {}
-        dtype = TORCH_DTYPES[layout.dtype]
-        # One tensor per layer slot: [num_blocks, 2, block_size, num_kv_heads, head_dim].
-        self._kv: dict[str, list[torch.Tensor]] = {
-            tier: [
-                self._alloc(layout.slot_shape(self._num_blocks[tier]), dtype, tier)
-                for _ in range(layout.num_layer_slots)
-            ]
-            for tier in TIERS
-        }
+        self._buffers = Buffers(layout, num_device_blocks, num_host_blocks, self._alloc)
         for sid, name in DEFAULT_STREAMS.items():
             self._add_stream(sid, name)
 
@@ -89,14 +61,11 @@ class Device(ABC):
 
     def kv(self, tier: Tier) -> list[torch.Tensor]:
         """The KV tensors of `tier`, one per layer slot. Read/write them only inside ops."""
-        if tier not in self._kv:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-        return self._kv[tier]
+        return self._buffers.kv(tier)
 
     def num_blocks(self, tier: Tier) -> int:
         """Number of blocks in `tier`'s KV pool."""
-        self.kv(tier)
-        return self._num_blocks[tier]
+        return self._buffers.num_blocks(tier)
 
     def alloc_buffer(
         self, name: str, shape: Sequence[int], dtype: str = "float32", tier: Tier = "device"
@@ -105,20 +74,11 @@ class Device(ABC):
 
         Ops access it in their access set as `{name: None}`. Names are unique per device.
         """
-        if name in self._buffers or name in self._kv:
-            raise ValueError(f"buffer name {name!r} is taken; pick another name")
-        if dtype not in TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
-        self.kv(tier)
-        tensor = self._alloc(tuple(shape), TORCH_DTYPES[dtype], tier)
-        self._buffers[name] = tensor
-        return tensor
+        return self._buffers.add(name, shape, dtype, tier)
 
     def buffer(self, name: str) -> torch.Tensor:
         """The named buffer `name` allocated by `alloc_buffer`."""
-        if name not in self._buffers:
-            raise ValueError(f"no buffer named {name!r}; allocate it with alloc_buffer first")
-        return self._buffers[name]
+        return self._buffers.get(name)
 
     # -- streams and events ----------------------------------------------------------------
 
@@ -213,7 +173,7 @@ class Device(ABC):
         `access` must declare every block and named buffer `fn` touches: the sanitizer checks it.
         """
         self._check_stream(stream)
-        self._check_access(access)
+        self._buffers.check_access(access)
         op_id = self._next_op()
         if self.sanitizer is not None:
             self.sanitizer.launch(stream, op_id, access, meta)
@@ -222,7 +182,7 @@ class Device(ABC):
 
     def host_op(self, fn: OpFn, access: AccessSet, meta: OpMeta) -> OpId:
         """Run `fn` on the host now (e.g. read sampled tokens); checked as a host access."""
-        self._check_access(access)
+        self._buffers.check_access(access)
         op_id = self._next_op()
         if self.sanitizer is not None:
             self.sanitizer.host_access(op_id, access, meta)
@@ -325,24 +285,8 @@ class Device(ABC):
                 f"unknown or released event id {event!r}; get one from new_event() or record()"
             )
 
-    def _check_access(self, access: AccessSet) -> None:
-        for name, ids in (*access.reads, *access.writes):
-            size = self._num_blocks.get(name)
-            if size is not None:
-                if ids and (min(ids) < 0 or max(ids) >= size):
-                    raise ValueError(
-                        f"access to {name!r} blocks {list(ids)} is out of range [0, {size})"
-                    )
-            elif name not in self._buffers:
-                raise ValueError(
-                    f"access names unknown buffer {name!r}; use a tier {TIERS} or alloc_buffer"
-                )
-            elif ids != (WHOLE,):
-                raise ValueError(
-                    f"buffer {name!r} is unpaged: declare it as {{{name!r}: None}}, not {ids}"
-                )
-
-    # -- backend hooks ---------------------------------------------------------------------------
+    # -- backend hooks: `_alloc` and `_new_stream` run inside Device.__init__, so a backend sets
+    # its own state before calling super().__init__ ---------------------------------------------------------------------------
 
     @abstractmethod
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier) -> torch.Tensor: ...

@@ -42,11 +42,6 @@ class CudaDevice(Device):
             layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
         )
 
-    def torch_stream(self, stream: StreamId) -> torch.cuda.Stream:
-        """The torch stream behind `stream`, for code that must launch kernels itself."""
-        self._check_stream(stream)
-        return self._streams[stream]
-
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier) -> torch.Tensor:
         if tier == "host":
             return torch.zeros(shape, dtype=dtype, pin_memory=True)

@@ -1,0 +1,41 @@
+"""Torch-free scheduling: requests and their step ledgers, queues, the scheduler, step contracts."""
+
+from kvtier.sched.fake_runner import FakeEngine, FakeRunner, hashed_token
+from kvtier.sched.ngram import NgramProposer
+from kvtier.sched.oracle import AccessOracle, Violation
+from kvtier.sched.output import (
+    CachedRequestData,
+    NewRequestData,
+    PlannedTransfer,
+    RequestOutput,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from kvtier.sched.queues import FCFSQueue, PriorityQueue, RequestQueue, make_queue
+from kvtier.sched.request import Request, RequestStatus, SamplingParams, StepLedger, StepRecord
+from kvtier.sched.scheduler import Scheduler
+
+__all__ = [
+    "AccessOracle",
+    "CachedRequestData",
+    "FCFSQueue",
+    "FakeEngine",
+    "FakeRunner",
+    "NewRequestData",
+    "NgramProposer",
+    "PlannedTransfer",
+    "PriorityQueue",
+    "Request",
+    "RequestOutput",
+    "RequestQueue",
+    "RequestStatus",
+    "RunnerOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerOutput",
+    "StepLedger",
+    "StepRecord",
+    "Violation",
+    "hashed_token",
+    "make_queue",
+]

@@ -1,0 +1,82 @@
+"""Step contracts between scheduler and runner: `SchedulerOutput` in, `RunnerOutput` back.
+
+Plain data only; new requests are sent whole, running ones as a diff against what the runner holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.sched.request import ReqId, RequestStatus, SamplingParams
+
+BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for (first schedule, or resumed after preemption)."""
+
+    req_id: ReqId
+    token_ids: list[int]  # every known token: prompt, plus outputs of a resumed request
+    num_prompt_tokens: int  # prefix of token_ids that is prompt
+    sampling: SamplingParams  # stop conditions the runner may need (e.g. min_tokens masking)
+    block_ids: BlockIds  # the whole block table per group (null block = id 0 where skipped)
+    num_computed_tokens: int  # tokens already in KV (prefix hit); this step starts there
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A running request the runner already holds: only what changed."""
+
+    req_id: ReqId
+    new_block_ids: BlockIds  # blocks appended to each group's table this step
+    num_computed_tokens: int  # optimistic start position (≥ the device's, after rejections)
+
+
+@dataclass(slots=True)
+class PlannedTransfer:
+    """A block copy between tiers planned with this step (filled by the offload layer)."""
+
+    req_id: ReqId  # request the copy serves
+    src_block_ids: list[int]  # source blocks in the source tier
+    dst_block_ids: list[int]  # destination blocks in the destination tier
+    is_load: bool  # host → device (True) or device → host (False)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the runner needs to execute step `step_seq`."""
+
+    step_seq: int  # sched_step_seq of this step (1, 2, ...); updates must come in this order
+    scheduled_new_reqs: list[NewRequestData]  # sent whole
+    scheduled_cached_reqs: list[CachedRequestData]  # sent as a diff
+    num_scheduled_tokens: dict[ReqId, int]  # tokens per request, drafts included
+    total_num_scheduled_tokens: int  # Σ num_scheduled_tokens
+    scheduled_spec_decode_tokens: dict[ReqId, list[int]]  # draft ids; -1 = runner proposes
+    preempted_req_ids: list[ReqId]  # runner drops their state (they return as new requests)
+    finished_req_ids: list[ReqId]  # finished or aborted since the previous step
+    planned_transfers: list[PlannedTransfer] = field(default_factory=list)  # offload copies
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What executing step `step_seq` produced."""
+
+    step_seq: int  # the SchedulerOutput.step_seq this answers
+    # Per request that sampled: accepted drafts then one bonus token (≥ 1 token). Requests of a
+    # non-final prefill chunk are absent (or map to an empty list).
+    sampled_token_ids: dict[ReqId, list[int]]
+    finished_transfers: list[int] = field(default_factory=list)  # indices into planned_transfers
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Tokens a request gained in one update, and its finish status once it ends."""
+
+    req_id: ReqId  # the request
+    new_token_ids: list[int]  # tokens appended to its output this update
+    finished: RequestStatus | None  # the finished status, or None while it runs

@@ -1,0 +1,239 @@
+"""A scheduled request: sampling parameters, status, output tokens and the per-step ledger.
+
+The ledger is the only place in-flight tokens, output placeholders and stale shares come from;
+nothing here picks requests or touches blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.kv.hashing import BlockHasher, HashExtras
+from kvtier.kv.request import KVSequence
+
+ReqId = str
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # an external KV load is pending
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What ends a request and whether it speculates (the sampled values come from the runner)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens are ignored before this many outputs
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    use_ngram: bool = False  # propose draft tokens by prompt lookup (needs a scheduler with k > 0)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be ≥ 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One scheduled step of one request; appended at schedule time, consumed exactly once."""
+
+    step_seq: int  # sched_step_seq of the step
+    num_scheduled_tokens: int  # tokens the step computes for this request, drafts included
+    num_draft_tokens: int  # of which speculative drafts
+    num_placeholders: int  # output positions it adds: 1 + drafts if the step samples, else 0
+    stale: bool = False  # the request was preempted after this step was scheduled
+
+
+class StepLedger:
+    """FIFO of a request's unprocessed steps with running sums derived from the records.
+
+    INVARIANT: each sum equals the sum over `records` of its field (stale ones excluded where
+    named `live`); only `append`, `consume` and `mark_stale` change records or sums.
+    """
+
+    __slots__ = (
+        "num_in_flight_tokens",
+        "num_live_in_flight_tokens",
+        "num_pending_samples",
+        "num_placeholders",
+        "num_processed_tokens",
+        "num_scheduled_tokens",
+        "records",
+    )
+
+    def __init__(self) -> None:
+        self.records: deque[StepRecord] = deque()
+        self.num_in_flight_tokens = 0  # all records
+        self.num_live_in_flight_tokens = 0  # records of the current incarnation
+        self.num_placeholders = 0  # live output positions not yet delivered
+        self.num_pending_samples = 0  # live records that will deliver ≥ 1 token
+        self.num_scheduled_tokens = 0  # Σ ever appended
+        self.num_processed_tokens = 0  # Σ ever consumed
+
+    def append(self, record: StepRecord) -> None:
+        """Add a scheduled step (mutates)."""
+        self.records.append(record)
+        n = record.num_scheduled_tokens
+        self.num_in_flight_tokens += n
+        self.num_live_in_flight_tokens += n
+        self.num_placeholders += record.num_placeholders
+        self.num_pending_samples += record.num_placeholders > 0
+        self.num_scheduled_tokens += n
+
+    def consume(self, step_seq: int) -> StepRecord | None:
+        """Pop the record of `step_seq` (mutates); None if the request was not in that step."""
+        records = self.records
+        if not records or records[0].step_seq != step_seq:
+            assert all(r.step_seq > step_seq for r in records), "ledger skipped a step"
+            return None
+        record = records.popleft()
+        n = record.num_scheduled_tokens
+        self.num_in_flight_tokens -= n
+        self.num_processed_tokens += n
+        if not record.stale:
+            self.num_live_in_flight_tokens -= n
+            self.num_placeholders -= record.num_placeholders
+            self.num_pending_samples -= record.num_placeholders > 0
+        return record
+
+    def mark_stale(self) -> None:
+        """Preemption: outstanding records no longer belong to the request's new incarnation."""
+        for record in self.records:
+            record.stale = True
+        self.num_live_in_flight_tokens = 0
+        self.num_placeholders = 0
+        self.num_pending_samples = 0
+
+    @property
+    def num_stale_tokens(self) -> int:
+        return self.num_in_flight_tokens - self.num_live_in_flight_tokens
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+class Request(KVSequence):
+    """Prompt, outputs, status and ledger of one generation request.
+
+    `num_computed_tokens` is optimistic (advanced at schedule time, rolled back for rejected
+    drafts); `num_settled_tokens` is what the host knows the device has finished for the current
+    incarnation. Lower `priority` values run first under the priority policy.
+    """
+
+    def __init__(
+        self,
+        request_id: ReqId,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_seq: int = 0,
+        hasher: BlockHasher | None = None,
+        extras: HashExtras | None = None,
+    ) -> None:
+        super().__init__(request_id, prompt_token_ids, hasher, extras)
+        self.sampling = sampling or SamplingParams()
+        self.priority = priority
+        self.arrival_seq = arrival_seq
+        self.status = RequestStatus.WAITING
+        self.ledger = StepLedger()
+        self.last_sched_seq = 0  # the last step that scheduled tokens of this request
+        self.num_preemptions = 0
+
+    # ---- derived counts ------------------------------------------------------------------------
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_in_flight_tokens(self) -> int:
+        """Scheduled but unprocessed tokens, stale records included."""
+        return self.ledger.num_in_flight_tokens
+
+    @property
+    def num_output_placeholders(self) -> int:
+        return self.ledger.num_placeholders
+
+    @property
+    def num_settled_tokens(self) -> int:
+        """num_computed_tokens − live in-flight tokens (never negative; ≤ committed length)."""
+        return self.num_computed_tokens - self.ledger.num_live_in_flight_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def reaches_max_tokens(self, max_model_len: int) -> bool:
+        """True if the steps in flight already end the request by length (no new step needed)."""
+        num_pending = self.ledger.num_pending_samples
+        return (
+            self.num_output_tokens + num_pending >= self.sampling.max_tokens
+            or self.num_tokens + num_pending >= max_model_len
+        )
+
+    def max_new_drafts(self, k: int, max_model_len: int) -> int:
+        """Drafts that still fit before max_tokens / max_model_len, at most `k`."""
+        num_pending = self.ledger.num_pending_samples
+        room_out = self.sampling.max_tokens - self.num_output_tokens - num_pending - 1
+        room_len = max_model_len - self.num_tokens - self.ledger.num_placeholders - 1
+        return max(0, min(k, room_out, room_len))
+
+    # ---- token delivery ------------------------------------------------------------------------
+
+    def deliver(self, token_ids: Iterable[int], max_model_len: int) -> RequestStatus | None:
+        """Append sampled tokens up to the first stop condition (mutates).
+
+        Returns the finished status if one was reached (later tokens are dropped), else None.
+        """
+        sp = self.sampling
+        accepted: list[int] = []
+        reason: RequestStatus | None = None
+        num_out = self.num_output_tokens
+        for token in token_ids:
+            accepted.append(token)
+            num_out += 1
+            if num_out >= sp.min_tokens and (
+                (token == sp.eos_token_id and not sp.ignore_eos) or token in sp.stop_token_ids
+            ):
+                reason = RequestStatus.FINISHED_STOPPED
+            elif num_out >= sp.max_tokens or self.num_tokens + len(accepted) >= max_model_len:
+                reason = RequestStatus.FINISHED_LENGTH
+            if reason is not None:
+                break
+        if accepted:
+            self.append_output_token_ids(accepted)
+        return reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, in_flight={self.num_in_flight_tokens})"
+        )

@@ -1,0 +1,417 @@
+"""The scheduler: continuous batching with chunked prefill, preemption, async depth and drafts.
+
+Picks requests and token counts, owns every request's ledger and decides when blocks are pruned or
+freed (through `KVCacheManager`, on the settled count, stamped for the quarantine). No torch, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.specs import FullAttention, KVSpec
+from kvtier.sched.ngram import NgramProposer
+from kvtier.sched.output import (
+    BlockIds,
+    CachedRequestData,
+    NewRequestData,
+    RequestOutput,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from kvtier.sched.queues import make_queue
+from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvtier.config import SchedulerConfig
+    from kvtier.kv.coordinator import GroupBlocks
+
+MAX_ASYNC_DEPTH = 3
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one `KVCacheManager`.
+
+    `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous).
+    `settled=False` prunes windows on the optimistic count (the pre-fix basis, for reproducing
+    hazards); the quarantine switch lives in the KV manager (`enable_quarantine`).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        async_depth: int = 1,
+        long_prefill_token_threshold: int = 0,
+        num_speculative_tokens: int = 0,
+        policy: str = "fcfs",
+        settled: bool = True,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be ≥ 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be ≥ 1, got {max_num_batched_tokens}")
+        if not 1 <= async_depth <= MAX_ASYNC_DEPTH:
+            raise ValueError(f"async_depth must be 1 (sync), 2 or 3, got {async_depth}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be ≥ 0 (0 = no limit)")
+        if num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be ≥ 0 (0 = no drafts)")
+        self.has_windows = not all(isinstance(s, FullAttention) for s in kv.specs)
+        self.kv = kv
+        self.max_model_len = kv.max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.async_depth = async_depth
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.num_speculative_tokens = num_speculative_tokens
+        self.proposer = NgramProposer(num_speculative_tokens) if num_speculative_tokens else None
+        self.settled = settled
+        self.waiting = make_queue(policy)
+        self.running: list[Request] = []
+        # Every request that is unfinished or still has ledger records (finished ones drain).
+        self.requests: dict[ReqId, Request] = {}
+        self.sched_step_seq = 0  # steps scheduled (every schedule() call is a step)
+        self.processed_step_seq = 0  # steps whose output update() has processed
+        self.num_in_flight_tokens = 0  # Σ tokens of unprocessed steps (= Σ over ledgers)
+        self.num_arrivals = 0
+        self.num_preemptions = 0
+        self._finished_ids: list[ReqId] = []  # for the next SchedulerOutput
+
+    @classmethod
+    def build(
+        cls,
+        specs: Sequence[KVSpec],
+        num_blocks: int,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        quarantine: bool = True,
+        max_num_batched_tokens: int = 2048,
+        async_depth: int = 1,
+        **kwargs: object,
+    ) -> Scheduler:
+        """A scheduler with its own KVCacheManager sized for `async_depth × budget` in flight."""
+        kv = KVCacheManager(
+            specs,
+            num_blocks,
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            enable_quarantine=quarantine,
+            max_in_flight_tokens=async_depth * max_num_batched_tokens,
+        )
+        return cls(
+            kv,
+            max_num_batched_tokens=max_num_batched_tokens,
+            async_depth=async_depth,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_config(
+        cls, config: SchedulerConfig, kv: KVCacheManager, **kwargs: object
+    ) -> Scheduler:
+        """A scheduler with the limits of `config` (policy, thresholds, drafts via kwargs)."""
+        return cls(
+            kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            async_depth=config.depth,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (mutates). ValueError if it can never run here."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use; pick a unique id")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {req_id!r} was scheduled before; submit a fresh Request")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt of {request.num_tokens} tokens leaves no room for "
+                f"output within max_model_len={self.max_model_len}; shorten it or raise the limit"
+            )
+        num_tokens = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        if self.kv.blocks_for_requests(1, num_tokens) > self.kv.pool.num_blocks - 1:
+            raise ValueError(
+                f"request {req_id!r} needs more KV blocks than the pool holds at {num_tokens} "
+                f"tokens; lower max_tokens or add KV blocks"
+            )
+        hasher = self.kv.hasher
+        if request.hasher is None:
+            request.hasher = hasher
+            request.append_output_token_ids(())  # hash the prompt's full blocks
+        elif request.hasher.block_size != hasher.block_size:
+            raise ValueError(
+                f"request {req_id!r} is hashed at block size {request.hasher.block_size}, the KV "
+                f"cache at {hasher.block_size}; build it with KVCacheManager.hasher or none"
+            )
+        self.num_arrivals += 1
+        request.arrival_seq = self.num_arrivals
+        self.requests[req_id] = request
+        self.waiting.add(request)
+
+    def abort(self, req_id: ReqId) -> bool:
+        """Finish a request now (mutates); its blocks go to the quarantine stamped with its last
+        scheduled step. Returns False if it is unknown or already finished."""
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished:
+            return False
+        was_running = request.status is RequestStatus.RUNNING
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        if was_running:
+            self.running.remove(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_unprocessed_steps(self) -> int:
+        return self.sched_step_seq - self.processed_step_seq
+
+    def can_schedule(self) -> bool:
+        """True if another step may be scheduled before the oldest one is processed."""
+        return self.num_unprocessed_steps < self.async_depth
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (mutates: counters, ledgers, block tables, queues).
+
+        Running requests first, in order, preempting from the back when blocks run out; waiting
+        requests only in a step without preemption. RuntimeError if `async_depth` steps are
+        already unprocessed.
+        """
+        if not self.can_schedule():
+            raise RuntimeError(
+                f"{self.num_unprocessed_steps} steps are unprocessed (async_depth="
+                f"{self.async_depth}); call update() for step {self.processed_step_seq + 1} first"
+            )
+        seq = self.sched_step_seq + 1
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[ReqId, int] = {}
+        spec_tokens: dict[ReqId, list[int]] = {}
+        cached: list[CachedRequestData] = []
+        preempted: list[ReqId] = []
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n, drafts, samples = self._running_tokens(request, budget)
+            if n == 0:
+                i += 1
+                continue
+            self._prune(request)
+            blocks = self._allocate_or_preempt(request, n, i, preempted)
+            if blocks is None:
+                break  # the request preempted itself: nothing later can fit either
+            self._record(request, seq, n, len(drafts), samples)
+            num_scheduled[request.request_id] = n
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+            cached.append(
+                CachedRequestData(request.request_id, _ids(blocks), request.num_computed_tokens - n)
+            )
+            budget -= n
+            i += 1
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget = self._admit(seq, budget, num_scheduled, new_reqs)
+        self.sched_step_seq = seq
+        self.num_in_flight_tokens += self.max_num_batched_tokens - budget
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step_seq=seq,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            scheduled_spec_decode_tokens=spec_tokens,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
+        )
+
+    def _running_tokens(self, request: Request, budget: int) -> tuple[int, list[int], bool]:
+        """(tokens to schedule, draft ids, whether the step samples) for a running request."""
+        if request.reaches_max_tokens(self.max_model_len):
+            return 0, [], False  # the steps in flight already end it: never over-schedule
+        target = request.num_tokens + request.num_output_placeholders
+        num_new = target - request.num_computed_tokens
+        if num_new <= 0:
+            return 0, [], False
+        drafts: list[int] = []
+        if num_new == 1 and self.proposer is not None and request.sampling.use_ngram:
+            k = min(
+                request.max_new_drafts(self.num_speculative_tokens, self.max_model_len), budget - 1
+            )
+            if k > 0 and request.num_output_placeholders:
+                drafts = [-1] * k  # the last token is still on the device: the runner proposes
+            elif k > 0:
+                drafts = self.proposer.propose(request.all_token_ids, k)
+            num_new += len(drafts)
+            target += len(drafts)
+        num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+        if not drafts and 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return num_new, drafts, request.num_computed_tokens + num_new == target
+
+    def _allocate_or_preempt(
+        self, request: Request, n: int, index: int, preempted: list[ReqId]
+    ) -> GroupBlocks | None:
+        running = self.running
+        while True:
+            blocks = self.kv.allocate_slots(request, n)
+            if blocks is not None:
+                return blocks
+            victim = running.pop(self.waiting.pick_victim(running, index))
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _admit(
+        self, seq: int, budget: int, num_scheduled: dict[ReqId, int], new_reqs: list[NewRequestData]
+    ) -> int:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        waiting, kv = self.waiting, self.kv
+        skipped: list[Request] = []
+        while len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = waiting.pop()
+            if request.ledger.records or request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)  # a stale step of its last incarnation is still in flight
+                continue
+            hits, num_hit = kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit, budget)
+            if 0 < self.long_prefill_token_threshold < n:
+                n = self.long_prefill_token_threshold
+            if kv.allocate_slots(request, n, num_hit, hits) is None:
+                waiting.prepend(request)  # capacity: wait (head of line keeps its place)
+                break
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._record(request, seq, n, 0, num_hit + n == request.num_tokens)
+            num_scheduled[request.request_id] = n
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    list(request.all_token_ids),
+                    request.num_prompt_tokens,
+                    request.sampling,
+                    kv.get_block_ids(request.request_id),
+                    num_hit,
+                )
+            )
+            budget -= n
+        waiting.prepend_all(skipped)
+        return budget
+
+    def _record(self, request: Request, seq: int, n: int, num_drafts: int, samples: bool) -> None:
+        request.ledger.append(StepRecord(seq, n, num_drafts, 1 + num_drafts if samples else 0))
+        request.num_computed_tokens += n
+        request.last_sched_seq = seq
+
+    def _prune(self, request: Request) -> None:
+        """Free blocks out of every window.
+
+        Settled basis: every unprocessed step queries positions ≥ settled, so no such step reads a
+        pruned block and the last step that touched it is processed. Optimistic basis (switched
+        off): steps up to the request's last one may still read it, so that is the stamp.
+        """
+        if self.has_windows:
+            if self.settled:
+                basis, stamp = request.num_settled_tokens, self.processed_step_seq
+            else:
+                basis, stamp = request.num_computed_tokens, request.last_sched_seq
+            self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
+        self.kv.free(request.request_id, request.last_sched_seq)
+        request.ledger.mark_stale()
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ---- update --------------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Process step `output.step_seq` (mutates). Steps must be processed in schedule order.
+
+        Consumes each scheduled request's ledger record, rolls back rejected drafts, delivers
+        tokens (stale ones too, without touching the new incarnation), caches full blocks, prunes
+        windows on the settled count, finishes requests and releases the quarantine.
+        Returns the requests that gained tokens or finished.
+        """
+        seq = output.step_seq
+        if seq != self.processed_step_seq + 1 or seq > self.sched_step_seq:
+            raise ValueError(
+                f"update() got step {seq}; process step {self.processed_step_seq + 1} next"
+            )
+        if result.step_seq != seq:
+            raise ValueError(f"RunnerOutput of step {result.step_seq} passed with step {seq}")
+        self.processed_step_seq = seq
+        self.num_in_flight_tokens -= output.total_num_scheduled_tokens
+        self.kv.release_quarantine(seq)
+        outputs: list[RequestOutput] = []
+        num_finished = 0
+        sampled = result.sampled_token_ids
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            record = request.ledger.consume(seq)
+            assert record is not None, f"{req_id} has no ledger record for step {seq}"
+            if request.is_finished:
+                if not request.ledger.records:
+                    del self.requests[req_id]
+                continue
+            tokens = sampled.get(req_id)
+            if record.num_placeholders:
+                if not tokens or len(tokens) > 1 + record.num_draft_tokens:
+                    raise ValueError(
+                        f"step {seq}: {req_id} needs 1 to {1 + record.num_draft_tokens} sampled "
+                        f"tokens, the runner returned {tokens!r}"
+                    )
+                if not record.stale:
+                    request.num_computed_tokens -= record.num_draft_tokens - (len(tokens) - 1)
+                before = request.num_tokens
+                reason = request.deliver(tokens, self.max_model_len)
+                outputs.append(RequestOutput(req_id, request.all_token_ids[before:], reason))
+                if reason is not None:
+                    num_finished += request.status is RequestStatus.RUNNING
+                    self._finish(request, reason)
+                    continue
+            elif tokens:
+                raise ValueError(
+                    f"step {seq}: {req_id} ran a prefill chunk but got tokens {tokens}"
+                )
+            if request.status is RequestStatus.RUNNING:
+                self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+                self._prune(request)  # §8.2: return blocks as soon as the step settles
+        if num_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def _finish(self, request: Request, reason: RequestStatus) -> None:
+        """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
+        if request.status is RequestStatus.RUNNING:
+            self.kv.free(request.request_id, request.last_sched_seq)
+        else:
+            self.waiting.remove(request)  # waiting or preempted: its blocks were freed already
+        request.status = reason
+        self._finished_ids.append(request.request_id)
+        if not request.ledger.records:
+            del self.requests[request.request_id]
+
+
+def _ids(blocks: GroupBlocks) -> BlockIds:
+    return tuple([b.block_id for b in group] for group in blocks)

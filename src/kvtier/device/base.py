@@ -286,7 +286,7 @@ class Device(ABC):
             )
 
     # -- backend hooks: `_alloc` and `_new_stream` run inside Device.__init__, so a backend sets
-    # its own state before calling super().__init__ ---------------------------------------------------------------------------
+    # its own state before calling super().__init__.
 
     @abstractmethod
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier) -> torch.Tensor: ...

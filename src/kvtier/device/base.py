@@ -91,6 +91,7 @@ class Device(ABC):
         return sid
 
     def stream_name(self, stream: StreamId) -> str:
+        """The name `stream` was created under."""
         self._check_stream(stream)
         return self._stream_names[stream]
 

@@ -26,6 +26,7 @@ class OpInfo:
     meta: OpMeta
 
     def describe(self) -> str:
+        """One line naming the op, its label, step, requests and stream."""
         return f"op {self.op_id} {self.meta.describe()} on stream {self.stream}"
 
 
@@ -44,6 +45,7 @@ class Hazard:
     second: OpInfo
 
     def describe(self) -> str:
+        """The report: kind, blocks, both ops and the fix."""
         verb = {"RAW": ("wrote", "reads"), "WAR": ("read", "writes"), "WAW": ("wrote", "writes")}
         did, does = verb[self.kind]
         return (
@@ -95,6 +97,7 @@ class Sanitizer:
 
     @property
     def num_hazards(self) -> int:
+        """Hazards found so far, kept or not."""
         return sum(self.counts.values())
 
     def add_stream(self, stream: StreamId, name: str) -> None:

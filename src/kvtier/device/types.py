@@ -79,6 +79,7 @@ class OpMeta:
     req_ids: tuple[ReqId, ...] = ()
 
     def describe(self) -> str:
+        """Label, step and requests as one short phrase for reports."""
         parts = [repr(self.label)]
         if self.step_seq is not None:
             parts.append(f"step {self.step_seq}")

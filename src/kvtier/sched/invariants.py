@@ -31,6 +31,9 @@ def check_ledger(request: Request, sched_step_seq: int, processed_step_seq: int)
         assert 0 <= r.num_draft_tokens < r.num_scheduled_tokens or r.num_draft_tokens == 0, rid
         assert r.num_placeholders in (0, 1 + r.num_draft_tokens), rid
     assert request.num_computed_tokens >= 0, f"{rid}: negative computed count"
+    if request.is_finished:
+        assert led.num_live_in_flight_tokens == 0, f"{rid}: finished with live records"
+        return
     settled = request.num_settled_tokens
     assert 0 <= settled <= request.num_tokens, f"{rid}: settled {settled} vs {request.num_tokens}"
 

@@ -408,6 +408,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)  # waiting or preempted: its blocks were freed already
         request.status = reason
+        request.ledger.mark_stale()  # outputs of steps still in flight are dropped
         self._finished_ids.append(request.request_id)
         if not request.ledger.records:
             del self.requests[request.request_id]

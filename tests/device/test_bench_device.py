@@ -27,7 +27,13 @@ def test_bench_saves_every_configuration_and_the_overhead(tmp_path: Path) -> Non
     configs = [(r["backend"], r["sanitizer"]) for r in data["runs"]]
     assert configs == [("sim", "off"), ("sim", "collect"), ("cpu", "off"), ("cpu", "collect")]
     assert all(r["ops"] == data["runs"][0]["ops"] > 0 and r["hazards"] == 0 for r in data["runs"])
-    assert set(data["overhead"]) == {"sim", "cpu"} and data["tiny_step_us"] > 0
+    assert set(data["overhead"]) == {
+        "sanitizer_us_per_step",
+        "sanitizer_pct_of_tiny_step",
+        "sim_device_layer_pct_of_tiny_step",
+        "cpu_device_layer_pct_of_tiny_step",
+    }
+    assert data["overhead"]["sanitizer_us_per_step"] > 0 and data["tiny_step_us"] > 0
     assert "meta" in data
 
 

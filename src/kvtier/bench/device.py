@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from kvtier.bench import save_json
 from kvtier.device import (
     COMPUTE,
+    DEFAULT_STREAMS,
     LOAD,
     STORE,
     AccessSet,
@@ -25,6 +25,7 @@ from kvtier.device import (
     Device,
     KVLayout,
     OpMeta,
+    Sanitizer,
     SanitizerMode,
     Work,
     make_device,
@@ -111,8 +112,8 @@ def make_bench_device(backend: Backend, sanitize: SanitizerMode | None, seed: in
     return dev
 
 
-def tiny_step_seconds(layout: KVLayout, shape: StepShape, repeats: int = 50) -> float:
-    """Median wall time of a stand-in tiny decode step: per layer QKV, a paged KV gather,
+def tiny_step_seconds(layout: KVLayout, shape: StepShape, repeats: int = 200) -> float:
+    """Best wall time of a stand-in tiny decode step: per layer QKV, a paged KV gather,
     attention over every request's blocks, output projection and an MLP (float32, CPU)."""
     gen = torch.Generator().manual_seed(0)
     heads, dim = layout.num_kv_heads, layout.head_dim
@@ -140,34 +141,83 @@ def tiny_step_seconds(layout: KVLayout, shape: StepShape, repeats: int = 50) -> 
             x = x + torch.relu(x @ w1) @ w2
         return x
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny step gains nothing from threads and suffers from contention
+    try:
         step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(num_threads)
+    return min(times)
 
 
-def time_config(
-    backend: Backend, sanitize: SanitizerMode | None, args: argparse.Namespace,
-    layout: KVLayout, shape: StepShape,
-) -> dict[str, Any]:  # fmt: skip
-    """Best-of-`args.repeats` wall time of `args.steps` steps on one configuration."""
-    best, num_ops, num_hazards = float("inf"), 0, 0
+CONFIGS: list[tuple[Backend, SanitizerMode | None]] = [
+    (backend, sanitize) for backend in ("sim", "cpu") for sanitize in (None, "collect")
+]
+
+
+def time_configs(
+    args: argparse.Namespace, layout: KVLayout, shape: StepShape
+) -> list[dict[str, Any]]:
+    """Best wall time of `args.steps` steps per configuration over `args.repeats` interleaved
+    rounds (interleaving and best-of keep load from other processes out of the comparison)."""
+    best = dict.fromkeys(CONFIGS, float("inf"))
+    seen: dict[tuple[Backend, SanitizerMode | None], tuple[int, int]] = {}
     for _ in range(args.repeats):
-        dev = make_bench_device(backend, sanitize, args.seed, layout, shape)
+        for backend, sanitize in CONFIGS:
+            dev = make_bench_device(backend, sanitize, args.seed, layout, shape)
+            gc.collect()
+            t0 = time.perf_counter()
+            run_steps(dev, shape, args.steps)
+            best[backend, sanitize] = min(best[backend, sanitize], time.perf_counter() - t0)
+            seen[backend, sanitize] = (dev.num_ops, len(dev.hazards))
+    return [
+        {
+            "backend": backend,
+            "sanitizer": sanitize or "off",
+            "steps": args.steps,
+            "ops": seen[backend, sanitize][0],
+            "wall_s": best[backend, sanitize],
+            "ops_per_s": seen[backend, sanitize][0] / best[backend, sanitize],
+            "us_per_step": 1e6 * best[backend, sanitize] / args.steps,
+            "hazards": seen[backend, sanitize][1],
+        }
+        for backend, sanitize in CONFIGS
+    ]
+
+
+class _CallLog:
+    """Stands in for a device's sanitizer and records every call, to replay into a real one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *call_args: self.calls.append((name, call_args))
+
+
+def sanitizer_seconds(args: argparse.Namespace, layout: KVLayout, shape: StepShape) -> float:
+    """Best time to replay one run's sanitizer calls into a fresh `Sanitizer`: its pure cost."""
+    dev = make_bench_device("cpu", None, args.seed, layout, shape)
+    log = _CallLog()
+    dev.sanitizer = log  # type: ignore[assignment]
+    run_steps(dev, shape, args.steps)
+    best = float("inf")
+    for _ in range(args.repeats):
+        san = Sanitizer("collect")
+        for sid, name in DEFAULT_STREAMS.items():
+            san.add_stream(sid, name)
         gc.collect()
         t0 = time.perf_counter()
-        run_steps(dev, shape, args.steps)
+        for name, call_args in log.calls:
+            getattr(san, name)(*call_args)
         best = min(best, time.perf_counter() - t0)
-        num_ops = dev.num_ops
-        num_hazards = 0 if dev.sanitizer is None else dev.sanitizer.num_hazards
-    return {
-        "backend": backend, "sanitizer": sanitize or "off", "steps": args.steps,
-        "ops": num_ops, "wall_s": best, "ops_per_s": num_ops / best,
-        "us_per_step": 1e6 * best / args.steps, "hazards": num_hazards,
-    }  # fmt: skip
+        assert san.num_hazards == 0
+    return best
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,32 +227,26 @@ def run(args: argparse.Namespace) -> int:
     layout = KVLayout(num_layer_slots=shape.num_layers, block_size=16, num_kv_heads=4, head_dim=16)
     gc.collect()
     gc.freeze()  # torch's ~10^5 long-lived objects would otherwise make full GCs timing noise
-    runs = [
-        time_config(backend, sanitize, args, layout, shape)
-        for backend in ("sim", "cpu")
-        for sanitize in (None, "collect")
-    ]
+    runs = time_configs(args, layout, shape)
+    sanitizer_us = 1e6 * sanitizer_seconds(args, layout, shape) / args.steps
     gc.unfreeze()
     tiny_us = 1e6 * tiny_step_seconds(layout, shape)
-    overhead = {}
-    for backend in ("sim", "cpu"):
-        off, on = (r for r in runs if r["backend"] == backend)
-        extra = on["us_per_step"] - off["us_per_step"]
-        overhead[backend] = {
-            "sanitizer_us_per_step": extra,
-            "sanitizer_pct_of_tiny_step": 100 * extra / tiny_us,
-            "device_layer_pct_of_tiny_step": 100 * on["us_per_step"] / tiny_us,
-        }
-    result = {"shape": vars(shape), "tiny_step_us": tiny_us, "runs": runs,
-              "overhead": overhead}  # fmt: skip
+    device_us = {r["backend"]: r["us_per_step"] for r in runs if r["sanitizer"] == "collect"}
+    overhead = {
+        "sanitizer_us_per_step": sanitizer_us,
+        "sanitizer_pct_of_tiny_step": 100 * sanitizer_us / tiny_us,
+        **{f"{b}_device_layer_pct_of_tiny_step": 100 * us / tiny_us for b, us in device_us.items()},
+    }
+    result = {"shape": vars(shape), "tiny_step_us": tiny_us, "runs": runs, "overhead": overhead}
     print(f"{'backend':8} {'sanitizer':9} {'ops/s':>10} {'us/step':>9} {'hazards':>7}")
     for r in runs:
         print(f"{r['backend']:8} {r['sanitizer']:9} {r['ops_per_s']:10.0f} "
               f"{r['us_per_step']:9.1f} {r['hazards']:7d}")  # fmt: skip
-    print(f"stand-in tiny-model decode step: {tiny_us:.1f} us")
-    for backend, o in overhead.items():
-        print(f"{backend}: sanitizer adds {o['sanitizer_us_per_step']:.1f} us/step = "
-              f"{o['sanitizer_pct_of_tiny_step']:.1f}% of a tiny step; whole device layer with "
-              f"sanitizer = {o['device_layer_pct_of_tiny_step']:.1f}%")  # fmt: skip
+    print(f"stand-in tiny-model decode step (best): {tiny_us:.1f} us")
+    print(f"sanitizer alone: {sanitizer_us:.1f} us/step = "
+          f"{overhead['sanitizer_pct_of_tiny_step']:.1f}% of a tiny step")  # fmt: skip
+    for backend, us in device_us.items():
+        print(f"{backend} device layer with sanitizer: {us:.1f} us/step = "
+              f"{100 * us / tiny_us:.1f}% of a tiny step")  # fmt: skip
     print(f"saved {save_json(result, args.out)}")
     return 0

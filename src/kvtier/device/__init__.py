@@ -12,6 +12,7 @@ from kvtier.device.costs import CostModel, Work
 from kvtier.device.sanitizer import Hazard, OpInfo, RaceError, Sanitizer, SanitizerMode
 from kvtier.device.types import (
     COMPUTE,
+    DEFAULT_STREAMS,
     HOST_STREAM,
     LOAD,
     STORE,
@@ -84,6 +85,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BACKENDS",
     "COMPUTE",
+    "DEFAULT_STREAMS",
     "HOST_STREAM",
     "LOAD",
     "STORE",

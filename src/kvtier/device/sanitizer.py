@@ -192,12 +192,12 @@ class Sanitizer:
                 cell = cells.get(block)
                 if cell is None:
                     cell = cells[block] = _Cell()
-                prev = cell.write
-                if prev is not None:
-                    if prev[2] == ref[2]:
-                        continue  # this op also writes the block
-                    if clock[prev[0]] < prev[1]:
+                else:
+                    prev = cell.write
+                    if prev is not None and clock[prev[0]] < prev[1]:
                         _note(found, "RAW", buffer, prev, block)
+                    elif prev is ref:
+                        continue  # this op also writes the block
                 cell.reads[actor] = ref
         self.num_accesses += num
         if found:

@@ -32,9 +32,12 @@ def dev_of(backend: str, **kw: object) -> Device:
 
 
 def forward(dev: Device, reads: list[int], writes: list[int], fn: Callable[[], object]) -> None:
-    dev.launch(COMPUTE, fn,
-               AccessSet.of(reads={"device": reads}, writes={"device": writes}),
-               OpMeta("forward", step_seq=1, req_ids=("a",)))  # fmt: skip
+    dev.launch(
+        COMPUTE,
+        fn,
+        AccessSet.of(reads={"device": reads}, writes={"device": writes}),
+        OpMeta("forward", step_seq=1, req_ids=("a",)),
+    )
 
 
 def test_layout_shapes_and_block_bytes() -> None:
@@ -149,14 +152,21 @@ def test_sampled_tokens_read_on_the_host_after_sync(backend: str) -> None:
     dev = dev_of(backend)
     sampled = dev.alloc_buffer("sampled_tokens", [4], dtype="int64", tier="host")
     assert dev.buffer("sampled_tokens") is sampled
-    dev.launch(COMPUTE, lambda: sampled.copy_(torch.arange(4)),
-               AccessSet.of(writes={"sampled_tokens": None}), OpMeta("sample"))  # fmt: skip
+    dev.launch(
+        COMPUTE,
+        lambda: sampled.copy_(torch.arange(4)),
+        AccessSet.of(writes={"sampled_tokens": None}),
+        OpMeta("sample"),
+    )
     done = dev.record(COMPUTE)
     dev.synchronize_event(done)
     assert dev.query(done) is True
     got: list[int] = []
-    dev.host_op(lambda: got.extend(sampled.tolist()),
-                AccessSet.of(reads={"sampled_tokens": None}), OpMeta("read"))  # fmt: skip
+    dev.host_op(
+        lambda: got.extend(sampled.tolist()),
+        AccessSet.of(reads={"sampled_tokens": None}),
+        OpMeta("read"),
+    )
     assert got == [0, 1, 2, 3]
 
 
@@ -185,23 +195,32 @@ def test_access_set_of_marks_unpaged_buffers_whole() -> None:
 
 
 BAD_CALLS: list[tuple[str, Callable[[Device], object]]] = [
-    ("unknown buffer 'kv'", lambda d: d.launch(COMPUTE, lambda: None,
-                                                AccessSet.of(reads={"kv": [0]}), OpMeta("x"))),
-    ("out of range", lambda d: d.launch(COMPUTE, lambda: None,
-                                        AccessSet.of(writes={"device": [6]}), OpMeta("x"))),
-    ("unpaged", lambda d: (d.alloc_buffer("tok", [2]),
-                           d.launch(COMPUTE, lambda: None, AccessSet.of(reads={"tok": [0]}),
-                                    OpMeta("x")))),
+    (
+        "unknown buffer 'kv'",
+        lambda d: d.launch(COMPUTE, lambda: None, AccessSet.of(reads={"kv": [0]}), OpMeta("x")),
+    ),
+    (
+        "out of range",
+        lambda d: d.launch(
+            COMPUTE, lambda: None, AccessSet.of(writes={"device": [6]}), OpMeta("x")
+        ),
+    ),
+    (
+        "unpaged",
+        lambda d: (
+            d.alloc_buffer("tok", [2]),
+            d.launch(COMPUTE, lambda: None, AccessSet.of(reads={"tok": [0]}), OpMeta("x")),
+        ),
+    ),
     ("unknown stream", lambda d: d.record(StreamId(9))),
     ("unknown or released event", lambda d: d.wait(COMPUTE, EventId(5))),
     ("released event", lambda d: (d.release_event(e := d.record(COMPUTE)), d.query(e))),
-    ("as many src_ids", lambda d: d.copy_blocks(LOAD, "host", "device", [0, 1], [0],
-                                                OpMeta("x"))),
+    ("as many src_ids", lambda d: d.copy_blocks(LOAD, "host", "device", [0, 1], [0], OpMeta("x"))),
     ("tier must be", lambda d: d.kv("disk")),  # type: ignore[arg-type]
     ("taken", lambda d: d.alloc_buffer("device", [1])),
     ("dtype must be", lambda d: d.alloc_buffer("b", [1], dtype="int8")),
     ("no buffer named", lambda d: d.buffer("missing")),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("match", "call"), BAD_CALLS, ids=[m for m, _ in BAD_CALLS])
@@ -219,8 +238,13 @@ def test_bad_input_is_a_value_error_naming_it(match: str, call: Callable[[Device
     ],
 )
 def test_bad_layout_is_a_value_error(kwargs: dict[str, object], match: str) -> None:
-    args: dict[str, object] = {"num_layer_slots": 1, "block_size": 4, "num_kv_heads": 1,
-                               "head_dim": 4, **kwargs}  # fmt: skip
+    args: dict[str, object] = {
+        "num_layer_slots": 1,
+        "block_size": 4,
+        "num_kv_heads": 1,
+        "head_dim": 4,
+        **kwargs,
+    }
     with pytest.raises(ValueError, match=match):
         KVLayout(**args)  # type: ignore[arg-type]
 

@@ -19,8 +19,12 @@ def store_race(wait_for_compute: bool, iters: int = 30) -> int:
     corrupt = 0
     for i in range(1, iters + 1):
         dev.launch(COMPUTE, lambda: torch.cuda._sleep(SLEEP_CYCLES), AccessSet(), OpMeta("sleep"))
-        dev.launch(COMPUTE, lambda i=i: dev.kv("device")[0].fill_(float(i)),
-                   AccessSet.of(writes={"device": blocks}), OpMeta("fill", step_seq=i))  # fmt: skip
+        dev.launch(
+            COMPUTE,
+            lambda i=i: dev.kv("device")[0].fill_(float(i)),
+            AccessSet.of(writes={"device": blocks}),
+            OpMeta("fill", step_seq=i),
+        )
         if wait_for_compute:
             dev.wait(STORE, dev.record(COMPUTE))
         dev.copy_blocks(STORE, "device", "host", blocks, blocks, OpMeta("store", step_seq=i))

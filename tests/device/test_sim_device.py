@@ -43,10 +43,15 @@ def test_op_starts_at_the_latest_of_host_launch_stream_free_and_awaited_event() 
 def test_effects_apply_in_start_time_order_not_launch_or_end_order() -> None:
     dev = sim()
     log: list[str] = []
-    for stream, label, ns in [(COMPUTE, "a", 500), (COMPUTE, "p", 1000), (LOAD, "q", 5),
-                              (STORE, "r", 2000)]:  # fmt: skip
-        dev.launch(stream, lambda lb=label: log.append(lb), AccessSet(), OpMeta(label),
-                   Work.fixed(ns))  # fmt: skip
+    for stream, label, ns in [
+        (COMPUTE, "a", 500),
+        (COMPUTE, "p", 1000),
+        (LOAD, "q", 5),
+        (STORE, "r", 2000),
+    ]:
+        dev.launch(
+            stream, lambda lb=label: log.append(lb), AccessSet(), OpMeta(label), Work.fixed(ns)
+        )
     dev.synchronize()
     assert [e.label for e in sorted(dev.trace, key=lambda e: e.end_ns)] == ["q", "a", "p", "r"]
     assert log == ["a", "q", "r", "p"]

@@ -102,8 +102,9 @@ def run_steps(dev: Device, shape: StepShape, num_steps: int) -> None:
     dev.synchronize()
 
 
-def make_bench_device(backend: Backend, sanitize: SanitizerMode | None, seed: int,
-                      layout: KVLayout, shape: StepShape) -> Device:  # fmt: skip
+def make_bench_device(
+    backend: Backend, sanitize: SanitizerMode | None, seed: int, layout: KVLayout, shape: StepShape
+) -> Device:
     num_device = shape.num_reqs * shape.blocks_per_req + 3 * shape.num_loads
     dev = make_device(backend, layout, num_device, 32, sanitize=sanitize, seed=seed)
     dev.alloc_buffer("sampled_tokens", [shape.num_reqs], dtype="int64")
@@ -122,9 +123,11 @@ def tiny_step_seconds(layout: KVLayout, shape: StepShape, repeats: int = 200) ->
     kv = [
         torch.randn(layout.slot_shape(num_blocks), generator=gen) for _ in range(shape.num_layers)
     ]
-    w = [[torch.randn(hidden, n, generator=gen) / hidden**0.5 for n in (3 * hidden, hidden,
-          4 * hidden)] + [torch.randn(4 * hidden, hidden, generator=gen) / 16]
-         for _ in range(shape.num_layers)]  # fmt: skip
+    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)]
+    w = [
+        [torch.randn(*rows_cols, generator=gen) / rows_cols[0] ** 0.5 for rows_cols in shapes]
+        for _ in range(shape.num_layers)
+    ]
     table = torch.arange(num_blocks).view(shape.num_reqs, shape.blocks_per_req)
     x0 = torch.randn(shape.num_reqs, hidden, generator=gen)
 
@@ -134,8 +137,10 @@ def tiny_step_seconds(layout: KVLayout, shape: StepShape, repeats: int = 200) ->
             wqkv, wo, w1, w2 = w[layer]
             q = (x @ wqkv)[:, :hidden].view(shape.num_reqs, heads, 1, dim)
             blocks = kv[layer][table]  # [reqs, blocks, 2, block_size, heads, dim]
-            k, v = (blocks[:, :, i].reshape(shape.num_reqs, -1, heads, dim).transpose(1, 2)
-                    for i in (0, 1))  # fmt: skip
+            k, v = (
+                blocks[:, :, i].reshape(shape.num_reqs, -1, heads, dim).transpose(1, 2)
+                for i in (0, 1)
+            )
             att = torch.nn.functional.scaled_dot_product_attention(q, k, v)
             x = x + att.reshape(shape.num_reqs, hidden) @ wo
             x = x + torch.relu(x @ w1) @ w2
@@ -240,13 +245,19 @@ def run(args: argparse.Namespace) -> int:
     result = {"shape": vars(shape), "tiny_step_us": tiny_us, "runs": runs, "overhead": overhead}
     print(f"{'backend':8} {'sanitizer':9} {'ops/s':>10} {'us/step':>9} {'hazards':>7}")
     for r in runs:
-        print(f"{r['backend']:8} {r['sanitizer']:9} {r['ops_per_s']:10.0f} "
-              f"{r['us_per_step']:9.1f} {r['hazards']:7d}")  # fmt: skip
+        print(
+            f"{r['backend']:8} {r['sanitizer']:9} {r['ops_per_s']:10.0f} "
+            f"{r['us_per_step']:9.1f} {r['hazards']:7d}"
+        )
     print(f"stand-in tiny-model decode step (best): {tiny_us:.1f} us")
-    print(f"sanitizer alone: {sanitizer_us:.1f} us/step = "
-          f"{overhead['sanitizer_pct_of_tiny_step']:.1f}% of a tiny step")  # fmt: skip
+    print(
+        f"sanitizer alone: {sanitizer_us:.1f} us/step = "
+        f"{overhead['sanitizer_pct_of_tiny_step']:.1f}% of a tiny step"
+    )
     for backend, us in device_us.items():
-        print(f"{backend} device layer with sanitizer: {us:.1f} us/step = "
-              f"{100 * us / tiny_us:.1f}% of a tiny step")  # fmt: skip
+        print(
+            f"{backend} device layer with sanitizer: {us:.1f} us/step = "
+            f"{100 * us / tiny_us:.1f}% of a tiny step"
+        )
     print(f"saved {save_json(result, args.out)}")
     return 0

@@ -53,6 +53,7 @@ def test_kv_tiers_have_one_tensor_per_layer_slot(backend: str) -> None:
     assert [tuple(t.shape) for t in dev.kv("host")] == [LAYOUT.slot_shape(4)] * 3
     assert dev.num_blocks("device") == 6 and dev.num_blocks("host") == 4
     assert dev.kv("device")[0].dtype == torch.float32
+    assert dev.kv("device")[0].device == dev.torch_device == torch.device("cpu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

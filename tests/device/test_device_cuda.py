@@ -80,3 +80,4 @@ def test_cuda_load_with_compute_done_wait_never_tears() -> None:
 def test_cuda_host_tier_is_pinned_and_device_tier_on_gpu() -> None:
     dev = make_device("cuda", LAYOUT, 2, 2)
     assert dev.kv("host")[0].is_pinned() and dev.kv("device")[0].is_cuda
+    assert dev.kv("device")[0].device == dev.torch_device

@@ -35,6 +35,7 @@ class Device(ABC):
     """
 
     kind = "base"
+    torch_device = torch.device("cpu")  # where device-tier tensors live; inputs go here too
 
     def __init__(
         self,

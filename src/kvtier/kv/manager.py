@@ -15,7 +15,7 @@ from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
-from kvtier.kv.specs import KVSpec, blocks_for_requests, max_concurrency
+from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concurrency
 
 
 @dataclass(slots=True)
@@ -93,18 +93,31 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def reserve_shortfall(self, num_new_requests: int = 0) -> int:
+    def reserve_shortfall(self, num_new_requests: int = 0, num_new_excess_blocks: int = 0) -> int:
         """Blocks of the pool-wide transient reserve not currently held (≥ 0).
 
         Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests)`; held: blocks
-        tables keep beyond their steady charge plus quarantined references.
+        tables keep beyond their steady charge plus quarantined references, plus
+        `num_new_excess_blocks` that a request being admitted will hold beyond its steady charge.
         """
         if self.max_in_flight_tokens <= 0:
             return 0
         n = self.coordinator.num_requests + num_new_requests
         reserve = sum(s.transient_blocks(self.max_in_flight_tokens, n) for s in self.specs)
-        held = sum(m.num_excess_blocks for m in self.coordinator.managers)
+        held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
         return max(0, reserve - held - self.pool.num_quarantined_refs)
+
+    def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
+        """Real blocks a new request's table will hold beyond each group's steady charge: they
+        are its share of the transient reserve, not a second charge on top of it."""
+        excess = 0
+        for spec in self.specs:
+            if isinstance(spec, Mamba):
+                continue  # one live state block: never beyond its steady charge
+            bs = spec.block_size
+            real = cdiv(num_tokens, bs) - spec.num_skipped_tokens(total_computed) // bs
+            excess += max(0, real - spec.steady_blocks(1 << 62))
+        return excess
 
     def allocate_slots(
         self,
@@ -140,7 +153,7 @@ class KVCacheManager:
         )
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
         if is_new:
-            need += self.reserve_shortfall(num_new_requests=1)
+            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
         if need > self.pool.num_free_blocks:
             return None
         if is_new:

@@ -203,16 +203,19 @@ def test_multi_turn_hit() -> None:  # scenario 29
 
 def test_preemption_with_stale_output() -> None:  # scenario 30
     d = Driver(scheduler(5, depth=2, budget=256))  # 4 usable blocks
-    a, r = request("a", 17, max_tokens=8), request("r", 31, max_tokens=8)
+    a, r = request("a", 31, max_tokens=8), request("r", 17, max_tokens=8)
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()  # both prefills: 2 + 2 blocks
     d.process(1)
     d.schedule()  # step 2: both decode inside their second blocks
     free = d.sched.kv.num_free_blocks
-    out = d.schedule()  # step 3: r needs a third block; it is the latest, so the victim
+    out = d.schedule()  # step 3: a needs a third block; r is the latest, so the victim
     assert out.preempted_req_ids == ["r"]
     assert r.status is RequestStatus.PREEMPTED and d.sched.waiting.peek() is r
+    # r's blocks are quarantined, so a still has none: it waits for its own step 2 to settle
+    # rather than preempting itself, and nothing new is admitted meanwhile.
+    assert out.num_scheduled_tokens == {} and a.status is RequestStatus.RUNNING
     assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
     assert r.ledger.num_stale_tokens == 1 and r.num_in_flight_tokens == 1
     assert all(not t for t in d.sched.kv.get_block_ids("r"))
@@ -228,7 +231,7 @@ def test_preemption_with_stale_output() -> None:  # scenario 30
 
 def test_preempted_request_waits_for_its_stale_step() -> None:
     d = Driver(scheduler(5, depth=2, budget=256))
-    a, r = request("a", 17, max_tokens=3), request("r", 31, max_tokens=8)
+    a, r = request("a", 31, max_tokens=3), request("r", 17, max_tokens=8)
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()

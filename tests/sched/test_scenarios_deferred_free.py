@@ -60,13 +60,13 @@ def test_abort_with_two_steps_in_flight() -> None:  # 34
 
 def test_preemption_defers_the_free() -> None:  # 35
     d = Driver(scheduler(5, depth=3, budget=256))  # 4 usable blocks
-    a, r = request("a", 17, max_tokens=6), request("r", 31, max_tokens=6)
+    a, r = request("a", 31, max_tokens=6), request("r", 17, max_tokens=6)
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()
     d.schedule()
     free = d.sched.kv.num_free_blocks
-    out = d.schedule()  # r needs a third block: preempted with steps 1 and 2 in flight
+    out = d.schedule()  # a needs a third block: r is preempted with steps 1, 2 in flight
     assert out.preempted_req_ids == ["r"] and r.status is RequestStatus.PREEMPTED
     assert all(not t for t in d.sched.kv.get_block_ids("r"))
     assert d.sched.kv.num_free_blocks == free and _quarantined(d) == 2

@@ -186,8 +186,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next step (mutates: counters, ledgers, block tables, queues).
 
-        Running requests first, in order, preempting from the back when blocks run out; waiting
-        requests only in a step without preemption. RuntimeError if `async_depth` steps are
+        Running requests first, in order, preempting from the back when blocks run out (a request
+        that would preempt itself while its own steps are in flight waits instead); waiting
+        requests only in a step where every running request got its blocks. RuntimeError if `async_depth` steps are
         already unprocessed.
         """
         if not self.can_schedule():
@@ -202,6 +203,7 @@ class Scheduler:
         cached: list[CachedRequestData] = []
         preempted: list[ReqId] = []
         running = self.running
+        blocked = False
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -212,7 +214,8 @@ class Scheduler:
             self._prune(request)
             blocks = self._allocate_or_preempt(request, n, i, preempted)
             if blocks is None:
-                break  # the request preempted itself: nothing later can fit either
+                blocked = True  # it waits or preempted itself: nothing later can fit either
+                break
             self._record(request, seq, n, len(drafts), samples)
             num_scheduled[request.request_id] = n
             if drafts:
@@ -223,7 +226,7 @@ class Scheduler:
             budget -= n
             i += 1
         new_reqs: list[NewRequestData] = []
-        if not preempted:
+        if not preempted and not blocked:
             budget = self._admit(seq, budget, num_scheduled, new_reqs)
         self.sched_step_seq = seq
         self.num_in_flight_tokens += self.max_num_batched_tokens - budget
@@ -271,7 +274,10 @@ class Scheduler:
             blocks = self.kv.allocate_slots(request, n)
             if blocks is not None:
                 return blocks
-            victim = running.pop(self.waiting.pick_victim(running, index))
+            v = self.waiting.pick_victim(running, index)
+            if running[v] is request and request.ledger.num_live_in_flight_tokens:
+                return None  # its own steps will settle and free window blocks: wait, don't drop
+            victim = running.pop(v)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:

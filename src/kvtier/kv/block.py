@@ -14,7 +14,15 @@ BlockHash = bytes
 class KVBlock:
     """Metadata of one physical block. Links are owned by `FreeBlockQueue`."""
 
-    __slots__ = ("block_hash", "block_id", "group_id", "is_null", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "group_id",
+        "is_null",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: BlockId) -> None:
         self.block_id = block_id

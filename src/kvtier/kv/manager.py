@@ -148,9 +148,7 @@ class KVCacheManager:
             request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
             self.max_model_len,
         )
-        num_tokens = min(
-            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
+        num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
         if is_new:
             need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))

@@ -127,7 +127,10 @@ def max_concurrency(
     lo, hi = 0, max(1, num_usable_blocks)
     while lo < hi:  # blocks_for_requests is monotone in num_requests
         mid = (lo + hi + 1) // 2
-        if blocks_for_requests(specs, mid, max_model_len, max_in_flight_tokens) <= num_usable_blocks:
+        if (
+            blocks_for_requests(specs, mid, max_model_len, max_in_flight_tokens)
+            <= num_usable_blocks
+        ):
             lo = mid
         else:
             hi = mid - 1

@@ -1,0 +1,30 @@
+"""Models: HF folder loading, the paged-attention decoder for Llama, Qwen2, Mistral, Gemma2 and
+Gemma3 text, the tokenizer and incremental detokenizer, and the batched sampler."""
+
+from __future__ import annotations
+
+from kvtier.model.arch import ArchSpec, arch_spec
+from kvtier.model.attention import AttentionMetadata, LayerKind
+from kvtier.model.detokenizer import IncrementalDetokenizer
+from kvtier.model.loader import GenerationDefaults, load_generation_defaults, load_model
+from kvtier.model.sampler import SamplerOutput, SamplingBatch, SamplingParams, sample
+from kvtier.model.tokenizer import Tokenizer, load_tokenizer
+from kvtier.model.transformer import CausalLM
+
+__all__ = [
+    "ArchSpec",
+    "AttentionMetadata",
+    "CausalLM",
+    "GenerationDefaults",
+    "IncrementalDetokenizer",
+    "LayerKind",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingParams",
+    "Tokenizer",
+    "arch_spec",
+    "load_generation_defaults",
+    "load_model",
+    "load_tokenizer",
+    "sample",
+]

@@ -1,0 +1,153 @@
+"""Load a local HuggingFace model folder: config.json + *.safetensors (single or sharded) into a
+`CausalLM`, fusing q/k/v and gate/up, tying embeddings; `generation_config.json` defaults.
+Every missing file or unsupported setting is a ValueError that names it and the fix."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvtier.config import ModelConfig
+from kvtier.model.arch import arch_spec
+from kvtier.model.transformer import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What `generation_config.json` says (None where it is silent)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+
+def model_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"model {str(path)!r}: not a local folder; pass a HF model folder holding config.json, "
+            "*.safetensors and tokenizer.json (download it first, e.g. `hf download <repo> "
+            "--local-dir <folder>`)"
+        )
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{folder}: config.json is missing; a HF model folder needs config.json, *.safetensors "
+            "and tokenizer.json (save it with `model.save_pretrained(folder)`)"
+        )
+    return folder
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> CausalLM:
+    """Build the model of the folder's config.json and load its safetensors weights."""
+    folder = model_folder(path)
+    config = ModelConfig.from_pretrained(folder)
+    spec = arch_spec(config)
+    torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
+    with torch.device("meta"):
+        model = CausalLM(config, spec)
+    state = _fused_state(_read_safetensors(folder), config.num_layers, torch_dtype, folder)
+    expected = set(model.state_dict())
+    if spec.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{folder}: weights do not match {config.architecture}: missing {missing[:6]}, "
+            f"unexpected {unexpected[:6]}; check `architectures` and `tie_word_embeddings` in "
+            "config.json"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def resolve_dtype(dtype: str | torch.dtype, source: Path | str = "") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"{source}: dtype {dtype!r} unsupported; use one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (folder / f).is_file()]
+        if absent:
+            raise ValueError(
+                f"{folder}: shards {absent} named in model.safetensors.index.json are missing; "
+                "download every shard"
+            )
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        hint = " (only PyTorch .bin weights found: re-save with `safe_serialization=True`)"
+        has_bin = any(folder.glob("*.bin"))
+        raise ValueError(f"{folder}: no *.safetensors weights{hint if has_bin else ''}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _fused_state(
+    raw: dict[str, torch.Tensor], num_layers: int, dtype: torch.dtype, folder: Path
+) -> dict[str, torch.Tensor]:
+    """HF names → ours: q/k/v concatenated into qkv_proj, gate/up into gate_up_proj."""
+    state = {k: v for k, v in raw.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    for i in range(num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            _fuse(state, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
+            _fuse(
+                state,
+                [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")],
+                f"{mlp}gate_up_proj.{kind}",
+            )
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
+def _fuse(state: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
+    if any(n in state for n in names) and all(n in state for n in names):
+        state[fused] = torch.cat([state.pop(n) for n in names], dim=0)
+
+
+def load_generation_defaults(path: str | Path) -> GenerationDefaults:
+    """Read `generation_config.json` if present; an absent file gives empty defaults."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return GenerationDefaults()
+    try:
+        cfg: dict[str, Any] = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return GenerationDefaults(
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
+        temperature=cfg.get("temperature"),
+        top_k=cfg.get("top_k"),
+        top_p=cfg.get("top_p"),
+        min_p=cfg.get("min_p"),
+    )

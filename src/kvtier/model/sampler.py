@@ -1,0 +1,149 @@
+"""Token sampling for a batch of requests with different parameters: greedy, temperature, top-k,
+top-p, min-p, per-request seeds and logprobs of the processed distribution. Stateless: a seeded
+request's draw at position p depends only on (seed, p), so batch makeup, preemption and async
+depth never change its tokens. Stop strings live in `detokenizer.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs, named as vLLM's `SamplingParams` (any object with these
+    attributes works)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # top-n logprobs to return; 0 = only the sampled token's
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be ≥ 0, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Row-wise parameters as tensors, built once per step by `from_params`."""
+
+    temperature: torch.Tensor  # [n] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [n] bool
+    top_k: torch.Tensor | None  # [n] int64, vocab size where off; None if no row uses it
+    top_p: torch.Tensor | None  # [n] float32
+    min_p: torch.Tensor | None  # [n] float32
+    seeds: tuple[int | None, ...]
+    positions: tuple[int, ...]  # position of each row's sampled token (seeds the draw)
+    num_logprobs: tuple[int | None, ...]
+    all_greedy: bool
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+    ) -> SamplingBatch:
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        ks = [p.top_k if p.top_k > 0 and not g else vocab_size for p, g in zip(params, greedy)]
+        ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        mins = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            greedy=torch.tensor(greedy, dtype=torch.bool),
+            top_k=torch.tensor(ks) if min(ks, default=vocab_size) < vocab_size else None,
+            top_p=torch.tensor(ps) if min(ps, default=1.0) < 1.0 else None,
+            min_p=torch.tensor(mins) if max(mins, default=0.0) > 0.0 else None,
+            seeds=tuple(p.seed for p in params),
+            positions=tuple(positions),
+            num_logprobs=tuple(p.logprobs for p in params),
+            all_greedy=all(greedy),
+        )
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n] int64
+    sampled_logprobs: torch.Tensor | None  # [n] float32, processed distribution
+    top_logprobs: torch.Tensor | None  # [n, k] float32, k = largest request; rows trim to theirs
+    top_token_ids: torch.Tensor | None  # [n, k] int64
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> SamplerOutput:
+    """logits [n, vocab] → one token per row; `generator` draws for rows without a seed."""
+    logits = logits.float()
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
+        return _with_logprobs(tokens, torch.log_softmax(logits, dim=-1), batch)
+    processed = processed_logits(logits, batch)
+    logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
+    noise = _exponential_noise(logits.shape, batch, generator)  # [n, vocab]
+    tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
+    tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+    return _with_logprobs(tokens, logprobs, batch)
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf)."""
+    x = logits / batch.temperature[:, None]  # greedy rows carry temperature 1.0
+    if batch.top_k is not None or batch.top_p is not None:
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [n, vocab]
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if batch.top_k is not None:
+            rank = torch.arange(x.shape[-1])[None, :]
+            drop |= rank >= batch.top_k[:, None]
+        if batch.top_p is not None:
+            probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+            drop |= before >= batch.top_p[:, None]
+        drop[:, 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if batch.min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def _exponential_noise(
+    shape: torch.Size, batch: SamplingBatch, generator: torch.Generator | None
+) -> torch.Tensor:
+    noise = torch.empty(shape).exponential_(generator=generator)  # [n, vocab]
+    row_gen = torch.Generator()
+    for row, seed in enumerate(batch.seeds):
+        if seed is not None:
+            row_gen.manual_seed((seed * 1_000_003 + batch.positions[row]) % (1 << 63))
+            noise[row].exponential_(generator=row_gen)
+    return noise
+
+
+def _with_logprobs(
+    tokens: torch.Tensor, logprobs: torch.Tensor, batch: SamplingBatch
+) -> SamplerOutput:
+    wanted = [n for n in batch.num_logprobs if n is not None]
+    if not wanted:
+        return SamplerOutput(tokens, None, None, None)
+    sampled = logprobs.gather(1, tokens[:, None])[:, 0]
+    k = min(max(wanted), logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1) if k else None
+    return SamplerOutput(
+        tokens,
+        sampled,
+        top.values if top is not None else logprobs[:, :0],
+        top.indices if top is not None else tokens[:, None][:, :0],
+    )

@@ -1,0 +1,180 @@
+"""Tiny random HF-format model folders (config.json, model.safetensors, byte-level tokenizer.json,
+tokenizer_config.json, generation_config.json) for every supported architecture. Weights are scaled
+so attention is far from uniform and logits spread widely: continuations depend on the prompt."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+ARCHITECTURES = ("llama", "llama_chunked", "qwen2", "mistral", "gemma2", "gemma3")
+POST_NORM_GAIN = 6.0  # Gemma: layer outputs outweigh the sqrt(hidden)-scaled embeddings
+NUM_SPECIAL = 3  # <pad>=0, <bos>=1, <eos>=2; then one token per byte value
+
+
+def tiny_config(
+    arch: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 320,
+    window: int = 8,
+    chunk: int = 8,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """A HF config.json dict for `arch` (one of ARCHITECTURES) at toy size."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {ARCHITECTURES}")
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": dtype,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+    }
+    if arch in ("llama", "llama_chunked"):
+        cfg |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        if arch == "llama_chunked":
+            cfg["attention_chunk_size"] = chunk
+    elif arch == "qwen2":
+        cfg |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+        cfg |= {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1}
+        cfg["tie_word_embeddings"] = True
+    elif arch == "mistral":
+        cfg |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+        cfg["sliding_window"] = window
+    else:
+        del cfg["hidden_act"]
+        cfg |= {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+        cfg |= {"sliding_window": window, "query_pre_attn_scalar": 24}
+        if arch == "gemma2":
+            cfg |= {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+            cfg |= {"attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0}
+        else:
+            cfg |= {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+            pattern = 3
+            cfg |= {"sliding_window_pattern": pattern, "rope_local_base_freq": 100.0}
+            cfg["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(num_layers)
+            ]
+            cfg |= {"rope_theta": 1_000_000.0, "attn_logit_softcapping": None}
+            cfg["final_logit_softcapping"] = None
+    return cfg
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights: unit-variance activations, sharp attention, wide logits."""
+    gen = torch.Generator().manual_seed(seed)
+    gemma = cfg["model_type"].startswith("gemma")
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(dim: int, gain: float = 1.0) -> torch.Tensor:
+        return gain - 1.0 + rand(dim, std=0.1) if gemma else gain + rand(dim, std=0.1)
+
+    # Tied models read logits off the input embeddings: keep embeddings small beside the layer
+    # outputs (else every token predicts itself) and let the LM head spread logits to std ~3.
+    tied = cfg["tie_word_embeddings"]
+    embed_std = 1.5 / math.sqrt(h) if tied else (h**-0.5 if gemma else 1.0)
+    post_gain = POST_NORM_GAIN if gemma else 1.0
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rand(cfg["vocab_size"], h, std=embed_std),
+        "model.norm.weight": norm(h, 2.0 if tied else 1.0),
+    }
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = rand(cfg["vocab_size"], h, std=3.0 / math.sqrt(h))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(nh * d, h, std=1.5 / math.sqrt(h))
+        w[p + "self_attn.k_proj.weight"] = rand(nkv * d, h, std=1.5 / math.sqrt(h))
+        w[p + "self_attn.v_proj.weight"] = rand(nkv * d, h, std=1.0 / math.sqrt(h))
+        w[p + "self_attn.o_proj.weight"] = rand(h, nh * d, std=1.0 / math.sqrt(nh * d))
+        w[p + "mlp.gate_proj.weight"] = rand(inter, h, std=1.0 / math.sqrt(h))
+        w[p + "mlp.up_proj.weight"] = rand(inter, h, std=1.0 / math.sqrt(h))
+        w[p + "mlp.down_proj.weight"] = rand(h, inter, std=1.0 / math.sqrt(inter))
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "post_attention_layernorm.weight"] = norm(h, post_gain)
+        if cfg["model_type"] == "qwen2":
+            for name, size in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
+                w[p + f"self_attn.{name}_proj.bias"] = rand(size, std=0.1)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(h)
+            w[p + "post_feedforward_layernorm.weight"] = norm(h, post_gain)
+        if cfg["model_type"] == "gemma3_text":
+            w[p + "self_attn.q_norm.weight"] = norm(d)
+            w[p + "self_attn.k_norm.weight"] = norm(d)
+    return w
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer: 3 specials, then token 3 + b for byte b; no merges."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    for b, ch in sorted(_bytes_to_unicode().items()):
+        vocab[ch] = NUM_SPECIAL + b
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 1)]
+    )
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte value."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, **config: Any) -> Path:
+    """Write a complete tiny HF model folder for `arch`; `config` overrides `tiny_config` args."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(arch, **config)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    weights = random_weights(cfg, seed)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    byte_tokenizer().save(str(out / "tokenizer.json"))
+    tok_cfg = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    gen_cfg = {"bos_token_id": 1, "eos_token_id": [2], "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=1))
+    return out

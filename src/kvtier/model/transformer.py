@@ -1,0 +1,183 @@
+"""The decoder-only transformer for every supported architecture (differences come from `ArchSpec`).
+
+gpt-fast style: `forward(input_ids, positions, kv_caches, attn_metadata)` takes every input as an
+argument; the module holds only weights and static tables, nothing per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.config import ModelConfig
+from kvtier.kv.plan import KVGroup, group_layers
+from kvtier.model.arch import ArchSpec, arch_spec
+from kvtier.model.attention import (
+    AttentionMetadata,
+    GroupPlan,
+    LayerKind,
+    paged_attention,
+    plan_group,
+)
+from kvtier.model.layers import GatedMLP, RMSNorm, apply_rope, inv_freq, rope_tables
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = spec.query_scale
+        self.softcap = spec.attn_softcap
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: GroupPlan,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+        super().__init__()
+        h, eps, gemma = config.hidden_size, spec.rms_norm_eps, spec.gemma_norm
+        self.self_attn = Attention(config, spec)
+        self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(h, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(h, eps, gemma)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, gemma)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: GroupPlan,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, plan)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, spec.rms_norm_eps, spec.gemma_norm)
+
+
+class CausalLM(nn.Module):
+    """A decoder with an LM head; parameter names follow HF except the fused qkv / gate_up."""
+
+    def __init__(self, config: ModelConfig, spec: ArchSpec | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = spec = spec or arch_spec(config)
+        self.model = DecoderModel(config, spec)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_groups: tuple[KVGroup, ...] = group_layers(config, 1)[0]
+        self.layer_group = [0] * config.num_layers  # KV group index of each layer
+        for g, group in enumerate(self.kv_groups):
+            for i in group.layer_indices:
+                self.layer_group[i] = g
+        self.group_kinds = [
+            _kind(config, config.layer_kinds[g.layer_indices[0]]) for g in self.kv_groups
+        ]
+        ropes = sorted(set(spec.layer_ropes), key=spec.layer_ropes.index)
+        self.layer_rope = [ropes.index(r) for r in spec.layer_ropes]
+        for r, rope in enumerate(ropes):  # float32 tables, kept float32 by `rope_tables`
+            self.register_buffer(f"inv_freq_{r}", inv_freq(rope, config.head_dim), persistent=False)
+        self.num_ropes = len(ropes)
+
+    def layer_slots(self) -> list[int]:
+        """KV pool slot of each layer: layer `group.layer_indices[s]` uses slot s."""
+        slots = [0] * self.config.num_layers
+        for group in self.kv_groups:
+            for s, i in enumerate(group.layer_indices):
+                slots[i] = s
+        return slots
+
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        """Zeroed pool slots laid out as `KVLayout`, returned per layer (layers share slots)."""
+        cfg = self.config
+        num_slots = max(len(g.layer_indices) for g in self.kv_groups)
+        shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        pool = [torch.zeros(shape, dtype=dtype) for _ in range(num_slots)]
+        return [pool[s] for s in self.layer_slots()]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [num_tokens] → final hidden states [num_tokens, hidden].
+
+        `kv_caches[i]` is layer i's KV tensor (the pool slot of its group); K/V of this forward's
+        tokens are written there through the metadata's slot mapping of the layer's group.
+        """
+        group_size = self.config.num_heads // self.config.num_kv_heads
+        plans = [
+            plan_group(attn_metadata, g, kind, group_size)
+            for g, kind in enumerate(self.group_kinds)
+        ]
+        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.spec.embed_scale is not None:
+            h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
+        ropes = [
+            rope_tables(getattr(self, f"inv_freq_{r}").float(), positions, h.dtype)
+            for r in range(self.num_ropes)
+        ]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, ropes[self.layer_rope[i]], kv_caches[i], plans[self.layer_group[i]])
+        return self.model.norm(h)
+
+    def compute_logits(
+        self, hidden_states: torch.Tensor, token_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of the selected rows of `hidden_states` (all rows when None)."""
+        if token_indices is not None:
+            hidden_states = hidden_states[token_indices]
+        logits = F.linear(hidden_states, self.lm_head.weight)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _kind(config: ModelConfig, kind: str) -> LayerKind:
+    if kind == "sliding":
+        return LayerKind(window=config.sliding_window)
+    if kind == "chunked":
+        return LayerKind(chunk=config.attention_chunk_size)
+    return LayerKind()

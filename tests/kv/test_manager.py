@@ -470,3 +470,38 @@ def test_request_whose_whole_table_fits_is_admitted_despite_a_large_in_flight_bu
     assert m.max_concurrency() >= 1
     seq = m.new_sequence("a", fresh_tokens(256))
     assert m.allocate_slots(seq, 256) is not None
+
+
+# ---- construction and mixed block sizes ----------------------------------------------------------
+
+
+def test_constructor_rejects_bad_lengths_and_hash_names():
+    with pytest.raises(ValueError, match="max_model_len"):
+        KVCacheManager([FullAttention(BS)], 8, max_model_len=0)
+    with pytest.raises(ValueError, match="max_in_flight_tokens"):
+        KVCacheManager([FullAttention(BS)], 8, max_model_len=64, max_in_flight_tokens=-1)
+    with pytest.raises(ValueError, match="sha256"):
+        KVCacheManager([FullAttention(BS)], 8, max_model_len=64, hash_fn="md5")
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "xxhash"])
+def test_mixed_block_sizes_round_trip_through_the_facade(hash_fn):
+    """Hashes at gcd 16, hits at lcm 32; the coarse group caches its own 32-token view."""
+    m = manager(
+        40, [FullAttention(16), SlidingWindow(32, 64)], hash_fn=hash_fn, enable_kv_events=True
+    )
+    tokens = fresh_tokens(100)
+    seq = admit(m, "a", tokens)
+    assert len(seq.block_hashes) == 6
+    events = m.take_events()
+    assert [(e.group_id, len(e.block_hashes), e.block_size) for e in events] == [
+        (0, 6, 16),
+        (1, 3, 32),
+    ]
+    assert events[1].block_hashes == seq.block_hashes[1::2]
+    assert events[1].token_ids == tokens[:96]
+    m.free("a")
+    hits, num_hit = m.get_computed_blocks(m.new_sequence("b", [*tokens[:80], 5]))
+    assert num_hit == 64  # full reaches 80, rounded down to the 32-token alignment
+    assert [len(h) for h in hits] == [4, 2]
+    m.check_integrity()

@@ -1,5 +1,6 @@
 """Hypothesis state machines: the real BlockPool (quarantine on) beside a plain-dict model, and the
-KVCacheManager (full + sliding window) checked for I1, I2, I4 and I5 after every rule."""
+KVCacheManager (full + sliding window / chunked local / mamba) checked for I1, I2, I4 and I5 after
+every rule."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.kv import BlockPool, FullAttention, KVCacheManager, SlidingWindow
+from kvtier.kv import (
+    BlockPool,
+    ChunkedLocal,
+    FullAttention,
+    KVCacheManager,
+    KVSpec,
+    Mamba,
+    SlidingWindow,
+)
 
 N = 12  # blocks, null included
 HASHES = [f"h{i}".encode() for i in range(5)]  # few values: duplicates are common
@@ -200,11 +209,11 @@ class ManagerMachine(RuleBasedStateMachine):
     I1/I5 (check_integrity), I2 (no allocation returns a block some unprocessed step saw) and I4
     (every window block a future query at or after the settled count reads is real)."""
 
+    specs: tuple[KVSpec, ...] = (FullAttention(BS), SlidingWindow(BS, W))
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(
-            [FullAttention(BS), SlidingWindow(BS, W)], 28, max_model_len=64, max_in_flight_tokens=8
-        )
+        self.m = KVCacheManager(list(self.specs), 28, max_model_len=64, max_in_flight_tokens=8)
         self.reqs: dict[str, object] = {}
         self.history: dict[str, list[tuple[int, int]]] = {}  # req → [(step seq, computed after)]
         self.step_blocks: dict[int, set[int]] = {}  # step seq → block ids its tables held
@@ -300,10 +309,30 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         for req_id in self.reqs:
             table = self.m.get_blocks(req_id)[1]
-            # the query at the settled position reads keys from settled − W + 1 on
-            first = max(0, self._settled(req_id) - W + 1) // BS
-            assert not any(b.is_null for b in table[first:]), f"I4: {req_id} lost window blocks"
+            settled = self._settled(req_id)
+            assert self.readable(table, settled), f"I4: {req_id} lost blocks at settled {settled}"
+
+    def readable(self, table: list, settled: int) -> bool:
+        """Every block a query at or after `settled` reads is real (independent of specs.py)."""
+        return not any(b.is_null for b in table[max(0, settled - W + 1) // BS :])
 
 
-ManagerMachine.TestCase.settings = settings(stateful_step_count=30)
+class ChunkedManagerMachine(ManagerMachine):
+    specs = (FullAttention(BS), ChunkedLocal(BS, 8))
+
+    def readable(self, table: list, settled: int) -> bool:
+        return not any(b.is_null for b in table[settled // 8 * 8 // BS :])
+
+
+class MambaManagerMachine(ManagerMachine):
+    specs = (FullAttention(BS), Mamba(BS))
+
+    def readable(self, table: list, settled: int) -> bool:
+        return settled == 0 or not table[(settled - 1) // BS].is_null
+
+
+for _machine in (ManagerMachine, ChunkedManagerMachine, MambaManagerMachine):
+    _machine.TestCase.settings = settings(stateful_step_count=30)
 TestKVCacheManagerMachine = ManagerMachine.TestCase
+TestChunkedLocalManagerMachine = ChunkedManagerMachine.TestCase
+TestMambaManagerMachine = MambaManagerMachine.TestCase

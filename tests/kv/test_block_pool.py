@@ -423,6 +423,18 @@ def test_quarantine_counts_each_reference_separately():
     p.check_integrity()
 
 
+def test_freeable_quarantined_blocks_exclude_blocks_with_live_holders():
+    p = pool(6)
+    a, b, c = p.get_new_blocks(3)
+    p.touch([b, c])
+    p.free([a, b, c], last_step_seq=2)  # a: only holder; b, c still held elsewhere
+    assert p.num_quarantined_refs == 3 and p.num_quarantined_freeable() == 1
+    p.free([c], last_step_seq=3)  # now both of c's references are quarantined
+    assert p.num_quarantined_freeable() == 2
+    p.release_quarantine(3)
+    assert p.num_quarantined_freeable() == 0 and p.num_free_blocks == 4
+
+
 def test_hashed_quarantined_block_stays_a_prefix_hit_and_its_new_holder_survives_release():
     """Documented choice (BlockPool docstring): a hashed block's tokens are final, so a new
     holder only adds later compute-stream reads; its reference outlives the quarantine's."""

@@ -364,6 +364,26 @@ def test_blocks_beyond_the_steady_charge_and_quarantined_refs_count_as_held_rese
     m.check_integrity()
 
 
+def test_quarantined_refs_of_shared_blocks_do_not_stand_in_for_the_reserve():
+    """Bug fixed here: reserve_shortfall counted every quarantined reference as held reserve, but
+    a finished request's references to prefix blocks another request still holds free nothing
+    when released. Admitting on that credit left the pool short of the reserve afterwards."""
+    m = KVCacheManager(
+        [FullAttention(BS), SlidingWindow(BS, 32)], 40, max_model_len=4096, max_in_flight_tokens=64
+    )
+    prefix = fresh_tokens(64)
+    admit(m, "a", [*prefix, *fresh_tokens(16)])
+    admit(m, "b", [*prefix, *fresh_tokens(16)])  # shares 4 full + 2 window blocks with "a"
+    m.free("a", last_step_seq=1)
+    assert m.pool.num_quarantined_refs == 10 and m.pool.num_quarantined_freeable() == 4
+    i = 0
+    while m.allocate_slots(m.new_sequence(f"c{i}", fresh_tokens(16)), 16) is not None:
+        i += 1
+    m.release_quarantine(1)
+    assert m.reserve_shortfall() <= m.num_free_blocks
+    m.check_integrity()
+
+
 def test_no_reserve_without_in_flight_tokens_or_window_groups():
     assert swa_manager(100, 512, 0).reserve_shortfall(5) == 0
     full = KVCacheManager([FullAttention(BS)], 100, max_model_len=4096, max_in_flight_tokens=4096)

@@ -180,6 +180,12 @@ class PoolMachine(RuleBasedStateMachine):
         assert sorted(p.quarantined_block_ids()) == sorted(
             i for _, _, ids in self.quarantine for i in ids
         )
+        quarantine_refs: dict[int, int] = {}
+        for _, _, ids in self.quarantine:
+            for i in ids:
+                quarantine_refs[i] = quarantine_refs.get(i, 0) + 1
+        freeable = sum(1 for i, n in quarantine_refs.items() if self.refs[i] == n)
+        assert p.num_quarantined_freeable() == freeable
         assert p.processed_step_seq == self.processed
         assert {
             b.block_id: b.block_hash for b in p.blocks if b.block_hash is not None

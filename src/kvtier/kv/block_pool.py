@@ -222,6 +222,15 @@ class BlockPool:
         self.num_quarantined_refs -= released
         return released
 
+    def num_quarantined_freeable(self) -> int:
+        """Blocks that releasing the whole quarantine would return to the free queue: those whose
+        every reference is quarantined (a block shared with a live holder returns nothing)."""
+        counts: dict[BlockId, int] = {}
+        for _, _, blocks in self._quarantine:
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        return sum(1 for block_id, n in counts.items() if self.blocks[block_id].ref_cnt == n)
+
     def quarantined_block_ids(self) -> list[BlockId]:
         """Block ids held by the quarantine (with repeats for repeated references)."""
         return [b.block_id for _, _, blocks in self._quarantine for b in blocks]

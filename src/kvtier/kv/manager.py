@@ -97,7 +97,7 @@ class KVCacheManager:
         """Blocks of the pool-wide transient reserve not currently held (≥ 0).
 
         Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests)`; held: blocks
-        tables keep beyond their steady charge plus quarantined references, plus
+        tables keep beyond their steady charge, quarantined blocks that will come back free, and
         `num_new_excess_blocks` that a request being admitted will hold beyond its steady charge.
         """
         if self.max_in_flight_tokens <= 0:
@@ -105,7 +105,7 @@ class KVCacheManager:
         n = self.coordinator.num_requests + num_new_requests
         reserve = sum(s.transient_blocks(self.max_in_flight_tokens, n) for s in self.specs)
         held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
-        return max(0, reserve - held - self.pool.num_quarantined_refs)
+        return max(0, reserve - held - self.pool.num_quarantined_freeable())
 
     def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
         """Real blocks a new request's table will hold beyond each group's steady charge: they

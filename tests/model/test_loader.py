@@ -1,0 +1,114 @@
+"""Loader and tokenizer: what a HF folder provides, and a clear ValueError for each thing missing
+or unsupported (naming the file or field and the fix)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvtier.model.loader import load_generation_defaults, load_model
+from kvtier.model.tokenizer import load_tokenizer
+
+
+def copy_of(tiny_model_dir, tmp_path, arch="llama"):
+    return shutil.copytree(tiny_model_dir(arch), tmp_path / "m")
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="not a local folder"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    (folder / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json is missing"):
+        load_model(folder)
+
+
+def test_missing_weights_mentions_bin_files(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors.*safe_serialization"):
+        load_model(folder)
+
+
+def test_missing_shard(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"architectures": ["FalconForCausalLM"]}, "not supported"),
+        ({"architectures": ["Llama4ForCausalLM"]}, "not supported by kvtier.model"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+        ({"hidden_act": "relu2"}, "activation 'relu2'"),
+    ],
+)
+def test_unsupported_settings(tiny_model_dir, tmp_path, changes, match):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=match):
+        load_model(folder)
+
+
+def test_weights_of_another_architecture(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path, "qwen2")  # has q/k/v biases, tied head
+    edit_config(folder, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(ValueError, match="weights do not match LlamaForCausalLM"):
+        load_model(folder)
+
+
+def test_unsupported_dtype(tiny_model_dir):
+    with pytest.raises(ValueError, match="dtype 'int8' unsupported"):
+        load_model(tiny_model_dir("llama"), dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_dtypes_and_tied_embeddings(tiny_model_dir, dtype):
+    tied = load_model(tiny_model_dir("gemma3"), dtype=dtype)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert tied.lm_head.weight.dtype == getattr(torch, dtype)
+    untied = load_model(tiny_model_dir("llama"), dtype=dtype)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_tokenizer_and_generation_config(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    tok = load_tokenizer(folder)
+    ids = tok.encode("héllo, wörld")
+    assert ids[0] == tok.bos_token_id == 1
+    assert tok.decode(ids) == "héllo, wörld"
+    assert tok.eos_token_ids == (2,)
+    assert load_generation_defaults(folder).eos_token_ids == (2,)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<bos><user>hi\n<assistant>"
+
+
+def test_missing_tokenizer(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer\.json is missing.*prompt_token_ids"):
+        load_tokenizer(folder)
+    assert load_model(folder) is not None  # the model itself loads without a tokenizer
+
+
+def test_missing_chat_template(tiny_model_dir, tmp_path):
+    folder = copy_of(tiny_model_dir, tmp_path)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}])

@@ -1,0 +1,127 @@
+"""Sampler: greedy is argmax; top-k / top-p / min-p keep exactly their sets; temperature sampling
+follows the softmax; seeds are deterministic per (seed, position) and batch-independent; logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.model.sampler import SamplingBatch, SamplingParams, processed_logits, sample
+
+VOCAB = 16
+
+
+def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2  # [n, V]
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], positions=None, gen_seed=0):
+    positions = positions if positions is not None else [0] * len(params)
+    batch = SamplingBatch.from_params(params, positions, VOCAB)
+    return sample(logits, batch, torch.Generator().manual_seed(gen_seed))
+
+
+def test_greedy_is_argmax_and_mixes_with_random_rows():
+    logits = logits_rows(6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
+    out = draw(logits, params)
+    assert out.token_ids[::2].tolist() == logits[::2].argmax(-1).tolist()
+    assert out.sampled_logprobs is None
+
+
+def test_temperature_sampling_follows_softmax():
+    row = logits_rows(1)
+    n = 4000
+    logits = row.expand(n, VOCAB)
+    out = draw(logits, [SamplingParams(temperature=0.7)] * n)
+    freq = torch.bincount(out.token_ids, minlength=VOCAB).float() / n
+    expected = torch.softmax(row[0] / 0.7, -1)
+    assert (freq - expected).abs().max() < 0.03
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(top_k=3), lambda p: p.argsort(descending=True)[:3]),
+        (SamplingParams(top_p=0.6), lambda p: nucleus(p, 0.6)),
+        (SamplingParams(min_p=0.2), lambda p: torch.nonzero(p >= 0.2 * p.max()).flatten()),
+    ],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_filters_keep_exactly_their_set(params, allowed):
+    row = logits_rows(1, seed=3)
+    keep = set(allowed(torch.softmax(row[0], -1)).tolist())
+    assert 1 < len(keep) < VOCAB
+    n = 3000
+    out = draw(row.expand(n, VOCAB), [params] * n)
+    assert set(out.token_ids.tolist()) == keep  # every kept token appears, nothing else
+    processed = processed_logits(row, SamplingBatch.from_params([params], [0], VOCAB))[0]
+    assert set(torch.nonzero(torch.isfinite(processed)).flatten().tolist()) == keep
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    order = probs.argsort(descending=True)
+    mass, keep = 0.0, []
+    for t in order.tolist():
+        keep.append(t)
+        mass += float(probs[t])
+        if mass >= top_p:
+            break
+    return torch.tensor(keep)
+
+
+def test_same_seed_same_tokens_regardless_of_batch_and_other_rows():
+    logits = logits_rows(8, seed=5)
+    seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(8)]
+    a = draw(logits, seeded, positions=list(range(10, 18)), gen_seed=1).token_ids
+    b = draw(logits, seeded, positions=list(range(10, 18)), gen_seed=2).token_ids
+    assert a.tolist() == b.tolist()
+    alone = draw(logits[3:4], seeded[3:4], positions=[13], gen_seed=9).token_ids
+    assert alone.item() == a[3].item()
+
+
+def test_different_seeds_and_positions_give_different_draws():
+    row = logits_rows(1, seed=6).expand(64, VOCAB) * 0.1  # near-uniform: draws spread widely
+    by_seed = draw(row, [SamplingParams(seed=s) for s in range(64)], positions=[5] * 64)
+    by_pos = draw(row, [SamplingParams(seed=1)] * 64, positions=list(range(64)))
+    assert len(set(by_seed.token_ids.tolist())) > 8
+    assert len(set(by_pos.token_ids.tolist())) > 8
+
+
+def test_unseeded_rows_follow_the_generator():
+    logits = logits_rows(32, seed=8) * 0.1
+    params = [SamplingParams()] * 32
+    assert draw(logits, params, gen_seed=1).token_ids.tolist() == (
+        draw(logits, params, gen_seed=1).token_ids.tolist()
+    )
+    assert draw(logits, params, gen_seed=1).token_ids.tolist() != (
+        draw(logits, params, gen_seed=2).token_ids.tolist()
+    )
+
+
+def test_logprobs_of_the_processed_distribution():
+    logits = logits_rows(3, seed=9)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=VOCAB),
+        SamplingParams(top_k=4, logprobs=2),
+        SamplingParams(temperature=0.5, logprobs=0),
+    ]
+    out = draw(logits, params)
+    assert out.top_logprobs is not None and out.top_token_ids is not None
+    assert out.top_logprobs.shape == (3, VOCAB) and out.top_token_ids.shape == (3, VOCAB)
+    torch.testing.assert_close(out.top_logprobs[0].exp().sum(), torch.tensor(1.0))
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()  # sorted, best first
+    assert out.top_token_ids[0, 0] == out.token_ids[0] == logits[0].argmax()
+    assert torch.isinf(out.top_logprobs[1, 4:]).all()  # top-k=4 filtered the rest out
+    torch.testing.assert_close(out.top_logprobs[1, :4].exp().sum(), torch.tensor(1.0))
+    expected = torch.log_softmax(logits[2] / 0.5, -1)[out.token_ids[2]]
+    torch.testing.assert_close(out.sampled_logprobs[2], expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": -1.0}, {"top_p": 0.0}, {"min_p": 1.5}, {"top_k": -2}, {"logprobs": -1}],
+)
+def test_bad_params_raise(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)

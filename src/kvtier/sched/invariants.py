@@ -61,10 +61,22 @@ def check_scheduler(sched: Scheduler) -> None:
     coordinator = sched.kv.coordinator
     for request in running:
         assert coordinator.has_request(request.request_id), f"{request.request_id} has no table"
+        if sched.settled:
+            check_pruned(sched, request)
     for req_id, request in sched.requests.items():
         if request.status is not RequestStatus.RUNNING:
             assert not coordinator.has_request(req_id), f"{req_id} keeps blocks while not running"
     sched.kv.check_integrity()
+
+
+def check_pruned(sched: Scheduler, request: Request) -> None:
+    """Reference §8.2: no real block is left below what the settled count lets windows skip."""
+    settled = request.num_settled_tokens
+    tables = sched.kv.get_blocks(request.request_id)
+    for g, (spec, table) in enumerate(zip(sched.kv.specs, tables, strict=True)):
+        end = min(len(table), spec.num_skipped_tokens(settled) // spec.block_size)
+        kept = [i for i in range(end) if not table[i].is_null]
+        assert not kept, f"{request.request_id} group {g}: settled {settled}, unpruned {kept}"
 
 
 def window_violations(sched: Scheduler) -> list[str]:

@@ -162,6 +162,9 @@ class Request(KVSequence):
         self.ledger = StepLedger()
         self.last_sched_seq = 0  # the last step that scheduled tokens of this request
         self.num_preemptions = 0
+        # Scheduler memo of its last KV calls for this table (reset when the table is dropped):
+        self.prune_at = 0  # the next token count at which pruning can free a block
+        self.cached_basis = 0  # token count blocks were last published up to
 
     # ---- derived counts ------------------------------------------------------------------------
 

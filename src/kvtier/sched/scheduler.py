@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.specs import FullAttention, KVSpec
+from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
@@ -62,6 +62,7 @@ class Scheduler:
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be ≥ 0 (0 = no drafts)")
         self.has_windows = not all(isinstance(s, FullAttention) for s in kv.specs)
+        self._cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
         self.kv = kv
         self.max_model_len = kv.max_model_len
         self.max_num_seqs = max_num_seqs
@@ -337,13 +338,24 @@ class Scheduler:
                 basis, stamp = request.num_settled_tokens, self.processed_step_seq
             else:
                 basis, stamp = request.num_computed_tokens, request.last_sched_seq
-            self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
+            if basis >= request.prune_at:  # else no window has crossed a block since last time
+                request.prune_at = min(next_prune_basis(spec, basis) for spec in self.kv.specs)
+                self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
+
+    def _cache(self, request: Request) -> None:
+        """Publish blocks whose tokens are now known and whose KV a scheduled step writes."""
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        unit = self._cache_unit
+        if num_tokens // unit > request.cached_basis // unit:  # a block boundary was crossed
+            request.cached_basis = num_tokens
+            self.kv.cache_blocks(request, num_tokens)
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
         self.kv.free(request.request_id, request.last_sched_seq)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
+        request.prune_at, request.cached_basis = 0, 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -401,7 +413,7 @@ class Scheduler:
                     f"step {seq}: {req_id} ran a prefill chunk but got tokens {tokens}"
                 )
             if request.status is RequestStatus.RUNNING:
-                self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+                self._cache(request)
                 self._prune(request)  # §8.2: return blocks as soon as the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -418,6 +430,19 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
         if not request.ledger.records:
             del self.requests[request.request_id]
+
+
+def next_prune_basis(spec: KVSpec, basis: int) -> int:
+    """Smallest token count above `basis` at which `spec` may skip one more block (a lower
+    bound: pruning there may free nothing, but never is there anything to free before it)."""
+    bs = spec.block_size
+    if isinstance(spec, SlidingWindow):
+        return (max(0, basis - spec.window + 1) // bs + 1) * bs + spec.window - 1
+    if isinstance(spec, ChunkedLocal):
+        return (basis // spec.chunk + 1) * spec.chunk
+    if isinstance(spec, Mamba):
+        return (max(0, basis - 1) // bs + 1) * bs + 1
+    return 1 << 62  # full attention never skips
 
 
 def _ids(blocks: GroupBlocks) -> BlockIds:

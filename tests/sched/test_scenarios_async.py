@@ -203,13 +203,14 @@ def test_multi_turn_hit() -> None:  # scenario 29
 
 def test_preemption_with_stale_output() -> None:  # scenario 30
     d = Driver(scheduler(5, depth=2, budget=256))  # 4 usable blocks
-    a, r = request("a", 31, max_tokens=8), request("r", 17, max_tokens=8)
+    a, r = request("a", 31, max_tokens=8), request("r", 30, max_tokens=8)
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()  # both prefills: 2 + 2 blocks
     d.process(1)
     d.schedule()  # step 2: both decode inside their second blocks
     free = d.sched.kv.num_free_blocks
+    r_blocks = [d.sched.kv.pool.blocks[i] for i in d.sched.kv.get_block_ids("r")[0]]
     out = d.schedule()  # step 3: a needs a third block; r is the latest, so the victim
     assert out.preempted_req_ids == ["r"]
     assert r.status is RequestStatus.PREEMPTED and d.sched.waiting.peek() is r
@@ -220,12 +221,13 @@ def test_preemption_with_stale_output() -> None:  # scenario 30
     assert r.ledger.num_stale_tokens == 1 and r.num_in_flight_tokens == 1
     assert all(not t for t in d.sched.kv.get_block_ids("r"))
     assert d.sched.kv.num_free_blocks == free  # quarantined until step 2 is processed
-    cached_before = d.sched.kv.pool.num_cached_entries()
+    hashes_before = [b.block_hash for b in r_blocks]
     d.process(2, {"a": [11], "r": [12]})
     assert r.num_in_flight_tokens == 0 and r.ledger.num_stale_tokens == 0
     assert r.num_computed_tokens == 0 and r.num_output_placeholders == 0
     assert r.output_token_ids == [7, 12]  # the stale token is delivered
-    assert d.sched.kv.pool.num_cached_entries() == cached_before
+    assert r.num_tokens == 32  # the stale token completes r's second block ...
+    assert [b.block_hash for b in r_blocks] == hashes_before  # ... which is not cached
     assert d.sched.kv.num_free_blocks == free + 2
 
 

@@ -164,6 +164,7 @@ class Request(KVSequence):
         self.num_preemptions = 0
         # Scheduler memo of its last KV calls for this table (reset when the table is dropped):
         self.prune_at = 0  # the next token count at which pruning can free a block
+        self.num_slot_tokens = 0  # positions every group's table already covers
         self.cached_basis = 0  # token count blocks were last published up to
 
     # ---- derived counts ------------------------------------------------------------------------

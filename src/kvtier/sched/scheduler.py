@@ -63,6 +63,7 @@ class Scheduler:
             raise ValueError("num_speculative_tokens must be ≥ 0 (0 = no drafts)")
         self.has_windows = not all(isinstance(s, FullAttention) for s in kv.specs)
         self._cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
+        self._block_sizes = [s.block_size for s in kv.specs]
         self.kv = kv
         self.max_model_len = kv.max_model_len
         self.max_num_seqs = max_num_seqs
@@ -271,9 +272,13 @@ class Scheduler:
         self, request: Request, n: int, index: int, preempted: list[ReqId]
     ) -> GroupBlocks | None:
         running = self.running
+        end = request.num_computed_tokens + n
+        if end <= request.num_slot_tokens:  # the tables already cover it: nothing to allocate
+            return [[] for _ in self._block_sizes]
         while True:
             blocks = self.kv.allocate_slots(request, n)
             if blocks is not None:
+                request.num_slot_tokens = self._num_slot_tokens(end)
                 return blocks
             v = self.waiting.pick_victim(running, index)
             if running[v] is request and request.ledger.num_live_in_flight_tokens:
@@ -302,6 +307,7 @@ class Scheduler:
             if kv.allocate_slots(request, n, num_hit, hits) is None:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
                 break
+            request.num_slot_tokens = self._num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -342,6 +348,10 @@ class Scheduler:
                 request.prune_at = min(next_prune_basis(spec, basis) for spec in self.kv.specs)
                 self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
 
+    def _num_slot_tokens(self, num_tokens: int) -> int:
+        """Positions covered once every group's table holds `num_tokens` (whole blocks)."""
+        return min(-(-num_tokens // bs) * bs for bs in self._block_sizes)
+
     def _cache(self, request: Request) -> None:
         """Publish blocks whose tokens are now known and whose KV a scheduled step writes."""
         num_tokens = min(request.num_computed_tokens, request.num_tokens)
@@ -355,7 +365,7 @@ class Scheduler:
         self.kv.free(request.request_id, request.last_sched_seq)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
-        request.prune_at, request.cached_basis = 0, 0
+        request.prune_at, request.cached_basis, request.num_slot_tokens = 0, 0, 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -422,6 +432,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
         if request.status is RequestStatus.RUNNING:
+            self._cache(request)
             self.kv.free(request.request_id, request.last_sched_seq)
         else:
             self.waiting.remove(request)  # waiting or preempted: its blocks were freed already

@@ -59,13 +59,13 @@ def test_deliver_stops_at_the_first_stop_condition(
     sp: SamplingParams, tokens: list[int], kept: list[int], status: RequestStatus | None
 ) -> None:
     r = Request("r", [1, 1, 1], sp)
-    assert r.deliver(tokens, max_model_len=100) is status
+    assert r.deliver(tokens, max_model_len=100) == (status, kept)
     assert r.output_token_ids == kept
 
 
 def test_deliver_stops_at_max_model_len() -> None:
     r = Request("r", [1] * 8, SamplingParams(max_tokens=50))
-    assert r.deliver([3, 3, 3], max_model_len=10) is RequestStatus.FINISHED_LENGTH
+    assert r.deliver([3, 3, 3], max_model_len=10) == (RequestStatus.FINISHED_LENGTH, [3, 3])
     assert r.num_tokens == 10
 
 

@@ -155,7 +155,11 @@ class Request(KVSequence):
         extras: HashExtras | None = None,
     ) -> None:
         super().__init__(request_id, prompt_token_ids, hasher, extras)
-        self.sampling = sampling or SamplingParams()
+        self.sampling = sp = sampling or SamplingParams()
+        stops = set(sp.stop_token_ids)
+        if sp.eos_token_id is not None and not sp.ignore_eos:
+            stops.add(sp.eos_token_id)
+        self._stop_ids = frozenset(stops)
         self.priority = priority
         self.arrival_seq = arrival_seq
         self.status = RequestStatus.WAITING
@@ -198,9 +202,10 @@ class Request(KVSequence):
     def reaches_max_tokens(self, max_model_len: int) -> bool:
         """True if the steps in flight already end the request by length (no new step needed)."""
         num_pending = self.ledger.num_pending_samples
+        num_tokens = len(self.all_token_ids) + num_pending
         return (
-            self.num_output_tokens + num_pending >= self.sampling.max_tokens
-            or self.num_tokens + num_pending >= max_model_len
+            num_tokens - self.num_prompt_tokens >= self.sampling.max_tokens
+            or num_tokens >= max_model_len
         )
 
     def max_new_drafts(self, k: int, max_model_len: int) -> int:
@@ -212,29 +217,40 @@ class Request(KVSequence):
 
     # ---- token delivery ------------------------------------------------------------------------
 
-    def deliver(self, token_ids: Iterable[int], max_model_len: int) -> RequestStatus | None:
+    def deliver(
+        self, token_ids: Sequence[int], max_model_len: int
+    ) -> tuple[RequestStatus | None, list[int]]:
         """Append sampled tokens up to the first stop condition (mutates).
 
-        Returns the finished status if one was reached (later tokens are dropped), else None.
+        Returns (the finished status if one was reached, else None; the tokens appended). Tokens
+        after a stop are dropped. EOS and stop tokens count only from `min_tokens` outputs on.
         """
         sp = self.sampling
-        accepted: list[int] = []
+        num_out = len(self.all_token_ids) - self.num_prompt_tokens
+        room = min(sp.max_tokens - num_out, max_model_len - len(self.all_token_ids))
+        assert room > 0, f"{self.request_id} delivered past its length limit"
         reason: RequestStatus | None = None
-        num_out = self.num_output_tokens
-        for token in token_ids:
-            accepted.append(token)
-            num_out += 1
-            if num_out >= sp.min_tokens and (
-                (token == sp.eos_token_id and not sp.ignore_eos) or token in sp.stop_token_ids
-            ):
-                reason = RequestStatus.FINISHED_STOPPED
-            elif num_out >= sp.max_tokens or self.num_tokens + len(accepted) >= max_model_len:
-                reason = RequestStatus.FINISHED_LENGTH
-            if reason is not None:
-                break
-        if accepted:
-            self.append_output_token_ids(accepted)
-        return reason
+        tokens = list(token_ids)
+        if len(tokens) >= room:
+            del tokens[room:]
+            reason = RequestStatus.FINISHED_LENGTH
+        stops = self._stop_ids
+        if stops:
+            for i in range(max(0, sp.min_tokens - num_out - 1), len(tokens)):
+                if tokens[i] in stops:
+                    del tokens[i + 1 :]
+                    reason = RequestStatus.FINISHED_STOPPED
+                    break
+        self.append_output_token_ids(tokens)
+        return reason, tokens
+
+    def append_output_token_ids(self, token_ids: Iterable[int]) -> None:
+        """Append tokens; hash only when a block completes (mutates)."""
+        all_ids = self.all_token_ids
+        all_ids.extend(token_ids)
+        hasher = self.hasher
+        if hasher is not None and len(all_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            hasher.extend(self.block_hashes, all_ids, self.extras)
 
     def __repr__(self) -> str:
         return (

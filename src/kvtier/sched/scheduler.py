@@ -64,6 +64,7 @@ class Scheduler:
         self.has_windows = not all(isinstance(s, FullAttention) for s in kv.specs)
         self._cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
         self._block_sizes = [s.block_size for s in kv.specs]
+        self._no_blocks: GroupBlocks = [[] for _ in kv.specs]  # shared, read-only
         self.kv = kv
         self.max_model_len = kv.max_model_len
         self.max_num_seqs = max_num_seqs
@@ -247,12 +248,12 @@ class Scheduler:
     def _running_tokens(self, request: Request, budget: int) -> tuple[int, list[int], bool]:
         """(tokens to schedule, draft ids, whether the step samples) for a running request."""
         if request.reaches_max_tokens(self.max_model_len):
-            return 0, [], False  # the steps in flight already end it: never over-schedule
-        target = request.num_tokens + request.num_output_placeholders
+            return 0, _NO_DRAFTS, False  # the steps in flight already end it: never over-schedule
+        target = len(request.all_token_ids) + request.ledger.num_placeholders
         num_new = target - request.num_computed_tokens
         if num_new <= 0:
-            return 0, [], False
-        drafts: list[int] = []
+            return 0, _NO_DRAFTS, False
+        drafts = _NO_DRAFTS
         if num_new == 1 and self.proposer is not None and request.sampling.use_ngram:
             k = min(
                 request.max_new_drafts(self.num_speculative_tokens, self.max_model_len), budget - 1
@@ -271,10 +272,15 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, n: int, index: int, preempted: list[ReqId]
     ) -> GroupBlocks | None:
+        """New blocks per group for `n` more tokens, preempting from the back until they fit.
+
+        None if the request itself was preempted, or waits because its own steps are in flight.
+        The returned lists are never mutated by the caller.
+        """
         running = self.running
         end = request.num_computed_tokens + n
         if end <= request.num_slot_tokens:  # the tables already cover it: nothing to allocate
-            return [[] for _ in self._block_sizes]
+            return self._no_blocks
         while True:
             blocks = self.kv.allocate_slots(request, n)
             if blocks is not None:
@@ -394,13 +400,15 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         num_finished = 0
         sampled = result.sampled_token_ids
+        requests, running_status = self.requests, RequestStatus.RUNNING
         for req_id in output.num_scheduled_tokens:
-            request = self.requests[req_id]
+            request = requests[req_id]
             record = request.ledger.consume(seq)
             assert record is not None, f"{req_id} has no ledger record for step {seq}"
-            if request.is_finished:
+            status = request.status
+            if status is not running_status and status.is_finished:
                 if not request.ledger.records:
-                    del self.requests[req_id]
+                    del requests[req_id]
                 continue
             tokens = sampled.get(req_id)
             if record.num_placeholders:
@@ -411,20 +419,20 @@ class Scheduler:
                     )
                 if not record.stale:
                     request.num_computed_tokens -= record.num_draft_tokens - (len(tokens) - 1)
-                before = request.num_tokens
-                reason = request.deliver(tokens, self.max_model_len)
-                outputs.append(RequestOutput(req_id, request.all_token_ids[before:], reason))
+                reason, delivered = request.deliver(tokens, self.max_model_len)
+                outputs.append(RequestOutput(req_id, delivered, reason))
                 if reason is not None:
-                    num_finished += request.status is RequestStatus.RUNNING
+                    num_finished += status is running_status
                     self._finish(request, reason)
                     continue
             elif tokens:
                 raise ValueError(
                     f"step {seq}: {req_id} ran a prefill chunk but got tokens {tokens}"
                 )
-            if request.status is RequestStatus.RUNNING:
+            if status is running_status:
                 self._cache(request)
-                self._prune(request)  # §8.2: return blocks as soon as the step settles
+                if self.has_windows:
+                    self._prune(request)  # §8.2: return blocks as soon as the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
@@ -456,5 +464,10 @@ def next_prune_basis(spec: KVSpec, basis: int) -> int:
     return 1 << 62  # full attention never skips
 
 
+_NO_DRAFTS: list[int] = []  # shared, read-only
+
+
 def _ids(blocks: GroupBlocks) -> BlockIds:
+    if len(blocks) == 1:
+        return ([b.block_id for b in blocks[0]],)
     return tuple([b.block_id for b in group] for group in blocks)

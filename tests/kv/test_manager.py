@@ -416,7 +416,7 @@ def test_new_request_is_refused_unless_the_reserve_stays_free_but_running_ones_g
         (SlidingWindow(BS, 1024), 2048, 16384, 193, 65 + 129),
         (ChunkedLocal(BS, 1024), 1024, 16384, 128, 64 + 65),
         (ChunkedLocal(BS, 1024), 2048, 16384, 192, 64 + 129),
-        (SlidingWindow(BS, 1024), 2048, 2000, 126, 65 + 129),  # reserve not capped: see xfail
+        (SlidingWindow(BS, 1024), 2048, 2000, 126, 125),  # reserve capped: the whole table
         (SlidingWindow(BS, 512), 1024, 16384, 97, 33 + 65),  # B = 512, async depth 2
         (SlidingWindow(BS, 512), 512, 16384, 65, 33 + 33),  # B = 512, sync
     ],
@@ -428,9 +428,9 @@ def test_admission_charge_steady_per_request_plus_one_shared_reserve(
     cdiv(min(W − 1 + in_flight, max_model_len), bs) + 1 (chunked: cdiv(min(C + in_flight, ...))).
     We charge cdiv(W − 1, bs) + 1 per request (chunked: cdiv(C, bs)) plus one pool-wide reserve
     cdiv(in_flight, bs) + requests. A lone request costs us one block more (the reserve's
-    per-request boundary block) — or, at max_model_len 2000, 68 more, because the reserve is not
-    capped by what a request can hold (see the xfail below); every further request costs only its
-    steady part, so at 10,000 blocks we admit about twice as many."""
+    per-request boundary block) — but never more than its whole table (max_model_len 2000: 125
+    blocks, one fewer than vLLM); every further request costs only its steady part, so at 10,000
+    blocks we admit about twice as many."""
     if isinstance(spec, SlidingWindow):
         vllm = cdiv(min(spec.window - 1 + max_in_flight, max_model_len), BS) + 1
     else:
@@ -477,16 +477,11 @@ def test_long_request_admission_gate_under_async_and_sync(max_in_flight, num_fre
 
 def test_max_concurrency_for_a_shorter_length_and_an_empty_pool():
     m = swa_manager(1000, 512, 1024)
-    assert m.max_concurrency(100) == (1000 - 64) // (7 + 1)  # 7 steady blocks + 1 reserve each
+    # A 100-token request never holds more than its 7 blocks, so no reserve is kept for it.
+    assert m.max_concurrency(100) == 999 // 7
     assert swa_manager(10, 512, 1024).max_concurrency() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KNOWN BUG: the transient reserve is not capped by what requests can hold "
-    "(cdiv(max_model_len, bs) − steady per request), so a large in-flight budget with a short "
-    "max_model_len reserves more than a whole request and nothing is ever admitted",
-)
 def test_request_whose_whole_table_fits_is_admitted_despite_a_large_in_flight_budget():
     """W 64, bs 16, max_model_len 256, in-flight 1024: a request never holds more than 16 blocks,
     yet admission asks for 16 + cdiv(1024, 16) + 1 = 81 of the 40 free blocks — forever."""
@@ -592,12 +587,6 @@ def test_sized_pool_admits_all_requests_at_once():
     assert (failures, finished, most) == (0, 4, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KNOWN BUG: Mamba.transient_blocks charges one extra state block per request, but with "
-    "async depth d a request can hold its settled state block plus one new block per in-flight "
-    "step (d + 1 in all); transient_blocks does not know the depth",
-)
 def test_mamba_pool_sized_by_the_formula_runs_at_async_depth_two():
     failures, finished, _ = run_sized_pool([Mamba(8)], 1, 148, 24, 6, 2)
     assert failures == 0 and finished == 1

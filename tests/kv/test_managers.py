@@ -338,11 +338,19 @@ def test_steady_blocks_per_spec():
 
 
 def test_transient_blocks_per_spec():
-    assert FullAttention(16).transient_blocks(1024, 5) == 0
-    assert SlidingWindow(16, 512).transient_blocks(1024, 5) == 64 + 5
-    assert ChunkedLocal(16, 512).transient_blocks(1000, 2) == 63 + 2
-    assert Mamba(16).transient_blocks(1024, 5) == 5
+    assert FullAttention(16).transient_blocks(1024, 5, 16384) == 0
+    assert SlidingWindow(16, 512).transient_blocks(1024, 5, 16384) == 64 + 5
+    assert ChunkedLocal(16, 512).transient_blocks(1000, 2, 16384) == 63 + 2
+    assert Mamba(16).transient_blocks(1024, 5, 16384) == 64 + 5
     assert all(
-        s.transient_blocks(0, 5) == 0
+        s.transient_blocks(0, 5, 16384) == 0
         for s in (SlidingWindow(16, 512), ChunkedLocal(16, 512), Mamba(16))
     )
+
+
+def test_transient_reserve_is_capped_by_what_requests_can_hold():
+    # W 64, bs 16, max length 256: a request holds at most 16 blocks, 5 of them steady.
+    assert SlidingWindow(16, 64).transient_blocks(1024, 1, 256) == 11
+    assert SlidingWindow(16, 64).transient_blocks(1024, 3, 256) == 33
+    assert SlidingWindow(16, 64).transient_blocks(1024, 8, 256) == 64 + 8
+    assert Mamba(8).transient_blocks(48, 2, 16) == 2  # two blocks per table, one steady

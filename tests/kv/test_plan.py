@@ -62,8 +62,10 @@ def test_max_concurrency_matches_runtime_admission_formula() -> None:
 def test_impossible_budget_names_the_flags() -> None:
     with pytest.raises(ValueError, match=r"--max-model-len to ≤ \d+"):
         plan_kv(gemma3(), CacheConfig(num_device_blocks=2000), SchedulerConfig())
-    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+    with pytest.raises(ValueError, match=r"--max-model-len to ≤ 224\b"):
         plan_kv(gemma3(), CacheConfig(num_device_blocks=100), SchedulerConfig())
+    with pytest.raises(ValueError, match="fewer than one per KV-cache group"):
+        plan_kv(gemma3(), CacheConfig(num_device_blocks=5), SchedulerConfig())
 
 
 def test_host_tier_from_offloading_size() -> None:

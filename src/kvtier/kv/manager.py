@@ -96,14 +96,16 @@ class KVCacheManager:
     def reserve_shortfall(self, num_new_requests: int = 0, num_new_excess_blocks: int = 0) -> int:
         """Blocks of the pool-wide transient reserve not currently held (≥ 0).
 
-        Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests)`; held: blocks
+        Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests, max_model_len)`; held: blocks
         tables keep beyond their steady charge, quarantined blocks that will come back free, and
         `num_new_excess_blocks` that a request being admitted will hold beyond its steady charge.
         """
         if self.max_in_flight_tokens <= 0:
             return 0
         n = self.coordinator.num_requests + num_new_requests
-        reserve = sum(s.transient_blocks(self.max_in_flight_tokens, n) for s in self.specs)
+        reserve = sum(
+            s.transient_blocks(self.max_in_flight_tokens, n, self.max_model_len) for s in self.specs
+        )
         held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
         return max(0, reserve - held - self.pool.num_quarantined_freeable())
 

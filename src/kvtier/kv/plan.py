@@ -140,11 +140,7 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
             f"≥ {(need + 1) * bytes_per_block}"
         )
         if fit == 0:
-            reserve = plan.blocks_per_request(1) - len(groups)
-            raise ValueError(
-                f"{have}, but the in-flight reserve of the window groups alone needs {reserve} "
-                f"blocks: {more}, or lower --max-num-batched-tokens or --async-depth"
-            )
+            raise ValueError(f"{have}, fewer than one per KV-cache group ({len(groups)}): {more}")
         raise ValueError(
             f"{have}, but one request of --max-model-len {max_model_len} needs {need} + 1 null "
             f"blocks: {more}, or lower --max-model-len to ≤ {fit}"

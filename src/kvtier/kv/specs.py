@@ -25,7 +25,9 @@ class FullAttention:
     def steady_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def transient_blocks(self, max_in_flight_tokens: int, num_requests: int) -> int:
+    def transient_blocks(
+        self, max_in_flight_tokens: int, num_requests: int, max_model_len: int
+    ) -> int:
         return 0  # in-flight tokens are inside the request's own steady charge
 
 
@@ -43,12 +45,10 @@ class SlidingWindow:
         # W - 1 tokens before the next query, +1 block because the window need not be aligned.
         return min(cdiv(num_tokens, self.block_size), cdiv(self.window - 1, self.block_size) + 1)
 
-    def transient_blocks(self, max_in_flight_tokens: int, num_requests: int) -> int:
-        # Pool-wide: at most max_in_flight_tokens are unsettled across all requests together,
-        # plus one block per request for the boundary its unsettled span may straddle.
-        if max_in_flight_tokens <= 0:
-            return 0
-        return cdiv(max_in_flight_tokens, self.block_size) + num_requests
+    def transient_blocks(
+        self, max_in_flight_tokens: int, num_requests: int, max_model_len: int
+    ) -> int:
+        return shared_reserve(self, max_in_flight_tokens, num_requests, max_model_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +65,10 @@ class ChunkedLocal:
         per_chunk = cdiv(self.chunk, self.block_size) + (1 if self.chunk % self.block_size else 0)
         return min(cdiv(num_tokens, self.block_size), per_chunk)
 
-    def transient_blocks(self, max_in_flight_tokens: int, num_requests: int) -> int:
-        if max_in_flight_tokens <= 0:
-            return 0
-        return cdiv(max_in_flight_tokens, self.block_size) + num_requests
+    def transient_blocks(
+        self, max_in_flight_tokens: int, num_requests: int, max_model_len: int
+    ) -> int:
+        return shared_reserve(self, max_in_flight_tokens, num_requests, max_model_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +87,34 @@ class Mamba:
     def steady_blocks(self, num_tokens: int) -> int:
         return min(1, cdiv(num_tokens, self.block_size))
 
-    def transient_blocks(self, max_in_flight_tokens: int, num_requests: int) -> int:
-        # A step that crosses a block boundary writes the next state block while the previous one
-        # stays held until the step settles: at most one extra block per request in flight.
-        return num_requests if max_in_flight_tokens > 0 else 0
+    def transient_blocks(
+        self, max_in_flight_tokens: int, num_requests: int, max_model_len: int
+    ) -> int:
+        # Each unsettled step that crosses a block boundary holds one more state block: at most
+        # cdiv(unsettled tokens, bs) per request, so the window bound applies unchanged.
+        return shared_reserve(self, max_in_flight_tokens, num_requests, max_model_len)
 
 
 KVSpec = FullAttention | SlidingWindow | ChunkedLocal | Mamba
+
+
+def shared_reserve(
+    spec: SlidingWindow | ChunkedLocal | Mamba,
+    max_in_flight_tokens: int,
+    num_requests: int,
+    max_model_len: int,
+) -> int:
+    """Blocks a group's requests may hold beyond their steady charge while steps are in flight.
+
+    A request with u unsettled tokens holds at most cdiv(u, bs) blocks beyond its steady charge,
+    and Σ u ≤ max_in_flight_tokens, so Σ ≤ cdiv(max_in_flight_tokens, bs) + num_requests. No
+    request can hold more than its whole table, which caps the reserve for short max lengths.
+    """
+    if max_in_flight_tokens <= 0 or num_requests <= 0:
+        return 0
+    bs = spec.block_size
+    per_request_cap = max(0, cdiv(max_model_len, bs) - spec.steady_blocks(max_model_len))
+    return min(cdiv(max_in_flight_tokens, bs) + num_requests, num_requests * per_request_cap)
 
 
 def validate_spec(spec: KVSpec) -> None:
@@ -115,7 +136,7 @@ def blocks_for_requests(
     """
     return sum(
         num_requests * s.steady_blocks(num_tokens)
-        + s.transient_blocks(max_in_flight_tokens, num_requests)
+        + s.transient_blocks(max_in_flight_tokens, num_requests, num_tokens)
         for s in specs
     )
 

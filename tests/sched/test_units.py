@@ -200,16 +200,14 @@ def test_update_rejects_out_of_order_steps_and_bad_runner_outputs() -> None:
         sched.update(first, RunnerOutput(1, {}))
 
 
-def test_from_config_and_build() -> None:
+def test_from_config() -> None:
     from kvtier.config import SchedulerConfig
 
     kv = KVCacheManager([FullAttention(16)], 64, max_model_len=256)
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, async_depth=3)
     sched = Scheduler.from_config(cfg, kv)
     assert (sched.max_num_seqs, sched.async_depth) == (3, 3)
-    built = Scheduler.build([FullAttention(16)], 64, max_model_len=256, async_depth=2)
-    assert built.kv.max_in_flight_tokens == 2 * built.max_num_batched_tokens
     for i in range(5):
-        built.add_request(request(f"r{i}", 30, max_tokens=5))
-    FakeEngine(built, FakeRunner()).run()
-    assert built.kv.num_free_blocks == 63
+        sched.add_request(request(f"r{i}", 30, max_tokens=5))
+    FakeEngine(sched, FakeRunner()).run()
+    assert sched.kv.num_free_blocks == 63

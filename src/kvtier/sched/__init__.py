@@ -1,6 +1,7 @@
 """Torch-free scheduling: requests and their step ledgers, queues, the scheduler, step contracts."""
 
 from kvtier.sched.fake_runner import FakeEngine, FakeRunner, hashed_token
+from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.oracle import AccessOracle, Violation
 from kvtier.sched.output import (
@@ -23,6 +24,7 @@ __all__ = [
     "FakeRunner",
     "NewRequestData",
     "NgramProposer",
+    "OptimisticLifetimes",
     "PlannedTransfer",
     "PriorityQueue",
     "Request",
@@ -33,6 +35,7 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
+    "SettledLifetimes",
     "StepLedger",
     "StepRecord",
     "Violation",

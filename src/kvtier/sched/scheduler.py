@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
+from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
@@ -23,8 +23,6 @@ from kvtier.sched.queues import make_queue
 from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from kvtier.config import SchedulerConfig
     from kvtier.kv.coordinator import GroupBlocks
 
@@ -35,8 +33,9 @@ class Scheduler:
     """Continuous-batching scheduler over one `KVCacheManager`.
 
     `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous).
-    `settled=False` prunes windows on the optimistic count (the pre-fix basis, for reproducing
-    hazards); the quarantine switch lives in the KV manager (`enable_quarantine`).
+    `settled=False` prunes windows on the optimistic count (`OptimisticLifetimes`, the pre-fix
+    basis, for reproducing hazards); the quarantine switch lives in the KV manager
+    (`enable_quarantine`).
     """
 
     def __init__(
@@ -61,10 +60,6 @@ class Scheduler:
             raise ValueError("long_prefill_token_threshold must be ≥ 0 (0 = no limit)")
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be ≥ 0 (0 = no drafts)")
-        self.has_windows = not all(isinstance(s, FullAttention) for s in kv.specs)
-        self._cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
-        self._block_sizes = [s.block_size for s in kv.specs]
-        self._no_blocks: GroupBlocks = [[] for _ in kv.specs]  # shared, read-only
         self.kv = kv
         self.max_model_len = kv.max_model_len
         self.max_num_seqs = max_num_seqs
@@ -74,6 +69,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = NgramProposer(num_speculative_tokens) if num_speculative_tokens else None
         self.settled = settled
+        self.lifetimes = SettledLifetimes(kv) if settled else OptimisticLifetimes(kv)
         self.waiting = make_queue(policy)
         self.running: list[Request] = []
         # Every request that is unfinished or still has ledger records (finished ones drain).
@@ -84,35 +80,6 @@ class Scheduler:
         self.num_arrivals = 0
         self.num_preemptions = 0
         self._finished_ids: list[ReqId] = []  # for the next SchedulerOutput
-
-    @classmethod
-    def build(
-        cls,
-        specs: Sequence[KVSpec],
-        num_blocks: int,
-        *,
-        max_model_len: int,
-        enable_caching: bool = True,
-        quarantine: bool = True,
-        max_num_batched_tokens: int = 2048,
-        async_depth: int = 1,
-        **kwargs: object,
-    ) -> Scheduler:
-        """A scheduler with its own KVCacheManager sized for `async_depth × budget` in flight."""
-        kv = KVCacheManager(
-            specs,
-            num_blocks,
-            max_model_len=max_model_len,
-            enable_caching=enable_caching,
-            enable_quarantine=quarantine,
-            max_in_flight_tokens=async_depth * max_num_batched_tokens,
-        )
-        return cls(
-            kv,
-            max_num_batched_tokens=max_num_batched_tokens,
-            async_depth=async_depth,
-            **kwargs,  # type: ignore[arg-type]
-        )
 
     @classmethod
     def from_config(
@@ -191,8 +158,8 @@ class Scheduler:
 
         Running requests first, in order, preempting from the back when blocks run out (a request
         that would preempt itself while its own steps are in flight waits instead); waiting
-        requests only in a step where every running request got its blocks. RuntimeError if `async_depth` steps are
-        already unprocessed.
+        requests only in a step where every running request got its blocks. RuntimeError if
+        `async_depth` steps are already unprocessed.
         """
         if not self.can_schedule():
             raise RuntimeError(
@@ -214,7 +181,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            self._prune(request)
+            self.lifetimes.prune(request, self.processed_step_seq)
             blocks = self._allocate_or_preempt(request, n, i, preempted)
             if blocks is None:
                 blocked = True  # it waits or preempted itself: nothing later can fit either
@@ -280,11 +247,11 @@ class Scheduler:
         running = self.running
         end = request.num_computed_tokens + n
         if end <= request.num_slot_tokens:  # the tables already cover it: nothing to allocate
-            return self._no_blocks
+            return self.lifetimes.no_blocks
         while True:
             blocks = self.kv.allocate_slots(request, n)
             if blocks is not None:
-                request.num_slot_tokens = self._num_slot_tokens(end)
+                request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
                 return blocks
             v = self.waiting.pick_victim(running, index)
             if running[v] is request and request.ledger.num_live_in_flight_tokens:
@@ -313,7 +280,7 @@ class Scheduler:
             if kv.allocate_slots(request, n, num_hit, hits) is None:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
                 break
-            request.num_slot_tokens = self._num_slot_tokens(num_hit + n)
+            request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -338,40 +305,11 @@ class Scheduler:
         request.num_computed_tokens += n
         request.last_sched_seq = seq
 
-    def _prune(self, request: Request) -> None:
-        """Free blocks out of every window.
-
-        Settled basis: every unprocessed step queries positions ≥ settled, so no such step reads a
-        pruned block and the last step that touched it is processed. Optimistic basis (switched
-        off): steps up to the request's last one may still read it, so that is the stamp.
-        """
-        if self.has_windows:
-            if self.settled:
-                basis, stamp = request.num_settled_tokens, self.processed_step_seq
-            else:
-                basis, stamp = request.num_computed_tokens, request.last_sched_seq
-            if basis >= request.prune_at:  # else no window has crossed a block since last time
-                request.prune_at = min(next_prune_basis(spec, basis) for spec in self.kv.specs)
-                self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
-
-    def _num_slot_tokens(self, num_tokens: int) -> int:
-        """Positions covered once every group's table holds `num_tokens` (whole blocks)."""
-        return min(-(-num_tokens // bs) * bs for bs in self._block_sizes)
-
-    def _cache(self, request: Request) -> None:
-        """Publish blocks whose tokens are now known and whose KV a scheduled step writes."""
-        num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        unit = self._cache_unit
-        if num_tokens // unit > request.cached_basis // unit:  # a block boundary was crossed
-            request.cached_basis = num_tokens
-            self.kv.cache_blocks(request, num_tokens)
-
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
-        self.kv.free(request.request_id, request.last_sched_seq)
+        self.lifetimes.free(request)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
-        request.prune_at, request.cached_basis, request.num_slot_tokens = 0, 0, 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -430,9 +368,8 @@ class Scheduler:
                     f"step {seq}: {req_id} ran a prefill chunk but got tokens {tokens}"
                 )
             if status is running_status:
-                self._cache(request)
-                if self.has_windows:
-                    self._prune(request)  # §8.2: return blocks as soon as the step settles
+                self.lifetimes.cache(request)
+                self.lifetimes.prune(request, seq)  # §8.2: return blocks once the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
@@ -440,8 +377,8 @@ class Scheduler:
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
         if request.status is RequestStatus.RUNNING:
-            self._cache(request)
-            self.kv.free(request.request_id, request.last_sched_seq)
+            self.lifetimes.cache(request)
+            self.lifetimes.free(request)
         else:
             self.waiting.remove(request)  # waiting or preempted: its blocks were freed already
         request.status = reason
@@ -449,19 +386,6 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
         if not request.ledger.records:
             del self.requests[request.request_id]
-
-
-def next_prune_basis(spec: KVSpec, basis: int) -> int:
-    """Smallest token count above `basis` at which `spec` may skip one more block (a lower
-    bound: pruning there may free nothing, but never is there anything to free before it)."""
-    bs = spec.block_size
-    if isinstance(spec, SlidingWindow):
-        return (max(0, basis - spec.window + 1) // bs + 1) * bs + spec.window - 1
-    if isinstance(spec, ChunkedLocal):
-        return (basis // spec.chunk + 1) * spec.chunk
-    if isinstance(spec, Mamba):
-        return (max(0, basis - 1) // bs + 1) * bs + 1
-    return 1 << 62  # full attention never skips
 
 
 _NO_DRAFTS: list[int] = []  # shared, read-only

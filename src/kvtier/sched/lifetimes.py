@@ -1,0 +1,81 @@
+"""Block lifetimes of scheduled requests: when window blocks are pruned, full blocks published,
+and a request's table freed — all through `KVCacheManager`, stamped for its quarantine.
+
+Never picks requests. `SettledLifetimes` is the safe basis; `OptimisticLifetimes` reproduces the
+pre-fix basis on purpose (the scheduler's `settled=False` switch).
+"""
+
+from __future__ import annotations
+
+from kvtier.kv.coordinator import GroupBlocks
+from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
+from kvtier.sched.request import Request
+
+NEVER = 1 << 62
+
+
+def next_prune_basis(spec: KVSpec, basis: int) -> int:
+    """Smallest token count above `basis` at which `spec` may skip one more block (a lower
+    bound: pruning there may free nothing, but never is there anything to free before it)."""
+    bs = spec.block_size
+    if isinstance(spec, SlidingWindow):
+        return (max(0, basis - spec.window + 1) // bs + 1) * bs + spec.window - 1
+    if isinstance(spec, ChunkedLocal):
+        return (basis // spec.chunk + 1) * spec.chunk
+    if isinstance(spec, Mamba):
+        return (max(0, basis - 1) // bs + 1) * bs + 1
+    return NEVER  # full attention never skips
+
+
+class SettledLifetimes:
+    """Prune on the settled count: every unprocessed step queries positions ≥ settled, so no such
+    step reads a pruned block and its last toucher is already processed (free at once)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.specs = list(kv.specs)
+        self.has_windows = not all(isinstance(s, FullAttention) for s in self.specs)
+        self.block_sizes = [s.block_size for s in self.specs]
+        self.cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
+        self.no_blocks: GroupBlocks = [[] for _ in self.specs]  # shared, read-only
+
+    def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
+        """(token count to prune at, step stamp for the quarantine)."""
+        return request.num_settled_tokens, processed_step_seq
+
+    def prune(self, request: Request, processed_step_seq: int) -> None:
+        """Free blocks out of every window (mutates the table; calls the KV manager only when a
+        window has crossed a block since the last call)."""
+        if not self.has_windows:
+            return
+        basis, stamp = self.basis(request, processed_step_seq)
+        if basis >= request.prune_at:
+            request.prune_at = min(next_prune_basis(spec, basis) for spec in self.specs)
+            self.kv.remove_skipped_blocks(request.request_id, basis, stamp)
+
+    def cache(self, request: Request) -> None:
+        """Publish blocks whose tokens are known and whose KV a scheduled step writes."""
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        unit = self.cache_unit
+        if num_tokens // unit > request.cached_basis // unit:  # a block boundary was crossed
+            request.cached_basis = num_tokens
+            self.kv.cache_blocks(request, num_tokens)
+
+    def num_slot_tokens(self, num_tokens: int) -> int:
+        """Positions covered once every group's table holds `num_tokens` (whole blocks)."""
+        return min(-(-num_tokens // bs) * bs for bs in self.block_sizes)
+
+    def free(self, request: Request) -> None:
+        """Drop the request's table (mutates), quarantined until its last scheduled step is
+        processed, and forget the memos kept for it."""
+        self.kv.free(request.request_id, request.last_sched_seq)
+        request.prune_at = request.cached_basis = request.num_slot_tokens = 0
+
+
+class OptimisticLifetimes(SettledLifetimes):
+    """The pre-fix basis: prune on the optimistic count. Steps up to the request's last one may
+    still read what it frees, so that is the stamp; spec rollbacks can still expose nulls (H4)."""
+
+    def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
+        return request.num_computed_tokens, request.last_sched_seq

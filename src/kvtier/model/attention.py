@@ -3,8 +3,9 @@
 mapping, gather each sequence's window of keys by block table, attend with causal/window/chunk masks.
 
 A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`); viewed
-flat as rows [num_blocks * 2 * block_size, kv_heads, head_dim], the key of slot s = b * bs + o is
-row 2 * bs * b + o and its value sits block_size rows later. Holds no state between forwards.
+as token rows [num_blocks * 2 * block_size, kv_heads * head_dim], the key of slot s = b * bs + o is
+row 2 * bs * b + o and its value sits block_size rows later. Reads gather per-head rows
+[.., head_dim] so keys come out [.., kv_heads, len, head_dim] contiguous. No state between forwards.
 """
 
 from __future__ import annotations
@@ -114,19 +115,20 @@ class GroupPlan:
 
     block_size: int
     write_tokens: torch.Tensor | None  # [num_written] token indices; None = every token
-    write_rows: torch.Tensor  # [num_written] flat key rows to write
+    write_rows: torch.Tensor  # [num_written] token rows of the keys to write
     decode_tokens: torch.Tensor | None  # [num_decodes] token indices; None = no decodes
     decode_all: bool  # every token is a decode, in order: skip the token gather/scatter
-    decode_rows: torch.Tensor  # [num_decodes * max_len] flat key rows (padding repeats a row)
+    decode_rows: torch.Tensor  # [num_decodes * KVH * max_len] head rows (padding repeats one)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_len] bool
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, rows [L], mask)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, end, rows [KVH*L], mask
 
 
 def plan_group(
-    meta: AttentionMetadata, group: int, kind: LayerKind, num_queries_per_kv: int
+    meta: AttentionMetadata, group: int, kind: LayerKind, num_kv_heads: int, num_queries_per_kv: int
 ) -> GroupPlan:
     """Precompute writes and gathers of `group`; prefill masks are [G * q, L] for GQA packing."""
     bs = meta.block_size
+    heads = torch.arange(num_kv_heads)
     table, slots = meta.block_tables[group], meta.slot_mappings[group]
     write_tokens = None
     if slots.numel() and bool((slots < 0).any()):
@@ -147,7 +149,8 @@ def plan_group(
         blocks = rows_table.gather(1, pos // bs)
         plan.decode_all = len(dec) == len(qlens)
         plan.decode_tokens = torch.tensor([loc[i] for i in dec])
-        plan.decode_rows = (blocks * (2 * bs) + pos % bs).flatten()
+        token_rows = blocks * (2 * bs) + pos % bs  # [num_decodes, width]
+        plan.decode_rows = (token_rows[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
         plan.decode_mask = valid[:, None, None, :]
     for i, q in enumerate(qlens):
         if q <= 1:
@@ -155,7 +158,8 @@ def plan_group(
         first = seq_lens[i] - q
         start = kind.kv_start(first)
         pos = torch.arange(start, seq_lens[i])  # [L]
-        rows = table[i, pos // bs] * (2 * bs) + pos % bs
+        token_rows = table[i, pos // bs] * (2 * bs) + pos % bs  # [L]
+        rows = (token_rows[None, :] * num_kv_heads + heads[:, None]).flatten()  # [KVH * L]
         mask = kind.mask(torch.arange(first, seq_lens[i]), pos).repeat(num_queries_per_kv, 1)
         plan.prefills.append((loc[i], loc[i + 1], rows, mask))
     return plan
@@ -175,19 +179,22 @@ def paged_attention(
     kvh = k.shape[1]
     group = num_heads // kvh
     bs = plan.block_size
-    flat = kv_cache.view(-1, kvh, dim)  # [num_blocks * 2 * block_size, KVH, D]
+    flat = kv_cache.view(-1, kvh * dim)  # token rows [num_blocks * 2 * block_size, KVH * D]
+    head_rows = kv_cache.view(-1, dim)  # head rows [num_blocks * 2 * block_size * KVH, D]
+    v_off = bs * kvh
     if plan.write_tokens is not None:
         k, v = k[plan.write_tokens], v[plan.write_tokens]
-    flat.index_copy_(0, plan.write_rows, k.to(flat.dtype))
-    flat.index_copy_(0, plan.write_rows + bs, v.to(flat.dtype))
+    flat.index_copy_(0, plan.write_rows, k.reshape(-1, kvh * dim).to(flat.dtype))
+    flat.index_copy_(0, plan.write_rows + bs, v.reshape(-1, kvh * dim).to(flat.dtype))
     out = q.new_empty(num_tokens, num_heads, dim)
     if plan.decode_tokens is not None:
         n = plan.decode_mask.shape[0]
         qd = q if plan.decode_all else q[plan.decode_tokens]
         qd = qd.view(n, kvh, group, dim)
-        kd = flat.index_select(0, plan.decode_rows).view(n, -1, kvh, dim).transpose(1, 2)
-        vd = flat.index_select(0, plan.decode_rows + bs).view(n, -1, kvh, dim).transpose(1, 2)
-        od = _attend(qd, kd.to(q.dtype), vd.to(q.dtype), plan.decode_mask, scale, softcap)
+        kd = head_rows.index_select(0, plan.decode_rows).view(n, kvh, -1, dim)  # [n, KVH, L, D]
+        vd = head_rows.index_select(0, plan.decode_rows + v_off).view(n, kvh, -1, dim)
+        # Few queries per sequence: plain matmuls beat SDPA's per-call setup here.
+        od = _attend_eager(qd, kd.to(q.dtype), vd.to(q.dtype), plan.decode_mask, scale, softcap)
         if plan.decode_all:
             out = od.reshape(num_tokens, num_heads, dim)
         else:
@@ -195,14 +202,17 @@ def paged_attention(
     for start, end, rows, mask in plan.prefills:
         n = end - start
         qp = q[start:end].view(n, kvh, group, dim).permute(1, 2, 0, 3).reshape(kvh, group * n, dim)
-        kp = flat.index_select(0, rows).transpose(0, 1).to(q.dtype)  # [KVH, L, D]
-        vp = flat.index_select(0, rows + bs).transpose(0, 1).to(q.dtype)
-        op = _attend(qp, kp, vp, mask, scale, softcap)  # [KVH, G * n, D]
+        kp = head_rows.index_select(0, rows).view(kvh, -1, dim).to(q.dtype)  # [KVH, L, D]
+        vp = head_rows.index_select(0, rows + v_off).view(kvh, -1, dim).to(q.dtype)
+        if softcap is None:  # [KVH, G * n, D]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        else:
+            op = _attend_eager(qp, kp, vp, mask, scale, softcap)
         out[start:end] = op.view(kvh, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
     return out
 
 
-def _attend(
+def _attend_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -210,11 +220,10 @@ def _attend(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """softmax(mask(cap(q k^T * scale))) v with the softmax in at least float32 (as HF eager)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
-    probs = probs.to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs.to(q.dtype), v)

@@ -89,6 +89,8 @@ def sample(
     logits = logits.float()
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
+        if all(n is None for n in batch.num_logprobs):
+            return SamplerOutput(tokens, None, None, None)
         return _with_logprobs(tokens, torch.log_softmax(logits, dim=-1), batch)
     processed = processed_logits(logits, batch)
     logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out

@@ -148,9 +148,10 @@ class CausalLM(nn.Module):
         `kv_caches[i]` is layer i's KV tensor (the pool slot of its group); K/V of this forward's
         tokens are written there through the metadata's slot mapping of the layer's group.
         """
-        group_size = self.config.num_heads // self.config.num_kv_heads
+        kvh = self.config.num_kv_heads
+        group_size = self.config.num_heads // kvh
         plans = [
-            plan_group(attn_metadata, g, kind, group_size)
+            plan_group(attn_metadata, g, kind, kvh, group_size)
             for g, kind in enumerate(self.group_kinds)
         ]
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]

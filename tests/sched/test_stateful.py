@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, SlidingWindow
+from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
 from kvtier.sched import (
     AccessOracle,
     FakeRunner,
@@ -36,6 +36,8 @@ SPECS: list[list[KVSpec]] = [
     [SlidingWindow(4, 8)],
     [ChunkedLocal(4, 8)],
     [FullAttention(4), SlidingWindow(4, 6)],
+    [Mamba(4)],
+    [FullAttention(4), Mamba(4)],
 ]
 SHARED = list(range(500, 512))  # three blocks of a common prefix
 

@@ -7,7 +7,6 @@ pre-fix basis on purpose (the scheduler's `settled=False` switch).
 
 from __future__ import annotations
 
-from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
 from kvtier.sched.request import Request
@@ -38,7 +37,6 @@ class SettledLifetimes:
         self.has_windows = not all(isinstance(s, FullAttention) for s in self.specs)
         self.block_sizes = [s.block_size for s in self.specs]
         self.cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
-        self.no_blocks: GroupBlocks = [[] for _ in self.specs]  # shared, read-only
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
         """(token count to prune at, step stamp for the quarantine)."""

@@ -29,7 +29,7 @@ class CachedRequestData:
     """A running request the runner already holds: only what changed."""
 
     req_id: ReqId
-    new_block_ids: BlockIds  # blocks appended to each group's table this step
+    new_block_ids: BlockIds  # ids appended to each group's table this step (0 = skipped, null)
     num_computed_tokens: int  # optimistic start position (≥ the device's, after rejections)
 
 

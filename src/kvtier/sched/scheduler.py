@@ -24,7 +24,6 @@ from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
-    from kvtier.kv.coordinator import GroupBlocks
 
 MAX_ASYNC_DEPTH = 3
 
@@ -191,7 +190,7 @@ class Scheduler:
             if drafts:
                 spec_tokens[request.request_id] = drafts
             cached.append(
-                CachedRequestData(request.request_id, _ids(blocks), request.num_computed_tokens - n)
+                CachedRequestData(request.request_id, blocks, request.num_computed_tokens - n)
             )
             budget -= n
             i += 1
@@ -238,21 +237,25 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self, request: Request, n: int, index: int, preempted: list[ReqId]
-    ) -> GroupBlocks | None:
-        """New blocks per group for `n` more tokens, preempting from the back until they fit.
+    ) -> BlockIds | None:
+        """Ids appended to each group's table (null id 0 where a position is skipped) for `n`
+        more tokens, preempting from the back until they fit.
 
         None if the request itself was preempted, or waits because its own steps are in flight.
-        The returned lists are never mutated by the caller.
         """
         running = self.running
         end = request.num_computed_tokens + n
         if end <= request.num_slot_tokens:  # the tables already cover it: nothing to allocate
-            return self.lifetimes.no_blocks
+            return tuple([] for _ in self.lifetimes.block_sizes)
+        req_id = request.request_id
+        before = [len(table) for table in self.kv.get_blocks(req_id)]
         while True:
-            blocks = self.kv.allocate_slots(request, n)
-            if blocks is not None:
+            if self.kv.allocate_slots(request, n) is not None:
                 request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
-                return blocks
+                tables = self.kv.get_blocks(req_id)
+                return tuple(
+                    [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
+                )
             v = self.waiting.pick_victim(running, index)
             if running[v] is request and request.ledger.num_live_in_flight_tokens:
                 return None  # its own steps will settle and free window blocks: wait, don't drop
@@ -389,9 +392,3 @@ class Scheduler:
 
 
 _NO_DRAFTS: list[int] = []  # shared, read-only
-
-
-def _ids(blocks: GroupBlocks) -> BlockIds:
-    if len(blocks) == 1:
-        return ([b.block_id for b in blocks[0]],)
-    return tuple([b.block_id for b in group] for group in blocks)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvtier.kv import FullAttention, KVCacheManager
@@ -211,3 +214,18 @@ def test_from_config() -> None:
         sched.add_request(request(f"r{i}", 30, max_tokens=5))
     FakeEngine(sched, FakeRunner()).run()
     assert sched.kv.num_free_blocks == 63
+
+
+def test_sched_imports_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvtier.sched, kvtier.sched.invariants, kvtier.bench.sched\n"
+        "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_protections_report_both_switches() -> None:
+    assert scheduler(10).protections == {"settled": True, "quarantine": True}
+    off = scheduler(10, settled=False, quarantine=False)
+    assert off.protections == {"settled": False, "quarantine": False}

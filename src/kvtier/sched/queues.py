@@ -6,6 +6,7 @@ A policy orders requests; it never allocates blocks or changes a request's count
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -14,43 +15,45 @@ from kvtier.sched.request import Request
 POLICIES = ("fcfs", "priority")
 
 
-class RequestQueue:
+class RequestQueue(ABC):
     """Waiting requests in scheduling order. Subclasses define the order."""
 
+    @abstractmethod
     def add(self, request: Request) -> None:
         """Enqueue a newly arrived request (mutates)."""
-        raise NotImplementedError  # abstract
 
+    @abstractmethod
     def prepend(self, request: Request) -> None:
         """Re-enqueue a preempted request ahead of requests of equal rank (mutates)."""
-        raise NotImplementedError  # abstract
 
+    @abstractmethod
     def pop(self) -> Request:
         """Remove and return the first request; IndexError if empty."""
-        raise NotImplementedError  # abstract
 
+    @abstractmethod
     def peek(self) -> Request:
         """The first request without removing it; IndexError if empty."""
-        raise NotImplementedError  # abstract
 
     def prepend_all(self, requests: Sequence[Request]) -> None:
         """Put back requests popped in order (e.g. skipped this step), keeping their order."""
         for request in reversed(requests):
             self.prepend(request)
 
+    @abstractmethod
     def remove(self, request: Request) -> None:
         """Remove a specific request (abort); ValueError if absent."""
-        raise NotImplementedError  # abstract
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError  # abstract
+        """Number of waiting requests."""
 
+    @abstractmethod
     def __iter__(self) -> Iterator[Request]:
-        raise NotImplementedError  # abstract
+        """Requests in scheduling order (read-only view)."""
 
+    @abstractmethod
     def pick_victim(self, running: Sequence[Request], start: int) -> int:
         """Index in `running[start:]` (absolute) of the request to preempt first."""
-        raise NotImplementedError  # abstract
 
 
 class FCFSQueue(RequestQueue):

@@ -140,11 +140,18 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs (finished ones may still drain ledgers)."""
         return bool(self.running) or len(self.waiting) > 0
 
     @property
     def num_unprocessed_steps(self) -> int:
+        """Steps scheduled whose output update() has not processed yet."""
         return self.sched_step_seq - self.processed_step_seq
+
+    @property
+    def protections(self) -> dict[str, bool]:
+        """The block-lifetime protections in force (DESIGN.md §5 switches)."""
+        return {"settled": self.settled, "quarantine": self.kv.pool.enable_quarantine}
 
     def can_schedule(self) -> bool:
         """True if another step may be scheduled before the oldest one is processed."""

@@ -556,16 +556,16 @@ def run_sized_pool(
 
 
 @st.composite
-def window_configs(draw: st.DrawFn) -> list[KVSpec]:
+def pruned_group_configs(draw: st.DrawFn) -> list[KVSpec]:
     bs = draw(st.sampled_from([4, 8, 16]))
     window = st.builds(SlidingWindow, st.just(bs), st.integers(1, 80))
     chunked = st.builds(ChunkedLocal, st.just(bs), st.integers(1, 6).map(lambda k: k * bs))
-    other = draw(st.lists(st.one_of(window, chunked), min_size=1, max_size=2))
+    other = draw(st.lists(st.one_of(window, chunked, st.just(Mamba(bs))), min_size=1, max_size=2))
     return ([FullAttention(bs)] if draw(st.booleans()) else []) + other
 
 
 @given(
-    specs=window_configs(),
+    specs=pruned_group_configs(),
     n=st.integers(1, 6),
     prompt=st.integers(1, 200),
     decode=st.integers(0, 30),
@@ -576,7 +576,8 @@ def test_pool_sized_by_the_formula_runs_every_request_without_a_growth_failure(
     specs, n, prompt, decode, budget, depth
 ):
     """Startup sizing, admission and the runtime agree: steady blocks per request plus the one
-    shared reserve are enough for n concurrent requests of that length at any async depth."""
+    shared reserve are enough for n concurrent requests of that length at any async depth
+    (window, chunked-local and mamba groups, with or without a full-attention group)."""
     failures, finished, _ = run_sized_pool(specs, n, prompt, decode, budget, depth)
     assert failures == 0 and finished == n
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvtier.kv import FullAttention, KVCacheManager
+from kvtier.kv import FullAttention, KVCacheManager, Mamba
 from kvtier.sched import (
     FakeEngine,
     FakeRunner,
@@ -229,3 +229,15 @@ def test_protections_report_both_switches() -> None:
     assert scheduler(10).protections == {"settled": True, "quarantine": True}
     off = scheduler(10, settled=False, quarantine=False)
     assert off.protections == {"settled": False, "quarantine": False}
+
+
+def test_mamba_snapshots_survive_the_decode_fast_path() -> None:
+    """A step ending on a Mamba block boundary must reach the KV manager (it records the state
+    snapshot there), even when the table needs no new block."""
+    sched = scheduler(64, [Mamba(4)], depth=2, budget=64, max_in_flight_tokens=0)
+    first = Request("a", list(range(10)), SamplingParams(max_tokens=10))
+    sched.add_request(first)
+    FakeEngine(sched, FakeRunner()).run()
+    follow = Request("b", list(first.all_token_ids), SamplingParams(max_tokens=1))
+    sched.add_request(follow)
+    assert sched.kv.get_computed_blocks(follow)[1] == 16  # snapshot after 16 tokens

@@ -36,6 +36,8 @@ class SettledLifetimes:
         self.specs = list(kv.specs)
         self.has_windows = not all(isinstance(s, FullAttention) for s in self.specs)
         self.block_sizes = [s.block_size for s in self.specs]
+        # Mamba groups record a prefix-cache snapshot when a step ends on their block boundary.
+        self.snapshot_sizes = [s.block_size for s in self.specs if isinstance(s, Mamba)]
         self.cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
@@ -59,6 +61,13 @@ class SettledLifetimes:
         if num_tokens // unit > request.cached_basis // unit:  # a block boundary was crossed
             request.cached_basis = num_tokens
             self.kv.cache_blocks(request, num_tokens)
+
+    def needs_allocation(self, request: Request, end: int) -> bool:
+        """True unless the tables already cover positions < `end` and no group has anything to
+        record for a step ending there (then `allocate_slots` would change nothing)."""
+        if end > request.num_slot_tokens:
+            return True
+        return any(end % bs == 0 for bs in self.snapshot_sizes)
 
     def num_slot_tokens(self, num_tokens: int) -> int:
         """Positions covered once every group's table holds `num_tokens` (whole blocks)."""

@@ -252,7 +252,7 @@ class Scheduler:
         """
         running = self.running
         end = request.num_computed_tokens + n
-        if end <= request.num_slot_tokens:  # the tables already cover it: nothing to allocate
+        if not self.lifetimes.needs_allocation(request, end):
             return tuple([] for _ in self.lifetimes.block_sizes)
         req_id = request.request_id
         before = [len(table) for table in self.kv.get_blocks(req_id)]

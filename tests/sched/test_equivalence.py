@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from kvtier.kv import ChunkedLocal, FullAttention, KVSpec, SlidingWindow
+from kvtier.kv import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
 from kvtier.sched import (
     AccessOracle,
     FakeEngine,
@@ -24,6 +24,7 @@ SPECS: dict[str, list[KVSpec]] = {
     "full": [FullAttention(16)],
     "swa": [SlidingWindow(16, 32)],
     "hybrid": [FullAttention(16), SlidingWindow(16, 24), ChunkedLocal(16, 64)],
+    "mamba": [FullAttention(16), Mamba(16)],
 }
 
 
@@ -94,7 +95,7 @@ def run(
 
 # Pools tight enough to preempt; window groups without the transient reserve so that a handful
 # of blocks suffices (the reserve is a capacity policy, not a safety rule).
-TIGHT = {"full": (16, None), "swa": (10, 0), "hybrid": (18, 0)}
+TIGHT = {"full": (16, None), "swa": (10, 0), "hybrid": (18, 0), "mamba": (16, 0)}
 
 
 @pytest.mark.parametrize("name", SPECS)

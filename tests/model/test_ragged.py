@@ -11,13 +11,14 @@ from kvtier.model.loader import load_model
 from tests.model.paged import PagedKV
 
 # Schedules: per step, (sequence, number of new tokens); a 1 after the prompt is a decode.
-LENGTHS = {"a": 30, "b": 13, "c": 9, "d": 21}
+LENGTHS = {"a": 33, "b": 21, "c": 14, "d": 22}
 SCHEDULE = [
     [("a", 7), ("b", 13)],
     [("b", 1), ("a", 7), ("c", 5)],
     [("c", 4), ("b", 1), ("a", 16), ("d", 3)],
     [("d", 1), ("c", 1), ("b", 1), ("a", 1)],
     [("a", 1), ("d", 17), ("b", 1), ("c", 1)],
+    [("c", 3), ("a", 1), ("b", 4), ("d", 1)],  # short multi-token queries (draft verification)
 ]
 
 
@@ -32,6 +33,7 @@ def run_schedule(model, seqs: dict[str, list[int]], block_size: int) -> dict[str
     out: dict[str, list[torch.Tensor]] = {s: [] for s in seqs}
     for step in SCHEDULE:
         batch = [(s, seqs[s][done[s] : done[s] + n]) for s, n in step]
+        assert all(len(ids) == n for (_, ids), (_, n) in zip(batch, step, strict=True))
         for (s, ids), logits in zip(batch, kv.step(batch), strict=True):
             out[s].append(logits)
             done[s] += len(ids)
@@ -59,9 +61,9 @@ def test_poisoned_out_of_window_blocks_are_never_read(tiny_model_dir):
     assert all(torch.isfinite(t).all() for t in together.values())
     kv = PagedKV(model, num_blocks=96, block_size=4)
     kv.step([("a", seqs["a"])])
-    # The next query (position 30) reads keys 23-30: blocks 0-4 (positions 0-19) are pruned.
-    assert kv.tables["a"][0][:6].count(0) == 5
-    kv.kv_caches[0][kv.tables["a"][0][5]] = float("nan")  # block 5 holds position 23
+    # The next query (position 33) reads keys 26-33: blocks 0-5 (positions 0-23) are pruned.
+    assert kv.tables["a"][0][:7].count(0) == 6
+    kv.kv_caches[0][kv.tables["a"][0][6]] = float("nan")  # block 6 holds position 26
     assert torch.isnan(kv.step([("a", [5])])[0]).all()
 
 

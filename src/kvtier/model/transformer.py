@@ -13,14 +13,9 @@ from torch import nn
 from kvtier.config import ModelConfig
 from kvtier.kv.plan import KVGroup, group_layers
 from kvtier.model.arch import ArchSpec, arch_spec
-from kvtier.model.attention import (
-    AttentionMetadata,
-    GroupPlan,
-    LayerKind,
-    paged_attention,
-    plan_group,
-)
+from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.layers import GatedMLP, RMSNorm, apply_rope, inv_freq, rope_tables
+from kvtier.model.paged import GroupPlan, paged_attention, plan_group
 
 
 class Attention(nn.Module):

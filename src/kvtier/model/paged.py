@@ -1,0 +1,177 @@
+"""The paged attention op: per-KV-group gather plans (built once per forward, shared by the group's
+layers) and the layer step — write the new K/V by slot mapping, gather each sequence's readable keys
+by block table, attend with causal/window/chunk masks. Holds no state between forwards.
+
+A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`). As
+token rows [num_blocks * 2 * block_size, kv_heads * head_dim] the key of slot s = b * bs + o is row
+2 * bs * b + o and its value block_size rows later; reads gather per-head rows [.., head_dim] so keys
+come out [.., kv_heads, len, head_dim] contiguous. Sequences with at most MAX_BATCHED_QUERY queries
+(decodes, draft verification) share one padded batched call; longer prefill chunks go one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.model.attention import AttentionMetadata, LayerKind
+
+MAX_BATCHED_QUERY = 8
+
+
+@dataclass(frozen=True)
+class BatchedPlan:
+    """Sequences with few queries, each padded to `num_queries`, attended in one call."""
+
+    num_seqs: int
+    num_queries: int  # Q
+    in_order: bool  # Q == 1 and these are all the tokens, in order: no query gather/scatter
+    query_tokens: torch.Tensor  # [n * Q] token of each padded query (padding repeats the last)
+    out_rows: torch.Tensor  # [num_real] rows of the padded output that are real queries
+    out_tokens: torch.Tensor  # [num_real] their token indices
+    rows: torch.Tensor  # [n * KVH * width] head rows of the keys (padding repeats the last)
+    mask: torch.Tensor  # [n, 1, G * Q, width] bool, query rows ordered (g, q); [n,1,1,w] if Q = 1
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Index tensors of one KV group for one forward; shared by every layer of the group."""
+
+    block_size: int
+    write_tokens: torch.Tensor | None  # [num_written] token indices; None = every token
+    write_rows: torch.Tensor  # [num_written] token rows of the keys to write
+    batched: BatchedPlan | None
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, end, rows [KVH*L], mask
+
+
+def plan_group(
+    meta: AttentionMetadata, group: int, kind: LayerKind, num_kv_heads: int, num_queries_per_kv: int
+) -> GroupPlan:
+    """Precompute the writes and gathers of KV group `group` for this forward."""
+    bs = meta.block_size
+    heads = torch.arange(num_kv_heads)
+    table, slots = meta.block_tables[group], meta.slot_mappings[group]
+    write_tokens = None
+    if slots.numel() and bool((slots < 0).any()):
+        write_tokens = torch.nonzero(slots >= 0).flatten()
+        slots = slots[write_tokens]
+    write_rows = slots + slots // bs * bs
+    qlens, seq_lens, loc = meta.query_lens, meta.seq_lens, meta.query_start_loc
+    short = [i for i, q in enumerate(qlens) if 0 < q <= MAX_BATCHED_QUERY]
+    batched = _plan_batched(meta, short, table, kind, heads, num_queries_per_kv) if short else None
+    prefills = []
+    for i, q in enumerate(qlens):
+        if q <= MAX_BATCHED_QUERY:
+            continue
+        first = seq_lens[i] - q
+        pos = torch.arange(kind.kv_start(first), seq_lens[i])  # [L]
+        token_rows = table[i, pos // bs] * (2 * bs) + pos % bs  # [L]
+        rows = (token_rows[None, :] * num_kv_heads + heads[:, None]).flatten()  # [KVH * L]
+        mask = kind.mask(torch.arange(first, seq_lens[i]), pos).repeat(num_queries_per_kv, 1)
+        prefills.append((loc[i], loc[i + 1], rows, mask))  # mask [G * q, L]
+    return GroupPlan(bs, write_tokens, write_rows, batched, prefills)
+
+
+def _plan_batched(
+    meta: AttentionMetadata,
+    seqs: list[int],
+    table: torch.Tensor,
+    kind: LayerKind,
+    heads: torch.Tensor,
+    group: int,
+) -> BatchedPlan:
+    bs = meta.block_size
+    qlens = torch.tensor([meta.query_lens[i] for i in seqs])  # [n]
+    lens = torch.tensor([meta.seq_lens[i] for i in seqs])
+    starts = torch.tensor([kind.kv_start(meta.seq_lens[i] - meta.query_lens[i]) for i in seqs])
+    num_q, width = int(qlens.max()), int((lens - starts).max())
+    j = torch.arange(num_q)[None, :]
+    q_off = torch.minimum(j, qlens[:, None] - 1)  # [n, Q]
+    q_pos = lens[:, None] - qlens[:, None] + q_off
+    query_tokens = torch.tensor([meta.query_start_loc[i] for i in seqs])[:, None] + q_off
+    real = (j < qlens[:, None]).flatten()
+    k_pos = starts[:, None] + torch.arange(width)[None, :]  # [n, width]
+    k_valid = k_pos < lens[:, None]
+    k_pos = torch.minimum(k_pos, lens[:, None] - 1)
+    seq_table = table if len(seqs) == len(meta.seq_lens) else table[torch.tensor(seqs)]
+    token_rows = seq_table.gather(1, k_pos // bs) * (2 * bs) + k_pos % bs  # [n, width]
+    rows = (token_rows[:, None, :] * len(heads) + heads[None, :, None]).flatten()
+    mask = kind.allowed(q_pos[:, :, None], k_pos[:, None, :]) & k_valid[:, None, :]  # [n, Q, w]
+    mask = mask[:, None] if num_q == 1 else mask.repeat(1, group, 1)[:, None]
+    return BatchedPlan(
+        num_seqs=len(seqs),
+        num_queries=num_q,
+        in_order=num_q == 1 and len(seqs) == len(meta.seq_lens),
+        query_tokens=query_tokens.flatten(),
+        out_rows=torch.nonzero(real).flatten(),
+        out_tokens=query_tokens.flatten()[real],
+        rows=rows,
+        mask=mask,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: GroupPlan,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] → [T, H, D]; writes k/v into `kv_cache` first."""
+    num_tokens, num_heads, dim = q.shape
+    kvh = k.shape[1]
+    group = num_heads // kvh
+    bs = plan.block_size
+    flat = kv_cache.view(-1, kvh * dim)  # token rows [num_blocks * 2 * block_size, KVH * D]
+    head_rows = kv_cache.view(-1, dim)  # head rows [num_blocks * 2 * block_size * KVH, D]
+    v_off = bs * kvh
+    if plan.write_tokens is not None:
+        k, v = k[plan.write_tokens], v[plan.write_tokens]
+    flat.index_copy_(0, plan.write_rows, k.reshape(-1, kvh * dim).to(flat.dtype))
+    flat.index_copy_(0, plan.write_rows + bs, v.reshape(-1, kvh * dim).to(flat.dtype))
+    out = q.new_empty(num_tokens, num_heads, dim)
+    if (b := plan.batched) is not None:
+        n, nq = b.num_seqs, b.num_queries
+        qb = q if b.in_order else q.index_select(0, b.query_tokens)  # [n * Q, H, D]
+        qb = qb.view(n, nq, kvh, group, dim).permute(0, 2, 3, 1, 4).reshape(n, kvh, -1, dim)
+        kb = head_rows.index_select(0, b.rows).view(n, kvh, -1, dim).to(q.dtype)  # [n, KVH, w, D]
+        vb = head_rows.index_select(0, b.rows + v_off).view(n, kvh, -1, dim).to(q.dtype)
+        # Few queries per sequence: plain matmuls beat SDPA's per-call setup here.
+        ob = _attend_eager(qb, kb, vb, b.mask, scale, softcap)  # [n, KVH, G * Q, D]
+        ob = ob.view(n, kvh, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(n * nq, num_heads, dim)
+        if b.in_order:
+            out = ob
+        else:
+            out.index_copy_(0, b.out_tokens, ob.index_select(0, b.out_rows))
+    for start, end, rows, mask in plan.prefills:
+        n = end - start
+        qp = q[start:end].view(n, kvh, group, dim).permute(1, 2, 0, 3).reshape(kvh, group * n, dim)
+        kp = head_rows.index_select(0, rows).view(kvh, -1, dim).to(q.dtype)  # [KVH, L, D]
+        vp = head_rows.index_select(0, rows + v_off).view(kvh, -1, dim).to(q.dtype)
+        if softcap is None:  # [KVH, G * n, D]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        else:
+            op = _attend_eager(qp, kp, vp, mask, scale, softcap)
+        out[start:end] = op.view(kvh, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+    return out
+
+
+def _attend_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """softmax(mask(cap(q k^T * scale))) v with the softmax in at least float32 (as HF eager)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+    return torch.matmul(probs.to(q.dtype), v)

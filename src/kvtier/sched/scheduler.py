@@ -31,8 +31,8 @@ MAX_ASYNC_DEPTH = 3
 class Scheduler:
     """Continuous-batching scheduler over one `KVCacheManager`.
 
-    `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous).
-    `settled=False` prunes windows on the optimistic count (`OptimisticLifetimes`, the pre-fix
+    `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous,
+    default 2). `settled=False` prunes windows on the optimistic count (`OptimisticLifetimes`, the pre-fix
     basis, for reproducing hazards); the quarantine switch lives in the KV manager
     (`enable_quarantine`).
     """
@@ -43,7 +43,7 @@ class Scheduler:
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
-        async_depth: int = 1,
+        async_depth: int = 2,
         long_prefill_token_threshold: int = 0,
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",

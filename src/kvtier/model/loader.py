@@ -72,7 +72,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> Caus
     model.load_state_dict(state, strict=False, assign=True)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def resolve_dtype(dtype: str | torch.dtype, source: Path | str = "") -> torch.dtype:

@@ -11,7 +11,7 @@ come out [.., kv_heads, len, head_dim] contiguous. Sequences with at most MAX_BA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,14 +45,32 @@ class GroupPlan:
     batched: BatchedPlan | None
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, end, rows [KVH*L], mask
 
+    def to(self, device: torch.device) -> GroupPlan:
+        """The plan with its index tensors on `device` (plans are built on the host)."""
+        if device.type == "cpu":
+            return self
+        batched = self.batched
+        if batched is not None:
+            moved = {f.name: getattr(batched, f.name) for f in fields(batched)}
+            batched = BatchedPlan(
+                **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+            )
+        return replace(
+            self,
+            write_tokens=None if self.write_tokens is None else self.write_tokens.to(device),
+            write_rows=self.write_rows.to(device),
+            batched=batched,
+            prefills=[(a, b, r.to(device), m.to(device)) for a, b, r, m in self.prefills],
+        )
+
 
 def plan_group(
     meta: AttentionMetadata, group: int, kind: LayerKind, num_kv_heads: int, num_queries_per_kv: int
 ) -> GroupPlan:
-    """Precompute the writes and gathers of KV group `group` for this forward."""
+    """Precompute the writes and gathers of KV group `group` for this forward (on the host)."""
     bs = meta.block_size
     heads = torch.arange(num_kv_heads)
-    table, slots = meta.block_tables[group], meta.slot_mappings[group]
+    table, slots = meta.block_tables[group].cpu(), meta.slot_mappings[group].cpu()
     write_tokens = None
     if slots.numel() and bool((slots < 0).any()):
         write_tokens = torch.nonzero(slots >= 0).flatten()

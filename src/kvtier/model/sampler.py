@@ -54,7 +54,11 @@ class SamplingBatch:
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+        cls,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         greedy = [p.temperature < GREEDY_EPS for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
@@ -62,11 +66,13 @@ class SamplingBatch:
         ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         mins = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32),
-            greedy=torch.tensor(greedy, dtype=torch.bool),
-            top_k=torch.tensor(ks) if min(ks, default=vocab_size) < vocab_size else None,
-            top_p=torch.tensor(ps) if min(ps, default=1.0) < 1.0 else None,
-            min_p=torch.tensor(mins) if max(mins, default=0.0) > 0.0 else None,
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor(ks, device=device)
+            if min(ks, default=vocab_size) < vocab_size
+            else None,
+            top_p=torch.tensor(ps, device=device) if min(ps, default=1.0) < 1.0 else None,
+            min_p=torch.tensor(mins, device=device) if max(mins, default=0.0) > 0.0 else None,
             seeds=tuple(p.seed for p in params),
             positions=tuple(positions),
             num_logprobs=tuple(p.logprobs for p in params),
@@ -94,7 +100,7 @@ def sample(
         return _with_logprobs(tokens, torch.log_softmax(logits, dim=-1), batch)
     processed = processed_logits(logits, batch)
     logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
-    noise = _exponential_noise(logits.shape, batch, generator)  # [n, vocab]
+    noise = _exponential_noise(logits, batch, generator)  # [n, vocab]
     tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
     tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
     return _with_logprobs(tokens, logprobs, batch)
@@ -107,7 +113,7 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         sorted_x, order = x.sort(dim=-1, descending=True)  # [n, vocab]
         drop = torch.zeros_like(sorted_x, dtype=torch.bool)
         if batch.top_k is not None:
-            rank = torch.arange(x.shape[-1])[None, :]
+            rank = torch.arange(x.shape[-1], device=x.device)[None, :]
             drop |= rank >= batch.top_k[:, None]
         if batch.top_p is not None:
             probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
@@ -123,10 +129,10 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def _exponential_noise(
-    shape: torch.Size, batch: SamplingBatch, generator: torch.Generator | None
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
 ) -> torch.Tensor:
-    noise = torch.empty(shape).exponential_(generator=generator)  # [n, vocab]
-    row_gen = torch.Generator()
+    noise = torch.empty_like(logits).exponential_(generator=generator)  # [n, vocab]
+    row_gen = torch.Generator(device=logits.device)
     for row, seed in enumerate(batch.seeds):
         if seed is not None:
             row_gen.manual_seed((seed * 1_000_003 + batch.positions[row]) % (1 << 63))

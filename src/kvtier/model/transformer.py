@@ -146,7 +146,7 @@ class CausalLM(nn.Module):
         kvh = self.config.num_kv_heads
         group_size = self.config.num_heads // kvh
         plans = [
-            plan_group(attn_metadata, g, kind, kvh, group_size)
+            plan_group(attn_metadata, g, kind, kvh, group_size).to(input_ids.device)
             for g, kind in enumerate(self.group_kinds)
         ]
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]

@@ -117,3 +117,23 @@ def test_loads_what_transformers_saves_sharded(tiny_model_dir, tmp_path, arch):
     prefill, _, _ = generate_paged(load_model(saved), prompt(seed=4))
     original, _, _ = generate_paged(load_model(folder), prompt(seed=4))
     torch.testing.assert_close(prefill, original, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "block_size"),
+    [
+        ("llama", {"num_kv_heads": 4}, 4),  # multi-head (no GQA)
+        ("gemma3", {"num_kv_heads": 1}, 8),  # multi-query
+        ("mistral", {"window": 6}, 4),  # window not a multiple of the block size
+        ("llama_chunked", {"chunk": 6}, 4),  # chunk not a multiple of the block size
+        ("qwen2", {"window": 5, "num_layers": 3}, 8),
+    ],
+)
+def test_head_layouts_and_unaligned_windows_match_transformers(
+    tiny_model_dir, arch, config, block_size
+):
+    folder = tiny_model_dir(arch, **config)
+    prefill, decode, tokens = generate_paged(load_model(folder), prompt(seed=5), block_size)
+    expected = hf_logits(hf_model(folder, torch.float32), tokens)
+    torch.testing.assert_close(prefill, expected[:PROMPT_LEN], atol=1e-4, rtol=0)
+    torch.testing.assert_close(decode[:-1], expected[PROMPT_LEN:-1], atol=1e-4, rtol=0)

@@ -102,3 +102,14 @@ def test_layer_kind_mask_and_kv_start(kind, query, keys):
     allowed = kind.mask(torch.tensor([query]), torch.arange(12))[0]
     assert torch.nonzero(allowed).flatten().tolist() == keys
     assert kind.kv_start(query) == keys[0]
+
+
+def test_sequence_without_tokens_this_step_changes_nothing(tiny_model_dir):
+    model = load_model(tiny_model_dir("gemma3"), dtype="float64")
+    seqs = sequences(model.config.vocab_size)
+    kv = PagedKV(model, num_blocks=96, block_size=4)
+    kv.step([("b", seqs["b"][:10])])
+    with_idle = kv.step([("b", []), ("a", seqs["a"][:12])])
+    assert with_idle[0].shape == (0, model.config.vocab_size)
+    alone = PagedKV(model, num_blocks=96, block_size=4).step([("a", seqs["a"][:12])])
+    torch.testing.assert_close(with_idle[1], alone[0], atol=1e-10, rtol=0)

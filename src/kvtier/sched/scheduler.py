@@ -292,6 +292,8 @@ class Scheduler:
                 break
             request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit  # what the user is told was a prefix hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._record(request, seq, n, 0, num_hit + n == request.num_tokens)

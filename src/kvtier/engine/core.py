@@ -1,0 +1,243 @@
+"""EngineCore: scheduler + runner + device for one model, with the synchronous loop and the async
+batch-queue loop side by side (the difference between them is the `step_async` method)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvtier.config import DTYPE_BYTES, ModelConfig
+from kvtier.device import KVLayout, make_device
+from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.plan import KVPlan, plan_kv
+from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
+from kvtier.model.loader import resolve_dtype
+from kvtier.runner import ModelRunner, StepHandle
+from kvtier.runner.runner import TokenLogprobs
+from kvtier.sched.output import SchedulerOutput
+from kvtier.sched.request import Request, RequestStatus
+from kvtier.sched.scheduler import Scheduler
+
+DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Engine-side view of one request: its text so far and what the user asked for."""
+
+    request: Request
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one request gained in one engine step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+class EngineCore:
+    """Owns the model, KV cache manager, scheduler, device and runner of one engine."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        path = args.model_path
+        self.model_config = ModelConfig.from_pretrained(path)
+        dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
+        self.tokenizer = load_tokenizer(path)
+        torch.manual_seed(args.seed)
+        self.model = load_model(path, dtype).eval()
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.plan = self._plan(dtype_name)
+        sched_cfg = args.scheduler
+        num_blocks = self.plan.tiers[0].num_blocks
+        self.kv = KVCacheManager(
+            self.plan.specs,
+            num_blocks,
+            max_model_len=self.plan.max_model_len,
+            enable_caching=args.cache.enable_prefix_caching,
+            enable_quarantine="quarantine" in args.protect,
+            max_in_flight_tokens=sched_cfg.max_in_flight_tokens,
+            hash_fn=args.cache.prefix_caching_hash_algo,
+        )
+        self.scheduler = Scheduler.from_config(
+            sched_cfg,
+            self.kv,
+            num_speculative_tokens=args.num_speculative_tokens,
+            settled="settled" in args.protect,
+            policy=args.policy,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        )
+        cfg = self.model_config
+        layout = KVLayout(
+            self.plan.layers_per_group,
+            self.plan.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype_name,
+        )
+        sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
+        self.device = make_device(
+            args.device,  # type: ignore[arg-type]
+            layout,
+            num_blocks,
+            0,
+            sanitize="raise" if sanitize else None,
+            poison=args.poison,
+            seed=args.seed,
+        )
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.runner = ModelRunner(
+            self.model,
+            self.device,
+            block_size=self.plan.block_size,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            num_speculative_tokens=args.num_speculative_tokens,
+            eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
+            seed=args.seed,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
+        self.num_steps = 0
+
+    def _plan(self, dtype_name: str) -> KVPlan:
+        args, cfg = self.args, self.model_config
+        cache = args.cache
+        if cache.kv_cache_dtype is None and dtype_name in DTYPE_BYTES:
+            cache = replace(cache, kv_cache_dtype=dtype_name)
+        if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
+            cache = replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES)
+        sched = args.scheduler
+        if sched.max_model_len is None:
+            sched = replace(sched, max_model_len=cfg.max_position_embeddings)
+        plan = plan_kv(cfg, cache, sched)
+        self.args = replace(args, cache=cache, scheduler=sched)
+        return plan
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request; ValueError (nothing queued) if it can never run here."""
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {req_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+            )
+        use_ngram = self.args.num_speculative_tokens > 0
+        stop = params.stop_params(self.eos_token_id, use_ngram)
+        request = Request(req_id, prompt_token_ids, stop, priority=priority)
+        self.scheduler.add_request(request)  # raises before anything is recorded
+        self.runner.add_request(req_id, params.draw_params())
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            params.stop_strings,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+            prompt_token_ids,
+        )
+        self.requests[req_id] = RequestState(request, params, detok)
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now; its blocks return once no step in flight can touch them."""
+        state = self.requests.get(req_id)
+        if state is None or state.finish_reason is not None:
+            return False
+        self.scheduler.abort(req_id)
+        state.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+
+    # ---- the two loops ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One engine step: the synchronous loop at depth 1, the batch queue otherwise."""
+        if self.scheduler.async_depth == 1:
+            return self.step_sync()
+        return self.step_async()
+
+    def step_sync(self) -> list[StepOutput]:
+        """schedule → execute → wait → update."""
+        output = self.scheduler.schedule()
+        handle = self.runner.execute(output)
+        self.num_steps += 1
+        return self._process(output, handle)
+
+    def step_async(self) -> list[StepOutput]:
+        """Fill the batch queue first (schedule while the device runs); then process the oldest."""
+        sched = self.scheduler
+        if sched.can_schedule() and sched.has_unfinished_requests():
+            output = sched.schedule()
+            self.in_flight.append((output, self.runner.execute(output)))
+            self.num_steps += 1
+            if not output.is_empty and sched.can_schedule():
+                return []
+        if not self.in_flight:
+            return []
+        return self._process(*self.in_flight.popleft())
+
+    def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
+        result = self.runner.wait(handle)
+        logprobs = self.runner.logprobs(handle)
+        outs: list[StepOutput] = []
+        for out in self.scheduler.update(output, result):
+            state = self.requests.get(out.req_id)
+            if state is None or (state.finish_reason is not None and not out.finished):
+                continue
+            new_text = self._append(state, out.new_token_ids, logprobs.get(out.req_id, []))
+            finished = out.finished is not None or state.finish_reason is not None
+            if out.finished is not None and state.finish_reason is None:
+                state.finish_reason = FINISH_REASONS[out.finished]
+                last = state.token_ids[-1] if state.token_ids else None
+                if state.finish_reason == "stop" and last is not None and last != self.eos_token_id:
+                    state.stop_reason = last
+            outs.append(StepOutput(out.req_id, out.new_token_ids, new_text, finished))
+            if finished:
+                self.runner.remove_request(out.req_id)
+        if self.args.check_integrity:
+            self.kv.check_integrity()
+        return outs
+
+    def _append(
+        self, state: RequestState, token_ids: list[int], logprobs: list[TokenLogprobs]
+    ) -> str:
+        text = ""
+        for i, tok in enumerate(token_ids):
+            if state.finish_reason is not None:
+                break
+            state.token_ids.append(tok)
+            if i < len(logprobs):
+                state.logprobs.append(logprobs[i])
+            text += state.detok.push(tok)
+            if state.detok.stop_reason is not None:  # a stop string: finish here, free blocks
+                state.finish_reason, state.stop_reason = "stop", state.detok.stop_reason
+                self.scheduler.abort(state.request.request_id)
+        return text
+
+    def drain(self) -> None:
+        """Step until no request is unfinished and no step is in flight."""
+        while self.has_unfinished_requests():
+            self.step()

@@ -1,0 +1,286 @@
+"""ModelRunner: one step = a forward op and a sampled-token copy on the compute stream.
+
+The host prepares nothing the device computes: input ids, positions and slot mappings are built
+inside the forward op from the device-side state (`state.py`), so step k+1 reads step k's sampled
+tokens on the device, with no host round trip, even with speculative drafts rolled back.
+Every op declares the blocks and buffers it touches, for the sanitizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.device import COMPUTE, AccessSet, Device, EventId, OpMeta, Work
+from kvtier.model.attention import AttentionMetadata
+from kvtier.model.sampler import SamplerOutput, SamplingBatch, sample
+from kvtier.model.sampler import SamplingParams as ModelSamplingParams
+from kvtier.model.transformer import CausalLM
+from kvtier.runner.state import DeviceRequest, apply_diffs
+from kvtier.sched.ngram import NgramProposer
+from kvtier.sched.output import RunnerOutput, SchedulerOutput
+
+TOKEN_STATE = "token_state"  # the device-side request state (tokens, positions)
+SAMPLED = "sampled_tokens"  # [max_num_seqs, 1 + k] device buffer the forward writes
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of a sampled token and the top candidates of its processed distribution."""
+
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: wait on it with `ModelRunner.wait`."""
+
+    output: SchedulerOutput
+    slot: int  # ring slot of its host buffer and completion event
+    event: EventId
+    rows: list[str] = field(default_factory=list)  # request of each sampled row, in order
+
+
+class ModelRunner:
+    """Executes steps of a `CausalLM` through a `Device` (KV in the device tier's layer slots)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        device: Device,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        num_speculative_tokens: int = 0,
+        max_async_depth: int = 3,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_speculative_tokens = num_speculative_tokens
+        pool = device.kv("device")
+        self.kv_caches = [pool[s] for s in model.layer_slots()]
+        self.num_groups = len(model.kv_groups)
+        self.state: dict[str, DeviceRequest] = {}  # device side: touched only inside ops
+        self.params: dict[str, ModelSamplingParams] = {}  # host side: set before scheduling
+        self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.proposer = NgramProposer(max(1, num_speculative_tokens))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.max_rollback = num_speculative_tokens * max_async_depth
+        width = 1 + num_speculative_tokens
+        device.alloc_buffer(TOKEN_STATE, (1,), "int64")
+        self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
+        self.ring = max_async_depth + 1
+        self.host_out = [
+            device.alloc_buffer(f"sampled_host_{i}", (max_num_seqs, width), "int64", tier="host")
+            for i in range(self.ring)
+        ]
+        self.events = [device.new_event() for _ in range(self.ring)]
+        self._logprobs: list[dict[str, list[TokenLogprobs]]] = [{} for _ in range(self.ring)]
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    # ---- host side -----------------------------------------------------------------------------
+
+    def add_request(self, req_id: str, params: ModelSamplingParams) -> None:
+        """Register a request's sampling parameters before it is first scheduled."""
+        self.params[req_id] = params
+
+    def remove_request(self, req_id: str) -> None:
+        """Forget host-side data of a finished request (device state drops with its diff)."""
+        self.params.pop(req_id, None)
+
+    def execute(self, output: SchedulerOutput) -> StepHandle:
+        """Launch step `output` and return at once; `wait` gives its `RunnerOutput`."""
+        slot = output.step_seq % self.ring
+        reads, writes = self._host_bookkeeping(output)
+        meta = OpMeta("forward", output.step_seq, tuple(output.num_scheduled_tokens))
+        rows: list[str] = []
+        access = AccessSet.of(
+            reads={"device": sorted(reads - writes)},
+            writes={"device": sorted(writes), TOKEN_STATE: None, SAMPLED: None},
+        )
+        work = Work.forward(max(1, output.total_num_scheduled_tokens), self.model.config.num_layers)
+        self.device.launch(COMPUTE, lambda: self._forward(output, slot, rows), access, meta, work)
+        host = self.host_out[slot]
+        copy = AccessSet.of(reads={SAMPLED: None}, writes={f"sampled_host_{slot}": None})
+        self.device.launch(
+            COMPUTE,
+            lambda: host.copy_(self.sampled, non_blocking=True),
+            copy,
+            OpMeta("sampled-copy", output.step_seq),
+            Work.copy(host.numel() * 8),
+        )
+        self.device.record(COMPUTE, self.events[slot])
+        return StepHandle(output, slot, self.events[slot], rows)
+
+    def wait(self, handle: StepHandle) -> RunnerOutput:
+        """Block until the step's tokens are on the host; return them as a `RunnerOutput`."""
+        self.device.synchronize_event(handle.event)
+        host = self.host_out[handle.slot]
+        sampled: dict[str, list[int]] = {}
+
+        def read() -> None:
+            for i, req_id in enumerate(handle.rows):
+                sampled[req_id] = [t for t in host[i].tolist() if t >= 0]
+
+        access = AccessSet.of(reads={f"sampled_host_{handle.slot}": None})
+        self.device.host_op(read, access, OpMeta("read-sampled", handle.output.step_seq))
+        return RunnerOutput(handle.output.step_seq, sampled)
+
+    def logprobs(self, handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the step's sampled tokens for requests that asked (after `wait`)."""
+        return self._logprobs[handle.slot]
+
+    def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
+        """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
+        tables = self._tables
+        for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
+            tables.pop(req_id, None)
+        fresh: list[int] = []
+        starts: dict[str, int] = {}
+        for new in output.scheduled_new_reqs:
+            tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            starts[new.req_id] = new.num_computed_tokens
+            fresh += _new_ids(new.block_ids, new.num_computed_tokens, self.block_size)
+        for cached in output.scheduled_cached_reqs:
+            for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
+                table.extend(ids)
+                fresh += [b for b in ids if b]
+            starts[cached.req_id] = max(0, cached.num_computed_tokens - self.max_rollback)
+        if fresh:
+            self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
+        reads: set[int] = set()
+        writes: set[int] = set()
+        bs = self.block_size
+        for req_id, n in output.num_scheduled_tokens.items():
+            lo = starts[req_id]
+            hi = lo + n + (self.max_rollback if req_id not in _new_req_ids(output) else 0)
+            for table in tables[req_id]:
+                reads.update(b for b in table if b)
+                writes.update(b for b in table[lo // bs : -(-hi // bs)] if b)
+        return reads, writes
+
+    # ---- device side (runs inside the forward op) ---------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, output: SchedulerOutput, slot: int, rows: list[str]) -> None:
+        apply_diffs(self.state, output, self.params, self.eos_token_ids)
+        spec = output.scheduled_spec_decode_tokens
+        plan: list[_Planned] = []
+        input_ids: list[int] = []
+        for req_id, n in output.num_scheduled_tokens.items():
+            st = self.state[req_id]
+            drafts = list(spec.get(req_id, ()))
+            if drafts and drafts[0] == -1:  # async: propose on the device's tokens
+                proposed = self.proposer.propose(st.token_ids, len(drafts))
+                drafts = proposed + [st.token_ids[-1]] * (len(drafts) - len(proposed))
+            start, num_real = st.position, n - len(drafts)
+            input_ids += st.token_ids[start : start + num_real] + drafts
+            samples = start + num_real >= len(st.token_ids)
+            plan.append(_Planned(req_id, st, start, num_real, drafts, samples))
+        self.sampled.fill_(-1)
+        if not plan:
+            return
+        meta = AttentionMetadata.build(
+            [p.start for p in plan],
+            [p.num_real + len(p.drafts) for p in plan],
+            [[p.state.tables[g] for p in plan] for g in range(self.num_groups)],
+            self.block_size,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long)  # [num_tokens]
+        hidden = self.model(ids, meta.query_positions(), self.kv_caches, meta)
+        self._sample(plan, meta, hidden, slot, rows)
+
+    def _sample(
+        self,
+        plan: list[_Planned],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+        slot: int,
+        rows: list[str],
+    ) -> None:
+        index: list[int] = []  # hidden-state row of every sampled position
+        row_params: list[ModelSamplingParams] = []
+        positions: list[int] = []
+        sampling: list[tuple[_Planned, int]] = []  # request and its first row
+        for p, end in zip(plan, meta.query_start_loc[1:], strict=True):
+            if not p.samples:  # a prefill chunk that does not reach the end of the prompt
+                p.state.position = p.start + p.num_real
+                continue
+            sampling.append((p, len(index)))
+            for j in range(len(p.drafts) + 1):
+                index.append(end - len(p.drafts) - 1 + j)
+                row_params.append(p.state.params)
+                positions.append(p.start + p.num_real + j)
+        if not index:
+            return
+        logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
+        for p, first in sampling:
+            _mask_before_min_tokens(logits, p, first)
+        batch = SamplingBatch.from_params(row_params, positions, logits.shape[-1])
+        out = sample(logits, batch, self.generator)
+        tokens = out.token_ids.tolist()
+        logprobs = self._logprobs[slot] = {}
+        for i, (p, first) in enumerate(sampling):
+            accepted = 0  # drafts are deterministic: accept while the target agrees
+            while accepted < len(p.drafts) and tokens[first + accepted] == p.drafts[accepted]:
+                accepted += 1
+            new = tokens[first : first + accepted + 1]
+            self.num_draft_tokens += len(p.drafts)
+            self.num_accepted_tokens += accepted
+            p.state.token_ids.extend(new)
+            p.state.position = len(p.state.token_ids) - 1
+            self.sampled[i, : len(new)] = torch.tensor(new)
+            rows.append(p.req_id)
+            if p.state.params.logprobs is not None:
+                logprobs[p.req_id] = _token_logprobs(out, first, len(new), p.state.params.logprobs)
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One request's share of a forward."""
+
+    req_id: str
+    state: DeviceRequest
+    start: int  # first query position (the device's, after any draft rollback)
+    num_real: int  # tokens known before the step (prompt chunk or the last sampled token)
+    drafts: list[int]
+    samples: bool  # the step reaches the end of the known tokens: sample after it
+
+
+def _mask_before_min_tokens(logits: torch.Tensor, p: _Planned, first: int) -> None:
+    st = p.state
+    num_out = len(st.token_ids) - st.num_prompt_tokens
+    if not st.eos_ids or num_out >= st.min_tokens:
+        return
+    for j in range(len(p.drafts) + 1):
+        if num_out + j < st.min_tokens:
+            logits[first + j, list(st.eos_ids)] = float("-inf")
+
+
+def _token_logprobs(out: SamplerOutput, first: int, n: int, k: int) -> list[TokenLogprobs]:
+    assert out.sampled_logprobs is not None
+    result = []
+    for r in range(first, first + n):
+        top: dict[int, float] = {}
+        if k and out.top_logprobs is not None and out.top_token_ids is not None:
+            ids, vals = out.top_token_ids[r, :k].tolist(), out.top_logprobs[r, :k].tolist()
+            top = dict(zip(ids, vals, strict=True))
+        result.append(TokenLogprobs(float(out.sampled_logprobs[r]), top))
+    return result
+
+
+def _new_ids(block_ids: tuple[list[int], ...], num_computed: int, bs: int) -> list[int]:
+    """Blocks a new request's step will write (prefix hits before num_computed are shared)."""
+    return [b for ids in block_ids for b in ids[num_computed // bs :] if b]
+
+
+def _new_req_ids(output: SchedulerOutput) -> set[str]:
+    return {new.req_id for new in output.scheduled_new_reqs}

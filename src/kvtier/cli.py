@@ -1,4 +1,4 @@
-"""Command line: `kvtier plan · bench …`. Subcommands only parse flags and call into the packages."""
+"""Command line: `kvtier generate · plan · bench …`. Subcommands only parse flags and call into the packages."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="compute the KV byte plan of a model configuration")
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
+
+
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    import importlib
+
+    generate_cli = importlib.import_module("kvtier.engine.cli")
+
+    p = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    generate_cli.add_arguments(p)
+    p.set_defaults(func=generate_cli.run)
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,6 +47,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
     _add_plan(sub)
     _add_bench(sub)
     return parser

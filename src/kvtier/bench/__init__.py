@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = ("kv", "device", "sched")
+BENCHMARKS = ("kv", "device", "sched", "throughput")
 
 
 def save_json(result: dict[str, Any], out: str | Path) -> Path:

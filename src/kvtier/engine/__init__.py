@@ -1,9 +1,38 @@
-"""Engine: `EngineCore` (sync and async loops), the offline `LLM` API and its parameters."""
+"""Engine: `EngineCore` (sync and async loops), the offline `LLM` API and its parameters.
+
+Names load on first use so that `kvtier.engine.cli` can build its flags without importing torch.
+"""
 
 from __future__ import annotations
 
-from kvtier.engine.core import EngineCore
-from kvtier.engine.llm import LLM, CompletionOutput, RequestOutput
-from kvtier.engine.params import EngineArgs, SamplingParams
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "EngineCore", "RequestOutput", "SamplingParams"]
+if TYPE_CHECKING:
+    from kvtier.engine.core import EngineCore
+    from kvtier.engine.llm import LLM, CompletionOutput, RequestOutput
+    from kvtier.engine.params import EngineArgs, SamplingParams
+
+_HOMES = {
+    "EngineCore": "core",
+    "LLM": "llm",
+    "CompletionOutput": "llm",
+    "RequestOutput": "llm",
+    "EngineArgs": "params",
+    "SamplingParams": "params",
+}
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineCore",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'kvtier.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvtier.engine.{_HOMES[name]}"), name)

@@ -13,6 +13,7 @@ from kvtier.device import KVLayout, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
+from kvtier.kv.specs import blocks_for_requests
 from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.runner import ModelRunner, StepHandle
@@ -122,11 +123,17 @@ class EngineCore:
         cache = args.cache
         if cache.kv_cache_dtype is None and dtype_name in DTYPE_BYTES:
             cache = replace(cache, kv_cache_dtype=dtype_name)
-        if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
-            cache = replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES)
         sched = args.scheduler
         if sched.max_model_len is None:
             sched = replace(sched, max_model_len=cfg.max_position_embeddings)
+        if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
+            # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
+            # requests can use (small models would otherwise carry millions of idle blocks).
+            plan = plan_kv(cfg, replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES), sched)
+            wanted = blocks_for_requests(
+                plan.specs, sched.max_num_seqs, plan.max_model_len, plan.max_in_flight_tokens
+            )
+            cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
         plan = plan_kv(cfg, cache, sched)
         self.args = replace(args, cache=cache, scheduler=sched)
         return plan

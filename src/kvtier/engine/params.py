@@ -7,12 +7,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import CacheConfig, SchedulerConfig
+from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.request import SamplingParams as StopParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
-PROTECTIONS = ("event", "settled", "quarantine")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""Offline throughput: N prompts × P tokens → O greedy output tokens, kvtier beside transformers.
+
+Runs both engines on the same local model folder in the same process and reports output
+tokens/s (wall clock), kvtier's cold pass and a warm pass with prefix hits, and how many greedy
+completions agree token for token. Prints a table and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench import save_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", default="tiny-llama,default", help="tiny-llama, default, or folders"
+    )
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_throughput.json")
+
+
+def tiny_llama(folder: Path) -> Path:
+    from kvtier.model.testing import write_tiny_model
+
+    return write_tiny_model(folder, "llama", hidden_size=256, num_layers=4, vocab_size=1024)
+
+
+def _model_path(name: str, tmp: Path, default: Path) -> Path:
+    if name == "tiny-llama":
+        return tiny_llama(tmp / "tiny-llama")
+    return default if name == "default" else Path(name)
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [
+        [rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
+
+
+def run_kvtier(
+    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    from kvtier.engine import LLM, SamplingParams
+
+    llm = LLM(
+        path,
+        dtype=dtype,
+        block_size=args.block_size,
+        max_model_len=args.input_len + args.output_len + args.block_size,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    result: dict[str, Any] = {}
+    outs: list[list[int]] = []
+    for name in ("cold", "warm"):  # the warm pass hits the prefix cache for every prompt
+        t0 = time.perf_counter()
+        got = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in got)
+        result[name] = {"seconds": elapsed, "output_tokens": n, "output_tokens_per_s": n / elapsed}
+        outs = [o.outputs[0].token_ids for o in got]
+    result["tokens"] = outs
+    return result
+
+
+def run_transformers(
+    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)  # [num_prompts, input_len]; equal lengths, no padding
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - t0
+    tokens = out[:, ids.shape[1] :].tolist()
+    n = sum(len(t) for t in tokens)
+    return {
+        "seconds": elapsed,
+        "output_tokens": n,
+        "output_tokens_per_s": n / elapsed,
+        "tokens": tokens,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.config import ModelConfig
+    from kvtier.engine.params import DEFAULT_MODEL
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = _model_path(name, Path(tmp), DEFAULT_MODEL)
+            cfg = ModelConfig.from_pretrained(path)
+            prompts = _prompts(args, cfg.vocab_size)
+            for dtype in args.dtypes.split(","):
+                ours = run_kvtier(str(path), dtype, prompts, args)
+                row: dict[str, Any] = {
+                    "model": name,
+                    "architecture": cfg.architecture,
+                    "dtype": dtype,
+                    "kvtier_cold_tok_s": ours["cold"]["output_tokens_per_s"],
+                    "kvtier_warm_tok_s": ours["warm"]["output_tokens_per_s"],
+                    "kvtier": {k: v for k, v in ours.items() if k != "tokens"},
+                }
+                if not args.no_transformers:
+                    ref = run_transformers(str(path), dtype, prompts, args)
+                    same = sum(a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True))
+                    row["transformers_tok_s"] = ref["output_tokens_per_s"]
+                    row["transformers"] = {k: v for k, v in ref.items() if k != "tokens"}
+                    row["speedup_vs_transformers"] = (
+                        row["kvtier_cold_tok_s"] / ref["output_tokens_per_s"]
+                    )
+                    row["identical_completions"] = f"{same}/{len(prompts)}"
+                rows.append(row)
+                print(
+                    f"{name:12s} {dtype:9s} kvtier cold {row['kvtier_cold_tok_s']:8.1f} tok/s  "
+                    f"warm {row['kvtier_warm_tok_s']:8.1f} tok/s"
+                    + (
+                        f"  transformers {row['transformers_tok_s']:8.1f} tok/s  "
+                        f"×{row['speedup_vs_transformers']:.2f}  same {row['identical_completions']}"
+                        if "transformers_tok_s" in row
+                        else ""
+                    ),
+                    flush=True,
+                )
+    workload = {
+        k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "block_size")
+    }
+    print(
+        f"saved {save_json({'workload': workload, 'threads': torch.get_num_threads(), 'rows': rows}, args.out)}"
+    )
+    return 0

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kvtier.model.loader import load_generation_defaults, load_model
+from kvtier.model.loader import load_generation_defaults, load_model, load_pretrained
 from kvtier.model.tokenizer import load_tokenizer
 
 
@@ -112,3 +112,13 @@ def test_missing_chat_template(tiny_model_dir, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
     with pytest.raises(ValueError, match="no chat template"):
         load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_load_pretrained_bundles_model_tokenizer_and_defaults(tiny_model_dir, tmp_path):
+    bundle = load_pretrained(tiny_model_dir("gemma2"), dtype="bfloat16")
+    assert bundle.model.config.architecture == "Gemma2ForCausalLM"
+    assert bundle.tokenizer is not None and bundle.tokenizer.eos_token_ids == (2,)
+    assert bundle.generation.eos_token_ids == (2,)
+    folder = copy_of(tiny_model_dir, tmp_path)
+    (folder / "tokenizer.json").unlink()
+    assert load_pretrained(folder).tokenizer is None

@@ -6,7 +6,13 @@ from __future__ import annotations
 from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.detokenizer import IncrementalDetokenizer
-from kvtier.model.loader import GenerationDefaults, load_generation_defaults, load_model
+from kvtier.model.loader import (
+    GenerationDefaults,
+    Pretrained,
+    load_generation_defaults,
+    load_model,
+    load_pretrained,
+)
 from kvtier.model.sampler import SamplerOutput, SamplingBatch, SamplingParams, sample
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
@@ -18,6 +24,7 @@ __all__ = [
     "GenerationDefaults",
     "IncrementalDetokenizer",
     "LayerKind",
+    "Pretrained",
     "SamplerOutput",
     "SamplingBatch",
     "SamplingParams",
@@ -25,6 +32,7 @@ __all__ = [
     "arch_spec",
     "load_generation_defaults",
     "load_model",
+    "load_pretrained",
     "load_tokenizer",
     "sample",
 ]

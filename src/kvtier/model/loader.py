@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -15,6 +15,9 @@ from safetensors import safe_open
 from kvtier.config import ModelConfig
 from kvtier.model.arch import arch_spec
 from kvtier.model.transformer import CausalLM
+
+if TYPE_CHECKING:
+    from kvtier.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,6 +49,26 @@ def model_folder(path: str | Path) -> Path:
             "and tokenizer.json (save it with `model.save_pretrained(folder)`)"
         )
     return folder
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """What a model folder provides: the model, its tokenizer (None without tokenizer.json) and
+    generation defaults."""
+
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    generation: GenerationDefaults
+
+
+def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None) -> Pretrained:
+    """Model, tokenizer and generation defaults of a HF folder in one call."""
+    from kvtier.model.tokenizer import load_tokenizer  # tokenizer.py imports this module
+
+    model = load_model(path, dtype)
+    folder = Path(path)
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    return Pretrained(model, tokenizer, load_generation_defaults(folder))
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> CausalLM:

@@ -8,6 +8,7 @@ import torch
 
 from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.loader import load_model
+from kvtier.model.paged import plan_group
 from tests.model.paged import PagedKV
 
 # Schedules: per step, (sequence, number of new tokens); a 1 after the prompt is a decode.
@@ -113,3 +114,21 @@ def test_sequence_without_tokens_this_step_changes_nothing(tiny_model_dir):
     assert with_idle[0].shape == (0, model.config.vocab_size)
     alone = PagedKV(model, num_blocks=96, block_size=4).step([("a", seqs["a"][:12])])
     torch.testing.assert_close(with_idle[1], alone[0], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "llama_chunked"])
+def test_equal_shape_prefills_share_one_call_and_match_alone(tiny_model_dir, arch):
+    model = load_model(tiny_model_dir(arch), dtype="float64")
+    seqs = sequences(model.config.vocab_size)
+    kv = PagedKV(model, num_blocks=96, block_size=4)
+    kv.step([("g", seqs["a"][:12])])
+    batch = [("e", seqs["b"][:12]), ("g", seqs["a"][12:24]), ("f", seqs["d"][:12])]
+    together = kv.step(batch)
+    meta = AttentionMetadata.build([0, 12, 0], [12, 12, 12], [[[1, 2, 3], [4] * 6, [5] * 3]], 4)
+    buckets = plan_group(meta, 0, LayerKind(), 2, 2).prefills
+    assert [p.mask.shape[0] for p in buckets] == [2, 1]  # e and f share one call
+    for (s, ids), logits in zip([batch[0], batch[2]], [together[0], together[2]], strict=True):
+        alone = PagedKV(model, num_blocks=96, block_size=4).step([(s, ids)])[0]
+        torch.testing.assert_close(logits, alone, atol=1e-10, rtol=0)
+    g_alone = PagedKV(model, num_blocks=96, block_size=4).step([("g", seqs["a"][:24])])[0]
+    torch.testing.assert_close(together[1], g_alone[12:], atol=1e-10, rtol=0)

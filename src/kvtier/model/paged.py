@@ -36,6 +36,16 @@ class BatchedPlan:
 
 
 @dataclass(frozen=True)
+class PrefillPlan:
+    """Longer query chunks of equal (queries, keys) shape, attended together in one SDPA call."""
+
+    num_queries: int  # q per sequence
+    tokens: torch.Tensor  # [B * q] token indices, sequence-major
+    rows: torch.Tensor  # [B * KVH * L] head rows of the keys
+    mask: torch.Tensor  # [B, 1, G * q, L] bool, query rows ordered (g, q)
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     """Index tensors of one KV group for one forward; shared by every layer of the group."""
 
@@ -43,7 +53,7 @@ class GroupPlan:
     write_tokens: torch.Tensor | None  # [num_written] token indices; None = every token
     write_rows: torch.Tensor  # [num_written] token rows of the keys to write
     batched: BatchedPlan | None
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # start, end, rows [KVH*L], mask
+    prefills: list[PrefillPlan]
 
     def to(self, device: torch.device) -> GroupPlan:
         """The plan with its index tensors on `device` (plans are built on the host)."""
@@ -60,7 +70,12 @@ class GroupPlan:
             write_tokens=None if self.write_tokens is None else self.write_tokens.to(device),
             write_rows=self.write_rows.to(device),
             batched=batched,
-            prefills=[(a, b, r.to(device), m.to(device)) for a, b, r, m in self.prefills],
+            prefills=[
+                PrefillPlan(
+                    p.num_queries, p.tokens.to(device), p.rows.to(device), p.mask.to(device)
+                )
+                for p in self.prefills
+            ],
         )
 
 
@@ -79,7 +94,7 @@ def plan_group(
     qlens, seq_lens, loc = meta.query_lens, meta.seq_lens, meta.query_start_loc
     short = [i for i, q in enumerate(qlens) if 0 < q <= MAX_BATCHED_QUERY]
     batched = _plan_batched(meta, short, table, kind, heads, num_queries_per_kv) if short else None
-    prefills = []
+    shapes: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     for i, q in enumerate(qlens):
         if q <= MAX_BATCHED_QUERY:
             continue
@@ -88,7 +103,17 @@ def plan_group(
         token_rows = table[i, pos // bs] * (2 * bs) + pos % bs  # [L]
         rows = (token_rows[None, :] * num_kv_heads + heads[:, None]).flatten()  # [KVH * L]
         mask = kind.mask(torch.arange(first, seq_lens[i]), pos).repeat(num_queries_per_kv, 1)
-        prefills.append((loc[i], loc[i + 1], rows, mask))  # mask [G * q, L]
+        tokens = torch.arange(loc[i], loc[i + 1])
+        shapes.setdefault((q, len(pos)), []).append((tokens, rows, mask))  # mask [G * q, L]
+    prefills = [
+        PrefillPlan(
+            q,
+            torch.cat([t for t, _, _ in items]),
+            torch.cat([r for _, r, _ in items]),
+            torch.stack([m for _, _, m in items])[:, None],
+        )
+        for (q, _), items in shapes.items()
+    ]
     return GroupPlan(bs, write_tokens, write_rows, batched, prefills)
 
 
@@ -165,16 +190,18 @@ def paged_attention(
             out = ob
         else:
             out.index_copy_(0, b.out_tokens, ob.index_select(0, b.out_rows))
-    for start, end, rows, mask in plan.prefills:
-        n = end - start
-        qp = q[start:end].view(n, kvh, group, dim).permute(1, 2, 0, 3).reshape(kvh, group * n, dim)
-        kp = head_rows.index_select(0, rows).view(kvh, -1, dim).to(q.dtype)  # [KVH, L, D]
-        vp = head_rows.index_select(0, rows + v_off).view(kvh, -1, dim).to(q.dtype)
-        if softcap is None:  # [KVH, G * n, D]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+    for p in plan.prefills:
+        b, n = p.mask.shape[0], p.num_queries
+        qp = q.index_select(0, p.tokens).view(b, n, kvh, group, dim)
+        qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, group * n, dim)
+        kp = head_rows.index_select(0, p.rows).view(b, kvh, -1, dim).to(q.dtype)  # [B, KVH, L, D]
+        vp = head_rows.index_select(0, p.rows + v_off).view(b, kvh, -1, dim).to(q.dtype)
+        if softcap is None:  # [B, KVH, G * n, D]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
         else:
-            op = _attend_eager(qp, kp, vp, mask, scale, softcap)
-        out[start:end] = op.view(kvh, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+            op = _attend_eager(qp, kp, vp, p.mask, scale, softcap)
+        op = op.view(b, kvh, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b * n, num_heads, dim)
+        out.index_copy_(0, p.tokens, op)
     return out
 
 

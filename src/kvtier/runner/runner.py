@@ -159,11 +159,14 @@ class ModelRunner:
         reads: set[int] = set()
         writes: set[int] = set()
         bs = self.block_size
+        new_ids = {new.req_id for new in output.scheduled_new_reqs}
+        kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
             lo = starts[req_id]
-            hi = lo + n + (self.max_rollback if req_id not in _new_req_ids(output) else 0)
-            for table in tables[req_id]:
-                reads.update(b for b in table if b)
+            hi = lo + n + (self.max_rollback if req_id not in new_ids else 0)
+            for kind, table in zip(kinds, tables[req_id], strict=True):
+                # What attention gathers: from the window (or chunk) start of the first query.
+                reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)
                 writes.update(b for b in table[lo // bs : -(-hi // bs)] if b)
         return reads, writes
 
@@ -280,7 +283,3 @@ def _token_logprobs(out: SamplerOutput, first: int, n: int, k: int) -> list[Toke
 def _new_ids(block_ids: tuple[list[int], ...], num_computed: int, bs: int) -> list[int]:
     """Blocks a new request's step will write (prefix hits before num_computed are shared)."""
     return [b for ids in block_ids for b in ids[num_computed // bs :] if b]
-
-
-def _new_req_ids(output: SchedulerOutput) -> set[str]:
-    return {new.req_id for new in output.scheduled_new_reqs}

@@ -118,7 +118,8 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         if batch.top_p is not None:
             probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-            drop |= before >= batch.top_p[:, None]
+            top_p = batch.top_p[:, None]
+            drop |= (before >= top_p) & (top_p < 1.0)  # rows at 1.0 keep all (rounding-safe)
         drop[:, 0] = False
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     if batch.min_p is not None:

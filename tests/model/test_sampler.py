@@ -125,3 +125,11 @@ def test_logprobs_of_the_processed_distribution():
 def test_bad_params_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+def test_rows_without_filters_keep_every_token_beside_filtered_rows():
+    logits = logits_rows(2, seed=10) * 20  # very peaked: tail mass rounds to nothing
+    params = [SamplingParams(), SamplingParams(top_p=0.5, top_k=3, min_p=0.1)]
+    processed = processed_logits(logits, SamplingBatch.from_params(params, [0, 0], VOCAB))
+    assert torch.isfinite(processed[0]).all()
+    assert torch.isfinite(processed[1]).sum() < VOCAB

@@ -1,5 +1,14 @@
 """Models: HF folder loading, the paged-attention decoder for Llama, Qwen2, Mistral, Gemma2 and
-Gemma3 text, the tokenizer and incremental detokenizer, and the batched sampler."""
+Gemma3 text, the tokenizer and incremental detokenizer, and the batched sampler.
+
+One step (see tests/model/test_end_to_end.py):
+    model = load_model(folder)                       # or load_pretrained(folder) for the tokenizer
+    kv = model.allocate_kv_caches(num_blocks, block_size)   # per layer; groups = model.kv_groups
+    meta = AttentionMetadata.build(num_computed, num_scheduled, block_ids[group][seq], block_size)
+    hidden = model(input_ids, meta.query_positions(), kv, meta)
+    logits = model.compute_logits(hidden, last_token_indices)
+    out = sample(logits, SamplingBatch.from_params(params, positions, vocab_size), generator)
+"""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
-"""Tiny model folders shared by the model tests (built once per session, per architecture), and
-one torch thread while a model test runs: toy-sized ops gain nothing from a thread pool, and on a
-busy 2-core machine spinning OpenMP workers made this suite ~20x slower (125 s vs 7 s)."""
+"""Tiny model folders shared by the model tests (built once per session, per architecture)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvtier.model.testing import write_tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
+    parser.add_argument(
+        "--sim",
+        action="store_true",
+        help="also run kvtier on the sim device with the race sanitizer (its overhead vs cpu)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_throughput.json")
 
@@ -79,6 +84,7 @@ def run_kvtier(
         result[name] = {"seconds": elapsed, "output_tokens": n, "output_tokens_per_s": n / elapsed}
         outs = [o.outputs[0].token_ids for o in got]
     result["tokens"] = outs
+    result["hazards"] = len(llm.engine.device.hazards)
     return result
 
 
@@ -130,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
                     "kvtier_warm_tok_s": ours["warm"]["output_tokens_per_s"],
                     "kvtier": {k: v for k, v in ours.items() if k != "tokens"},
                 }
+                if args.sim:
+                    sim = run_kvtier(str(path), dtype, prompts, args, device="sim")
+                    row["kvtier_sim_sanitized_tok_s"] = sim["cold"]["output_tokens_per_s"]
+                    row["sim_overhead"] = (
+                        row["kvtier_cold_tok_s"] / sim["cold"]["output_tokens_per_s"] - 1
+                    )
+                    row["sim_same_tokens"] = sim["tokens"] == ours["tokens"]
+                    row["sim_hazards"] = sim["hazards"]
                 if not args.no_transformers:
                     ref = run_transformers(str(path), dtype, prompts, args)
                     same = sum(a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True))
@@ -143,6 +157,12 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"{name:12s} {dtype:9s} kvtier cold {row['kvtier_cold_tok_s']:8.1f} tok/s  "
                     f"warm {row['kvtier_warm_tok_s']:8.1f} tok/s"
+                    + (
+                        f"  sim+sanitizer {row['kvtier_sim_sanitized_tok_s']:8.1f} tok/s "
+                        f"(+{row['sim_overhead']:.1%}, same tokens: {row['sim_same_tokens']})"
+                        if "sim_overhead" in row
+                        else ""
+                    )
                     + (
                         f"  transformers {row['transformers_tok_s']:8.1f} tok/s  "
                         f"×{row['speedup_vs_transformers']:.2f}  same {row['identical_completions']}"

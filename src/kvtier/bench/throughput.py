@@ -59,12 +59,14 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def run_kvtier(
-    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
+    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace, device: str = "cpu"
 ) -> dict[str, Any]:
     from kvtier.engine import LLM, SamplingParams
 
     llm = LLM(
         path,
+        device=device,
+        sanitize=device == "sim",
         dtype=dtype,
         block_size=args.block_size,
         max_model_len=args.input_len + args.output_len + args.block_size,
@@ -72,7 +74,8 @@ def run_kvtier(
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
     )
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    # min_tokens masks EOS until the length is reached, as transformers' min_new_tokens does.
+    params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, temperature=0.0)
     batch = [{"prompt_token_ids": p} for p in prompts]
     result: dict[str, Any] = {}
     outs: list[list[int]] = []

@@ -4,6 +4,7 @@ group: causal, sliding window or Llama-4 chunks). Plain data; the op lives in `p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @functools.cached_property
     def query_lens(self) -> list[int]:
         loc = self.query_start_loc
         return [loc[i + 1] - loc[i] for i in range(len(self.seq_lens))]
@@ -57,21 +58,16 @@ class AttentionMetadata:
         seq_lens = tuple(
             c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
         )
+        counts = torch.tensor(list(num_scheduled_tokens), dtype=torch.int64)  # [num_seqs]
+        seq = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)  # [num_tokens]
+        offset = torch.arange(loc[-1]) - torch.tensor(loc[:-1], dtype=torch.int64)[seq]
+        p = torch.tensor(list(num_computed_tokens), dtype=torch.int64)[seq] + offset  # positions
         tables, slots = [], []
         for group in block_ids:
             width = max([len(ids) for ids in group] + [1])
-            table = torch.zeros(len(group), width, dtype=torch.int64)  # [num_seqs, max_blocks]
-            for i, ids in enumerate(group):
-                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            tables.append(table)
-            pos = [
-                torch.arange(c, c + n)
-                for c, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
-            ]
-            seq = torch.repeat_interleave(
-                torch.arange(len(group)), torch.tensor(list(num_scheduled_tokens))
-            )
-            p = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+            padded = [list(ids) + [0] * (width - len(ids)) for ids in group]
+            table = torch.tensor(padded, dtype=torch.int64).reshape(len(group), width)
+            tables.append(table)  # [num_seqs, max_blocks]
             slots.append(table[seq, p // block_size] * block_size + p % block_size)  # [num_tokens]
         return cls(tuple(loc), seq_lens, tuple(tables), tuple(slots), block_size)
 

@@ -126,9 +126,10 @@ def _plan_batched(
     group: int,
 ) -> BatchedPlan:
     bs = meta.block_size
-    qlens = torch.tensor([meta.query_lens[i] for i in seqs])  # [n]
+    all_qlens = meta.query_lens
+    qlens = torch.tensor([all_qlens[i] for i in seqs])  # [n]
     lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-    starts = torch.tensor([kind.kv_start(meta.seq_lens[i] - meta.query_lens[i]) for i in seqs])
+    starts = torch.tensor([kind.kv_start(meta.seq_lens[i] - all_qlens[i]) for i in seqs])
     num_q, width = int(qlens.max()), int((lens - starts).max())
     j = torch.arange(num_q)[None, :]
     q_off = torch.minimum(j, qlens[:, None] - 1)  # [n, Q]

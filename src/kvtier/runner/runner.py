@@ -225,13 +225,14 @@ class ModelRunner:
         if not index:
             return
         logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
-        for p, first in sampling:
-            _mask_before_min_tokens(logits, p, first)
+        _mask_before_min_tokens(logits, sampling)
         batch = SamplingBatch.from_params(row_params, positions, logits.shape[-1])
         out = sample(logits, batch, self.generator)
         tokens = out.token_ids.tolist()
         logprobs = self._logprobs[slot] = {}
-        for i, (p, first) in enumerate(sampling):
+        width = self.sampled.shape[1]
+        sampled_rows: list[list[int]] = []
+        for p, first in sampling:
             accepted = 0  # drafts are deterministic: accept while the target agrees
             while accepted < len(p.drafts) and tokens[first + accepted] == p.drafts[accepted]:
                 accepted += 1
@@ -240,10 +241,11 @@ class ModelRunner:
             self.num_accepted_tokens += accepted
             p.state.token_ids.extend(new)
             p.state.position = len(p.state.token_ids) - 1
-            self.sampled[i, : len(new)] = torch.tensor(new)
+            sampled_rows.append(new + [-1] * (width - len(new)))
             rows.append(p.req_id)
             if p.state.params.logprobs is not None:
                 logprobs[p.req_id] = _token_logprobs(out, first, len(new), p.state.params.logprobs)
+        self.sampled[: len(sampled_rows)] = torch.tensor(sampled_rows, dtype=torch.int64)
 
 
 @dataclass(slots=True)
@@ -258,14 +260,20 @@ class _Planned:
     samples: bool  # the step reaches the end of the known tokens: sample after it
 
 
-def _mask_before_min_tokens(logits: torch.Tensor, p: _Planned, first: int) -> None:
-    st = p.state
-    num_out = len(st.token_ids) - st.num_prompt_tokens
-    if not st.eos_ids or num_out >= st.min_tokens:
-        return
-    for j in range(len(p.drafts) + 1):
-        if num_out + j < st.min_tokens:
-            logits[first + j, list(st.eos_ids)] = float("-inf")
+def _mask_before_min_tokens(logits: torch.Tensor, sampling: list[tuple[_Planned, int]]) -> None:
+    """EOS and stop tokens cannot be sampled before a request has `min_tokens` outputs."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for p, first in sampling:
+        st = p.state
+        num_out = len(st.token_ids) - st.num_prompt_tokens
+        if not st.eos_ids or num_out >= st.min_tokens:
+            continue
+        for j in range(min(len(p.drafts) + 1, st.min_tokens - num_out)):
+            rows += [first + j] * len(st.eos_ids)
+            cols += st.eos_ids
+    if rows:
+        logits[rows, cols] = float("-inf")
 
 
 def _token_logprobs(out: SamplerOutput, first: int, n: int, k: int) -> list[TokenLogprobs]:

@@ -3,7 +3,6 @@ batch-queue loop side by side (the difference between them is the `step_async` m
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,6 +17,7 @@ from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.runner import TokenLogprobs
+from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
@@ -115,8 +115,7 @@ class EngineCore:
             seed=args.seed,
         )
         self.requests: dict[str, RequestState] = {}
-        self.in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
-        self.num_steps = 0
+        self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
 
     def _plan(self, dtype_name: str) -> KVPlan:
         args, cfg = self.args, self.model_config
@@ -176,7 +175,7 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+        return self.scheduler.has_unfinished_requests() or bool(self.queue)
 
     # ---- the two loops ---------------------------------------------------------------------------
 
@@ -190,21 +189,13 @@ class EngineCore:
         """schedule → execute → wait → update."""
         output = self.scheduler.schedule()
         handle = self.runner.execute(output)
-        self.num_steps += 1
+        self.queue.num_steps += 1
         return self._process(output, handle)
 
     def step_async(self) -> list[StepOutput]:
         """Fill the batch queue first (schedule while the device runs); then process the oldest."""
-        sched = self.scheduler
-        if sched.can_schedule() and sched.has_unfinished_requests():
-            output = sched.schedule()
-            self.in_flight.append((output, self.runner.execute(output)))
-            self.num_steps += 1
-            if not output.is_empty and sched.can_schedule():
-                return []
-        if not self.in_flight:
-            return []
-        return self._process(*self.in_flight.popleft())
+        item = self.queue.advance()
+        return [] if item is None else self._process(*item)
 
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)

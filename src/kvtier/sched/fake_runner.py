@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.oracle import AccessOracle
 from kvtier.sched.output import RequestOutput, RunnerOutput, SchedulerOutput
@@ -125,34 +126,33 @@ class FakeRunner:
 
 
 class FakeEngine:
-    """The engine loop over a fake runner: a batch queue of up to `async_depth` steps.
-
-    Filling the queue wins over collecting results (as vLLM's batch queue); an empty step is
-    processed at once so an idle loop makes progress.
-    """
+    """The engine loop over a fake runner: a `BatchQueue` of up to `async_depth` steps."""
 
     def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
         self.scheduler = scheduler
         self.runner = runner
-        self.in_flight: deque[tuple[SchedulerOutput, RunnerOutput]] = deque()
-        self.num_steps = 0
+        self.queue: BatchQueue[RunnerOutput] = BatchQueue(scheduler, runner.execute)
+
+    @property
+    def num_steps(self) -> int:
+        return self.queue.num_steps
+
+    @property
+    def in_flight(self) -> deque[tuple[SchedulerOutput, RunnerOutput]]:
+        return self.queue.in_flight
 
     def step(self) -> list[RequestOutput]:
         """Schedule one step if allowed, else process the oldest; returns processed outputs."""
-        sched = self.scheduler
-        if sched.can_schedule() and sched.has_unfinished_requests():
-            output = sched.schedule()
-            self.in_flight.append((output, self.runner.execute(output)))
-            self.num_steps += 1
-            if not output.is_empty and sched.can_schedule():
-                return []
-        return self.process_oldest()
+        return self._process(self.queue.advance())
 
     def process_oldest(self) -> list[RequestOutput]:
         """Feed the oldest in-flight step's result back to the scheduler ([] if none)."""
-        if not self.in_flight:
+        return self._process(self.queue.pop_oldest())
+
+    def _process(self, item: tuple[SchedulerOutput, RunnerOutput] | None) -> list[RequestOutput]:
+        if item is None:
             return []
-        output, result = self.in_flight.popleft()
+        output, result = item
         outputs = self.scheduler.update(output, result)
         self.runner.on_processed(output.step_seq)
         return outputs
@@ -163,7 +163,7 @@ class FakeEngine:
         RuntimeError if `max_steps` pass first (a request that can never be scheduled).
         """
         for i in range(max_steps):
-            if not self.in_flight and not self.scheduler.has_unfinished_requests():
+            if not self.queue and not self.scheduler.has_unfinished_requests():
                 return i
             self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} engine steps")

@@ -19,6 +19,7 @@ from kvtier.model.sampler import SamplerOutput, SamplingBatch, sample
 from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.model.transformer import CausalLM
 from kvtier.runner.state import DeviceRequest, apply_diffs
+from kvtier.runner.transfers import TransferEngine
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import RunnerOutput, SchedulerOutput
 
@@ -58,6 +59,7 @@ class ModelRunner:
         max_async_depth: int = 3,
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
+        order_copies_after_compute: bool = True,
     ) -> None:
         self.model = model
         self.device = device
@@ -82,6 +84,7 @@ class ModelRunner:
             for i in range(self.ring)
         ]
         self.events = [device.new_event() for _ in range(self.ring)]
+        self.transfers = TransferEngine(device, order_after_compute=order_copies_after_compute)
         self._logprobs: list[dict[str, list[TokenLogprobs]]] = [{} for _ in range(self.ring)]
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -107,7 +110,10 @@ class ModelRunner:
             writes={"device": sorted(writes), TOKEN_STATE: None, SAMPLED: None},
         )
         work = Work.forward(max(1, output.total_num_scheduled_tokens), self.model.config.num_layers)
+        self.transfers.launch_loads(output.planned_transfers, output.step_seq)
         self.device.launch(COMPUTE, lambda: self._forward(output, slot, rows), access, meta, work)
+        self.transfers.forward_launched()
+        self.transfers.launch_stores(output.planned_transfers, output.step_seq)
         host = self.host_out[slot]
         copy = AccessSet.of(reads={SAMPLED: None}, writes={f"sampled_host_{slot}": None})
         self.device.launch(
@@ -132,7 +138,8 @@ class ModelRunner:
 
         access = AccessSet.of(reads={f"sampled_host_{handle.slot}": None})
         self.device.host_op(read, access, OpMeta("read-sampled", handle.output.step_seq))
-        return RunnerOutput(handle.output.step_seq, sampled)
+        finished, failed = self.transfers.poll()
+        return RunnerOutput(handle.output.step_seq, sampled, finished, failed)
 
     def logprobs(self, handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the step's sampled tokens for requests that asked (after `wait`)."""

@@ -37,6 +37,7 @@ class CachedRequestData:
 class PlannedTransfer:
     """A block copy between tiers planned with this step (filled by the offload layer)."""
 
+    transfer_id: int  # unique per engine; completions and failures are reported by it
     req_id: ReqId  # request the copy serves
     src_block_ids: list[int]  # source blocks in the source tier
     dst_block_ids: list[int]  # destination blocks in the destination tier
@@ -70,7 +71,9 @@ class RunnerOutput:
     # Per request that sampled: accepted drafts then one bonus token (≥ 1 token). Requests of a
     # non-final prefill chunk are absent (or map to an empty list).
     sampled_token_ids: dict[ReqId, list[int]]
-    finished_transfers: list[int] = field(default_factory=list)  # indices into planned_transfers
+    # Transfers (by transfer_id, of this or any earlier step) whose copy has completed, or failed.
+    finished_transfers: list[int] = field(default_factory=list)
+    failed_transfers: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

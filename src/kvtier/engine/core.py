@@ -113,6 +113,7 @@ class EngineCore:
             num_speculative_tokens=args.num_speculative_tokens,
             eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
             seed=args.seed,
+            order_copies_after_compute="event" in args.protect,
         )
         self.requests: dict[str, RequestState] = {}
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)

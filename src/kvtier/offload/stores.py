@@ -1,0 +1,342 @@
+"""StorePlanner: device → host stores from settled counts, re-store after eviction, completion.
+
+Differences from vLLM's SimpleCPUOffload, on purpose (reference §8.5, §8.6):
+- stores are planned from the *settled* count (computed − in flight): every block planned is
+  already final on the device, whatever the copy stream (no dependence on the compute event);
+- each request keeps an *absolute* per-group cursor: positions below it were visited (stored,
+  already cached, or null); a cursor only moves past positions actually planned or skipped;
+- when the host evicts an entry, exactly the requests that stored it learn which position they
+  lost (hash → requests map) and re-store it while their device copy still carries that hash,
+  at most `max_restores_per_step` blocks per step; a re-store never evicts a block of its own
+  request's chain, and evictions caused by re-stores trigger no further re-stores (no thrash);
+- a plan never evicts a block of the storing request's own chain to extend that chain;
+- blocks not planned because no host block is allocatable are counted, not silently dropped;
+- finishing or preempting a request flushes its settled blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.offload.types import Key, Transfer
+from kvtier.sched.request import Request
+
+if TYPE_CHECKING:
+    from kvtier.offload.tier import HostTier
+
+
+@dataclass(slots=True)
+class _Candidate:
+    group_id: int
+    position: int
+    device_block: KVBlock
+    key: Key
+    parent: BlockHash | None
+
+
+@dataclass(slots=True)
+class _Store:
+    transfer: Transfer
+    host_blocks: list[KVBlock]  # allocated (ref 1), published only on completion
+    device_blocks: list[KVBlock]  # one device pin each
+    cands: list[_Candidate]
+    reports: int = 0
+    abandoned: bool = False  # reset while in flight: release without publishing
+
+
+@dataclass(slots=True)
+class _ReqState:
+    request: Request
+    cursor: list[int]  # per group: absolute position below which every block was visited
+    keys: dict[Key, int] = field(default_factory=dict)  # stored/cached key -> position
+    lost: set[tuple[int, int]] = field(default_factory=set)  # (group, position) evicted
+    transfers: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+class StorePlanner:
+    def __init__(self, tier: HostTier, max_restores_per_step: int, lazy_scan_blocks: int) -> None:
+        self.tier = tier
+        self.max_restores_per_step = max_restores_per_step
+        self.lazy_scan_blocks = lazy_scan_blocks
+        self._states: dict[str, _ReqState] = {}
+        self._stores: dict[int, _Store] = {}
+        self._holders: dict[Key, set[str]] = {}  # key -> requests whose chain includes it
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._stores)
+
+    # ---- planning ------------------------------------------------------------------------------
+
+    def plan(self, requests: Iterable[Request]) -> list[Transfer]:
+        out: list[Transfer] = []
+        if not self.tier.enabled:
+            return out
+        out += self._plan_restores()  # losses of earlier steps first: heads before new tails
+        if self.tier.store_mode == "lazy":
+            out += self._plan_lazy()
+        else:
+            for request in requests:
+                st = self._state(request)
+                if not st.finished:
+                    out += self._plan_request(st)
+        return out
+
+    def flush(self, request: Request, finished: bool) -> list[Transfer]:
+        st = self._states.get(request.request_id)
+        if st is None or not self.tier.enabled or self.tier.store_mode == "lazy":
+            return []
+        out = [] if st.finished else self._plan_request(st)
+        st.lost.clear()  # the device copies are about to be released
+        if finished:
+            st.finished = True
+            self._maybe_drop(st)
+        return out
+
+    def _state(self, request: Request) -> _ReqState:
+        st = self._states.get(request.request_id)
+        if st is None:
+            st = self._states[request.request_id] = _ReqState(request, [0] * len(self.tier.specs))
+        st.request = request
+        return st
+
+    def _plan_request(self, st: _ReqState) -> list[Transfer]:
+        tier, req = self.tier, st.request
+        tables = tier.device.get_blocks(req.request_id)
+        views = tier.coordinator.group_hashes(req.block_hashes)
+        settled = req.num_settled_tokens
+        cands: list[_Candidate] = []
+        stop: list[int] = []  # per group: where the scan stopped
+        for g, spec in enumerate(tier.specs):
+            bs, table, view = spec.block_size, tables[g], views[g]
+            pos, end = st.cursor[g], min(settled // bs, len(view), len(table))
+            while pos < end:
+                db, h = table[pos], view[pos]
+                if not db.is_null:
+                    if db.block_hash != h:
+                        break  # not published on the device yet: retry next step
+                    key = (g, h)
+                    if key in tier._store_keys or tier.host.contains(key):
+                        tier.metrics.num_deduped_blocks += 1
+                        self._hold(st, key, pos)
+                    else:
+                        parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
+                        cands.append(_Candidate(g, pos, db, key, parent))
+                pos += 1
+            stop.append(pos)
+        cands.sort(key=lambda c: (self._end(c.group_id, c.position), c.group_id))
+        accepted = self._limit(st, cands, count_skipped=True)
+        for g, pos in enumerate(stop):  # the cursor stops at the first candidate not planned
+            rejected = [c.position for c in cands[len(accepted) :] if c.group_id == g]
+            st.cursor[g] = min(rejected, default=pos)
+        return self._launch(st, accepted, restore=False)
+
+    def _limit(
+        self, st: _ReqState, cands: list[_Candidate], count_skipped: bool
+    ) -> list[_Candidate]:
+        """The longest prefix of `cands` that fits in the host pool and does not evict a block of
+        this request's own chain lying before the block it makes room for (a tail without its
+        head is unreachable; evicting the request's own deeper blocks to restore a head is fine)."""
+        n = min(len(cands), self.tier.host.num_free)
+        if count_skipped:
+            self.tier.metrics.num_skipped_pinned_full += len(cands) - n
+        for i, key in enumerate(self.tier.host.peek_evictions(n)):
+            if key is None or key not in st.keys:
+                continue
+            if self._end(key[0], st.keys[key]) < self._end(cands[i].group_id, cands[i].position):
+                n = i
+                break
+        return cands[:n]
+
+    def _end(self, group_id: int, position: int) -> int:
+        """Token count a block's position ends at (orders blocks of different groups)."""
+        return (position + 1) * self.tier.specs[group_id].block_size
+
+    def _plan_restores(self) -> list[Transfer]:
+        tier, budget, out = self.tier, self.max_restores_per_step, []
+        for st in list(self._states.values()):
+            if budget <= 0:
+                break
+            if not st.lost or st.finished:
+                continue
+            tables = tier.device.get_blocks(st.request.request_id)
+            views = tier.coordinator.group_hashes(st.request.block_hashes)
+            cands: list[_Candidate] = []
+            for g, pos in sorted(st.lost, key=lambda t: (self._end(t[0], t[1]), t[0])):
+                table, view = tables[g], views[g]
+                ok = pos < len(table) and pos < len(view) and table[pos].block_hash == view[pos]
+                key = (g, view[pos]) if pos < len(view) else None
+                if not ok or key is None or key in tier._store_keys or tier.host.contains(key):
+                    st.lost.discard((g, pos))  # device copy gone, or cached again: nothing to do
+                    continue
+                parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
+                cands.append(_Candidate(g, pos, table[pos], key, parent))
+            accepted = self._limit(st, cands[:budget], count_skipped=False)
+            for c in accepted:
+                st.lost.discard((c.group_id, c.position))
+            budget -= len(accepted)
+            tier.metrics.num_restored_blocks += len(accepted)
+            out += self._launch(st, accepted, restore=True)
+        return out
+
+    def _plan_lazy(self) -> list[Transfer]:
+        tier, cands, seen = self.tier, [], set()
+        for i, db in enumerate(tier.device.pool.free_queue):
+            if i >= self.lazy_scan_blocks:
+                break
+            h = db.block_hash
+            if h is None:
+                continue
+            key = (db.group_id, h)
+            if key in seen or key in tier._store_keys or tier.host.contains(key):
+                continue
+            seen.add(key)
+            cands.append(_Candidate(db.group_id, -1, db, key, None))
+        n = min(len(cands), tier.host.num_free)
+        tier.metrics.num_skipped_pinned_full += len(cands) - n
+        return self._launch(None, cands[:n], restore=False)
+
+    def _launch(
+        self, st: _ReqState | None, cands: list[_Candidate], restore: bool
+    ) -> list[Transfer]:
+        if not cands:
+            return []
+        tier = self.tier
+        host_blocks, evicted = tier.host.allocate(len(cands))
+        tier.metrics.num_evicted_blocks += len(evicted)
+        tier.metrics.num_orphans_demoted = tier.host.num_orphans_demoted
+        for key in evicted:
+            self._on_evicted(key, notify=not restore)
+        device_blocks = [c.device_block for c in cands]
+        tier.device.pool.touch(device_blocks)
+        transfer = Transfer(
+            tier.new_transfer_id(),
+            "" if st is None else st.request.request_id,
+            False,
+            [c.group_id for c in cands],
+            [b.block_id for b in device_blocks],
+            [b.block_id for b in host_blocks],
+            sum(tier.bytes_per_block[c.group_id] for c in cands),
+        )
+        self._stores[transfer.transfer_id] = _Store(transfer, host_blocks, device_blocks, cands)
+        for c in cands:
+            tier._store_keys[c.key] = transfer.transfer_id
+            if st is not None:
+                self._hold(st, c.key, c.position)
+        if st is not None:
+            st.transfers.add(transfer.transfer_id)
+        tier.metrics.num_pending_stores = len(self._stores)
+        return [transfer]
+
+    # ---- holders and eviction notices ----------------------------------------------------------
+
+    def _hold(self, st: _ReqState, key: Key, pos: int) -> None:
+        st.keys[key] = pos
+        self._holders.setdefault(key, set()).add(st.request.request_id)
+
+    def _on_evicted(self, key: Key, notify: bool) -> None:
+        for rid in self._holders.pop(key, ()):
+            st = self._states[rid]
+            pos = st.keys.pop(key)
+            if notify and not st.finished:
+                st.lost.add((key[0], pos))
+
+    def _maybe_drop(self, st: _ReqState) -> None:
+        if st.finished and not st.transfers:
+            rid = st.request.request_id
+            for key in st.keys:
+                holders = self._holders[key]
+                holders.discard(rid)
+                if not holders:
+                    del self._holders[key]
+            del self._states[rid]
+
+    # ---- completion ----------------------------------------------------------------------------
+
+    def complete(self, transfer_id: int) -> None:
+        store = self._stores.get(transfer_id)
+        if store is None:
+            return  # unknown (already ended) ids are ignored: completions may repeat after a fail
+        store.reports += 1
+        if store.reports < self.tier.world_size:
+            return
+        self._finish_store(store, publish=not store.abandoned)
+
+    def fail(self, transfer_id: int) -> None:
+        store = self._stores.get(transfer_id)
+        if store is None:
+            return
+        self.tier.metrics.num_failed_stores += 1
+        self._finish_store(store, publish=False)
+        for c in store.cands:  # every request holding these keys re-stores them (rate-limited)
+            self._on_evicted(c.key, notify=True)
+
+    def _finish_store(self, store: _Store, publish: bool) -> None:
+        tier, t = self.tier, store.transfer
+        del self._stores[t.transfer_id]
+        for c in store.cands:
+            del tier._store_keys[c.key]
+        if publish:
+            for g, spec in enumerate(tier.specs):
+                idx = sorted(
+                    (i for i, c in enumerate(store.cands) if c.group_id == g),
+                    key=lambda i: store.cands[i].position,
+                )
+                tier.host.publish(
+                    g,
+                    [store.host_blocks[i] for i in idx],
+                    [store.cands[i].key[1] for i in idx],
+                    [store.cands[i].parent for i in idx],
+                    spec.block_size,
+                )
+            tier.metrics.num_stored_blocks += t.num_blocks
+            tier.metrics.num_stored_bytes += t.num_bytes
+        else:
+            tier.host.pool.free(store.host_blocks)
+        tier.device.pool.free(store.device_blocks)
+        tier.metrics.num_orphans_demoted = tier.host.num_orphans_demoted
+        tier.metrics.num_pending_stores = len(self._stores)
+        st = self._states.get(t.req_id)
+        if st is not None:
+            st.transfers.discard(t.transfer_id)
+            self._maybe_drop(st)
+
+    # ---- reset, views, integrity ---------------------------------------------------------------
+
+    def abandon_all(self) -> None:
+        for store in self._stores.values():
+            store.abandoned = True
+
+    def forget_all(self) -> None:
+        self._holders.clear()
+        for st in self._states.values():
+            st.keys.clear()
+            st.lost.clear()
+
+    def host_blocks(self) -> list[KVBlock]:
+        return [b for s in self._stores.values() for b in s.host_blocks]
+
+    def pinned_device_blocks(self) -> list[KVBlock]:
+        return [b for s in self._stores.values() for b in s.device_blocks]
+
+    def check_integrity(self) -> None:
+        tier = self.tier
+        keys = {c.key: tid for tid, s in self._stores.items() for c in s.cands}
+        assert keys == tier._store_keys, "in-flight store keys drifted"
+        for s in self._stores.values():
+            for b in s.host_blocks:
+                assert b.block_hash is None, f"host {b!r} published before its store completed"
+        for key, rids in self._holders.items():
+            assert rids, "empty holder set"
+            for rid in rids:
+                assert self._states[rid].keys.get(key) is not None, "holder without its key"
+        for rid, st in self._states.items():
+            for key in st.keys:
+                assert rid in self._holders.get(key, ()), "key without its holder"
+            for tid in st.transfers:
+                assert tid in self._stores, "request lists an ended store"
+        assert tier.metrics.num_pending_stores == len(self._stores)

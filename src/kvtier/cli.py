@@ -1,4 +1,4 @@
-"""Command line: `kvtier generate · plan · bench …`. Subcommands only parse flags and call into the packages."""
+"""Command line: `kvtier generate · serve · plan · bench …`. Subcommands only parse flags and call into the packages."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=generate_cli.run)
 
 
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve_cli = importlib.import_module("kvtier.server.cli")  # torch and fastapi load on run
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API with /metrics")
+    serve_cli.add_arguments(p)
+    p.set_defaults(func=serve_cli.run)
+
+
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints a summary, saves JSON)")
     p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
@@ -48,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     _add_plan(sub)
     _add_bench(sub)
     return parser

@@ -1,0 +1,316 @@
+"""The engine thread: the only thread that touches `EngineCore`. HTTP handlers send it commands
+through a thread-safe queue and receive events on their own asyncio queues; it never blocks on them."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier.engine.core import EngineCore
+from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.server.metrics import EngineMetrics
+from kvtier.server.protocol import APIError, render_default_chat
+
+log = logging.getLogger("kvtier.server")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Started:
+    prompt_text: str
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # set on the last delta of a request
+    stop_reason: str | int | None = None
+    usage: Usage | None = None  # set with finish_reason
+
+
+@dataclass(slots=True)
+class Failed:
+    error: APIError
+
+
+Event = Started | Delta | Failed
+
+
+@dataclass(slots=True)
+class Sink:
+    """Where one sub-request's events go: (index, event) on an asyncio queue of the HTTP loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[int, Event]]
+    index: int = 0
+
+    def put(self, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed HTTP loop (shutdown): nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
+
+
+@dataclass(slots=True)
+class Submission:
+    """A request as the HTTP layer hands it over; tokenizing and admission happen on the engine
+    thread. `make_params(max_tokens)` raises APIError for bad parameters."""
+
+    req_id: str
+    prompt: str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+    max_tokens: int | None  # None: up to max_model_len
+    make_params: Callable[[int], SamplingParams]
+    sink: Sink
+    add_generation_prompt: bool = True
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Live:
+    sub: Submission
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class EngineLoop:
+    """Owns an `EngineCore` on a daemon thread; `start()` builds it there and waits until ready."""
+
+    def __init__(
+        self, args: EngineArgs, max_waiting_requests: int, torch_threads: int | None = None
+    ) -> None:
+        self.args = args
+        self.max_waiting_requests = max_waiting_requests
+        self.torch_threads = torch_threads
+        self.metrics = EngineMetrics()
+        self.error: BaseException | None = None
+        # Read-only facts about the engine, set once before `start()` returns.
+        self.max_model_len = 0
+        self.layout_summary = ""
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kvtier-engine", daemon=True)
+        self._live: dict[str, _Live] = {}
+
+    # ---- called from other threads ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, sub: Submission) -> None:
+        self._commands.put(("submit", sub))
+
+    def abort(self, req_id: str) -> None:
+        self._commands.put(("abort", req_id))
+
+    def call(self, fn: Callable[[EngineCore], T], timeout: float = 30.0) -> T:
+        """Run `fn(engine)` on the engine thread between steps (tests, debugging)."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(("call", (fn, fut)))
+        return fut.result(timeout)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self.torch_threads:
+                import torch
+
+                torch.set_num_threads(self.torch_threads)
+            engine = EngineCore(self.args)
+            self.max_model_len = engine.plan.max_model_len
+            self.layout_summary = layout_summary(engine)
+            self.metrics.set_layout(engine)
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(engine)
+        except Exception as exc:
+            log.exception("engine loop failed; failing every request in flight")
+            self.error = exc
+            for live in self._live.values():
+                live.sub.sink.put(
+                    Failed(APIError(f"engine failed: {exc}", 500, kind="server_error"))
+                )
+            self._live.clear()
+
+    def _loop(self, engine: EngineCore) -> None:
+        while True:
+            busy = engine.has_unfinished_requests()
+            try:
+                cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=1.0)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if cmd[0] == "stop":
+                    return
+                self._handle(engine, cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if engine.has_unfinished_requests():
+                self._dispatch(engine, engine.step())
+            self.metrics.update(engine)
+
+    def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "submit":
+            try:
+                self._admit(engine, arg)
+            except APIError as exc:
+                self.metrics.rejected(exc.status)
+                arg.sink.put(Failed(exc))
+        elif kind == "abort":
+            live = self._live.pop(arg, None)
+            if live is not None and engine.abort(arg):
+                state = engine.requests.pop(arg)
+                engine.runner.remove_request(arg)  # EngineCore.abort leaves the runner's entry
+                self.metrics.finished(live.sub.arrival, time.monotonic(), "abort")
+                usage = Usage(
+                    live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
+                )
+                live.sub.sink.put(Delta("", [], "abort", None, usage))
+        elif kind == "call":
+            fn, fut = arg
+            try:
+                fut.set_result(fn(engine))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _admit(self, engine: EngineCore, sub: Submission) -> None:
+        prompt_text, token_ids = self._tokens(engine, sub)
+        n, limit = len(token_ids), engine.plan.max_model_len
+        if n >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {n} tokens, leaving no room for output. Please shorten your prompt.",
+                param="prompt" if not isinstance(sub.prompt, list) else "messages",
+                code="context_length_exceeded",
+            )
+        max_tokens = limit - n if sub.max_tokens is None else sub.max_tokens
+        if max_tokens > limit - n:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        params = sub.make_params(max_tokens)
+        if len(engine.scheduler.waiting) >= self.max_waiting_requests:
+            raise APIError(
+                f"the server's waiting queue is full ({self.max_waiting_requests} requests); "
+                "retry later",
+                429,
+                kind="rate_limit_exceeded",
+                code="rate_limit_exceeded",
+            )
+        try:
+            engine.add_request(sub.req_id, token_ids, params, sub.priority)
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
+        self._live[sub.req_id] = _Live(sub, n)
+        self.metrics.admitted(n)
+        sub.sink.put(Started(prompt_text, n))
+
+    @staticmethod
+    def _tokens(engine: EngineCore, sub: Submission) -> tuple[str, list[int]]:
+        tok = engine.tokenizer
+        prompt = sub.prompt
+        if isinstance(prompt, str):
+            return prompt, tok.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            messages: list[dict[str, Any]] = prompt
+            try:
+                if tok.chat_template:
+                    text = tok.apply_chat_template(messages, sub.add_generation_prompt)
+                else:
+                    text = render_default_chat(messages, sub.add_generation_prompt)
+            except Exception as exc:  # template errors are the request's fault
+                raise APIError(f"chat template: {exc}", param="messages") from None
+            return text, tok.encode(text, add_special_tokens=False)
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        return tok.decode(ids), ids
+
+    def _dispatch(self, engine: EngineCore, outs: list[Any]) -> None:
+        now = time.monotonic()
+        for out in outs:
+            live = self._live.get(out.req_id)
+            if live is None:
+                if out.finished:  # aborted while its last step ran: nobody waits for it
+                    engine.requests.pop(out.req_id, None)
+                continue
+            if out.new_token_ids:
+                self.metrics.tokens(
+                    live.sub.arrival, live.first_token, live.last_token, now, len(out.new_token_ids)
+                )
+                live.first_token = live.first_token or now
+                live.last_token = now
+            if not out.finished:
+                live.sub.sink.put(Delta(out.new_text, list(out.new_token_ids)))
+                continue
+            state = engine.requests.pop(out.req_id)
+            del self._live[out.req_id]
+            reason = state.finish_reason or "stop"
+            self.metrics.finished(live.sub.arrival, now, reason)
+            usage = Usage(
+                live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
+            )
+            delta = Delta(out.new_text, list(out.new_token_ids), reason, state.stop_reason, usage)
+            live.sub.sink.put(delta)
+
+
+def layout_summary(engine: EngineCore) -> str:
+    """One line: groups (kind, window, layers), block size and bytes, blocks and bytes per tier."""
+    plan = engine.plan
+    groups = []
+    for g in plan.groups:
+        spec = g.spec
+        window = getattr(spec, "window", None)
+        chunk = getattr(spec, "chunk", None)
+        name = type(spec).__name__
+        name += f"(window={window})" if window else f"(chunk={chunk})" if chunk else ""
+        groups.append(f"{name} layers {list(g.layer_indices)}")
+    tiers = ", ".join(
+        f"{t.name} {t.num_blocks} blocks × {t.bytes_per_block} B = {t.total_bytes / 2**20:.1f} MiB"
+        for t in plan.tiers
+    )
+    return (
+        f"KV layout: {len(plan.groups)} groups [{'; '.join(groups)}], block {plan.block_size} "
+        f"tokens, max_model_len {plan.max_model_len}; tiers: {tiers}; max concurrency at max "
+        f"length {plan.max_concurrency()}"
+    )

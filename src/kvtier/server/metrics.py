@@ -1,0 +1,157 @@
+"""Prometheus metrics of one server (its own registry), named like vLLM's under `kvtier:`. Written
+only by the engine thread (after each step); prometheus-client's own locks make scraping safe."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from kvtier.engine.core import EngineCore
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+NO_OFFLOAD = "; stays 0 until the host offload tier exists (no transfers are made yet)"
+
+
+class EngineMetrics:
+    """Counters come with their denominators: prefix hits beside queries, usage beside blocks."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        tier = ["tier"]
+        self.kv_usage = Gauge(
+            "kvtier:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", tier, registry=r
+        )
+        self.kv_blocks = Gauge(
+            "kvtier:kv_cache_num_blocks",
+            "KV blocks in the tier (null block excluded)",
+            tier,
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "kvtier:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (denominator of hits)",
+            tier,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "kvtier:prefix_cache_hits", "Prompt tokens found in the prefix cache", tier, registry=r
+        )
+        self.running = Gauge("kvtier:num_requests_running", "Requests running", registry=r)
+        self.waiting = Gauge("kvtier:num_requests_waiting", "Requests waiting", registry=r)
+        self.preemptions = Counter(
+            "kvtier:num_preemptions",
+            "Requests preempted (blocks freed, recomputed later)",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvtier:time_to_first_token_seconds",
+            "Arrival to first output token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "kvtier:inter_token_latency_seconds",
+            "Time between a request's successive outputs",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "kvtier:e2e_request_latency_seconds",
+            "Arrival to finish",
+            registry=r,
+            buckets=_E2E_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "kvtier:prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter("kvtier:generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter(
+            "kvtier:request_success",
+            "Finished requests by finish reason (stop, length, abort)",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.request_rejected = Counter(
+            "kvtier:request_rejected",
+            "Requests refused before admission, by HTTP status (400 bad input, 429 queue full)",
+            ["status"],
+            registry=r,
+        )
+        self.quarantined = Gauge(
+            "kvtier:kv_quarantined_block_refs",
+            "Block references held by the quarantine until the last step that may touch them "
+            "is processed",
+            registry=r,
+        )
+        self.hazards = Counter(
+            "kvtier:sanitizer_hazards",
+            "Races reported by the happens-before sanitizer (0 when it is off)",
+            ["kind"],
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "kvtier:kv_transfer_bytes",
+            "Bytes copied between KV tiers" + NO_OFFLOAD,
+            ["direction"],
+            registry=r,
+        )
+        self.pending_transfers = Gauge(
+            "kvtier:kv_pending_transfers",
+            "KV transfers launched, not done" + NO_OFFLOAD,
+            registry=r,
+        )
+        for direction in ("device_to_host", "host_to_device"):
+            self.transfer_bytes.labels(direction)
+        for kind in ("RAW", "WAR", "WAW"):
+            self.hazards.labels(kind)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(reason)
+        self._seen: dict[str, int] = {}
+
+    def set_layout(self, engine: EngineCore) -> None:
+        for t in engine.plan.tiers[:1]:  # device only: the engine has no host tier yet
+            self.kv_blocks.labels(t.name).set(t.num_blocks - 1)
+        self.update(engine)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _delta(self, name: str, value: int) -> int:
+        d = value - self._seen.get(name, 0)
+        self._seen[name] = value
+        return d
+
+    def update(self, engine: EngineCore) -> None:
+        kv, sched = engine.kv, engine.scheduler
+        self.kv_usage.labels("device").set(kv.usage)
+        self.prefix_queries.labels("device").inc(self._delta("q", kv.stats.num_query_tokens))
+        self.prefix_hits.labels("device").inc(self._delta("h", kv.stats.num_hit_tokens))
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.preemptions.inc(self._delta("p", sched.num_preemptions))
+        self.quarantined.set(kv.pool.num_quarantined_refs)
+        sanitizer = engine.device.sanitizer
+        if sanitizer is not None:
+            for kind, n in sanitizer.counts.items():
+                self.hazards.labels(kind).inc(self._delta(kind, n))
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def rejected(self, status: int) -> None:
+        self.request_rejected.labels(str(status)).inc()
+
+    def tokens(
+        self, arrival: float, first: float | None, last: float | None, now: float, n: int
+    ) -> None:
+        self.generation_tokens.inc(n)
+        if first is None:
+            self.ttft.observe(now - arrival)
+        elif last is not None:
+            self.itl.observe(now - last)
+
+    def finished(self, arrival: float, now: float, reason: str) -> None:
+        self.e2e.observe(now - arrival)
+        self.request_success.labels(reason).inc()

@@ -1,0 +1,107 @@
+"""A real kvtier server on 127.0.0.1 (free port): uvicorn in a background thread, the engine on its
+own thread with one torch thread. `ServerHandle.engine` lets tests run checks on the engine thread."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvicorn
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.engine.params import EngineArgs
+from kvtier.server import EngineLoop, build_app
+
+MODEL = "kvtier-default"
+
+
+@dataclass
+class ServerHandle:
+    engine: EngineLoop
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def post(self, path: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status, payload = resp.status, json.loads(resp.read())
+        conn.close()
+        return status, payload
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+
+def start_server(max_waiting_requests: int = 64, **engine_kwargs: Any) -> ServerHandle:
+    args = EngineArgs.from_kwargs(None, **({"max_model_len": 512} | engine_kwargs))
+    engine = EngineLoop(args, max_waiting_requests, torch_threads=1)
+    engine.start()
+    app = build_app(engine, MODEL)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    handle = ServerHandle(engine, server, thread, port)
+    wait_until(lambda: _health(port) == 200, 30)
+    return handle
+
+
+def stop_server(handle: ServerHandle) -> None:
+    handle.server.should_exit = True
+    handle.thread.join(10)
+    handle.engine.stop()
+
+
+def _health(port: int) -> int:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        conn.close()
+        return status
+    except OSError:
+        return 0
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerHandle]:
+    handle = start_server(max_num_seqs=8, num_device_blocks=512)
+    yield handle
+    stop_server(handle)

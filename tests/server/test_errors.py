@@ -1,0 +1,118 @@
+"""OpenAI-shaped errors: 400 for bad parameters and over-long prompts, 404 for an unknown model,
+429 when the waiting queue is full; nothing is left queued behind a refusal."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, ServerHandle, start_server, stop_server, wait_until
+
+COMPLETION = {"model": MODEL, "prompt": "The for", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _error(payload: dict[str, Any]) -> dict[str, Any]:
+    assert set(payload) == {"error"}
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 10**9}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": "ten"}, "max_tokens"),
+        ("/v1/completions", {"temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"temperature": -1.0}, None),
+        ("/v1/completions", {"top_p": 0.0}, None),
+        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"prompt": [5, 999_999]}, "prompt"),
+        ("/v1/completions", {"frobnicate": True}, "frobnicate"),
+        ("/v1/completions", {"prompt": None}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        ("/v1/chat/completions", {"max_completion_tokens": -5}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"tools": []}, "tools"),
+    ],
+)
+def test_bad_parameters_are_400(
+    server: ServerHandle, path: str, change: dict[str, Any], param: str | None
+) -> None:
+    body = (COMPLETION if path == "/v1/completions" else CHAT) | change
+    status, payload = server.post(path, body)
+    err = _error(payload)
+    assert status == 400, payload
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_invalid_json_is_400(server: ServerHandle) -> None:
+    status, payload = server.post("/v1/completions", b'{"model": ')
+    assert status == 400 and _error(payload)
+
+
+def test_openai_client_raises_the_matching_errors(server: ServerHandle) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    assert bad.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"best_ofx": 1})
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.code == "model_not_found"
+
+
+def test_prompt_longer_than_max_model_len_is_400(server: ServerHandle) -> None:
+    status, payload = server.post("/v1/completions", COMPLETION | {"prompt": list(range(5, 600))})
+    assert status == 400 and _error(payload)["code"] == "context_length_exceeded"
+    long_text = "word " * 600
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text}]
+        )
+    assert exc.value.code == "context_length_exceeded"
+    assert server.engine.call(lambda e: len(e.requests)) == 0
+
+
+def test_unknown_model_and_route_are_404(server: ServerHandle) -> None:
+    status, payload = server.post("/v1/completions", COMPLETION | {"model": "nope"})
+    assert status == 404 and _error(payload)["param"] == "model"
+    status, payload = server.post("/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert status == 404 and _error(payload)
+
+
+def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = COMPLETION | {"max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_full_waiting_queue_is_429() -> None:
+    handle = start_server(max_waiting_requests=1, max_num_seqs=1, num_device_blocks=256)
+    try:
+        running, resp_a = _open_stream(handle.port, 400)
+        assert resp_a.status == 200 and resp_a.readline().startswith(b"data: ")
+        waiting, _ = _open_stream(handle.port, 400)  # admitted to the queue, not running
+        key = ("kvtier:num_requests_waiting", ())
+        wait_until(lambda: handle.metrics()[key] == 1.0)
+        with pytest.raises(openai.RateLimitError) as exc:
+            handle.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert exc.value.status_code == 429
+        assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 1
+        running.close()
+        waiting.close()
+        wait_until(lambda: handle.engine.call(lambda e: not e.requests))
+        handle.engine.call(lambda e: e.kv.check_integrity())
+    finally:
+        stop_server(handle)

@@ -1,0 +1,124 @@
+"""Request lifecycle seen from outside: a client that disconnects mid-stream aborts its request
+and its blocks come back (pool integrity checked on the engine thread); /metrics moves."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+
+from tests.server.conftest import MODEL, ServerHandle, wait_until
+
+
+def _idle(server: ServerHandle) -> bool:
+    return server.engine.call(lambda e: not e.requests and not e.has_unfinished_requests())
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerHandle) -> None:
+    wait_until(lambda: _idle(server))
+    aborted = ("kvtier:request_success_total", (("finished_reason", "abort"),))
+    before = server.metrics()[aborted]
+    for path, body in [
+        ("/v1/completions", {"prompt": "The while statement", "max_tokens": 450}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 450},
+        ),
+    ]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        payload = body | {"model": MODEL, "stream": True, "ignore_eos": True}
+        conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for _ in range(3):  # a few tokens arrive, so the request holds blocks mid-decode
+            assert resp.readline().startswith(b"data: ")
+            resp.readline()
+        assert server.engine.call(lambda e: e.kv.usage) > 0
+        conn.close()
+        wait_until(lambda: _idle(server))
+    assert server.metrics()[aborted] == before + 2
+
+    def check(engine: object) -> tuple[float, int, int]:
+        e = engine  # type: ignore[assignment]
+        e.kv.check_integrity()  # type: ignore[attr-defined]
+        return e.kv.usage, e.kv.pool.num_quarantined_refs, len(e.runner.params)  # type: ignore[attr-defined]
+
+    wait_until(lambda: server.engine.call(check)[1] == 0)  # quarantine drains at the next step
+    usage, _, num_params = server.engine.call(check)
+    assert usage == 0.0 and num_params == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_completion_aborts(server: ServerHandle) -> None:
+    wait_until(lambda: _idle(server))
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = {"model": MODEL, "prompt": "The def", "max_tokens": 450, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    wait_until(lambda: server.engine.call(lambda e: len(e.requests)) == 1)
+    conn.close()
+    wait_until(lambda: _idle(server))
+    server.engine.call(lambda e: e.kv.check_integrity())
+
+
+def test_metrics_move_as_requests_run(server: ServerHandle) -> None:
+    before = server.metrics()
+    out = server.client().completions.create(
+        model=MODEL,
+        prompt="The class statement",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = server.metrics()
+    assert out.usage is not None
+
+    def moved(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after[(name, labels)] - before[(name, labels)]
+
+    device = (("tier", "device"),)
+    assert moved("kvtier:generation_tokens_total") == 7
+    assert moved("kvtier:prompt_tokens_total") == out.usage.prompt_tokens
+    assert moved("kvtier:prefix_cache_queries_total", device) >= out.usage.prompt_tokens
+    assert moved("kvtier:request_success_total", (("finished_reason", "length"),)) == 1
+    assert moved("kvtier:time_to_first_token_seconds_count") == 1
+    assert moved("kvtier:e2e_request_latency_seconds_count") == 1
+    assert moved("kvtier:inter_token_latency_seconds_count") >= 1
+    assert after[("kvtier:kv_cache_num_blocks", device)] == 511
+    for name in (
+        "kvtier:kv_cache_usage_perc",
+        "kvtier:prefix_cache_hits_total",
+    ):
+        assert (name, device) in after
+    for name in (
+        "kvtier:num_requests_running",
+        "kvtier:num_requests_waiting",
+        "kvtier:num_preemptions_total",
+        "kvtier:kv_quarantined_block_refs",
+        "kvtier:kv_pending_transfers",
+    ):
+        assert (name, ()) in after
+    assert after[("kvtier:sanitizer_hazards_total", (("kind", "RAW"),))] == 0
+    assert after[("kvtier:kv_transfer_bytes_total", (("direction", "device_to_host"),))] == 0
+
+
+def test_serve_cli_lists_the_vllm_style_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-waiting-requests",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--block-size",
+        "--enable-prefix-caching",
+        "--kv-offloading-size",
+        "--protect",
+        "--num-device-blocks",
+        "--num-speculative-tokens",
+    ):
+        assert flag in out, flag

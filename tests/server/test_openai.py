@@ -1,0 +1,142 @@
+"""The official `openai` client against a real server: completions, chat, streaming, stop strings,
+concurrency; greedy text must equal the offline engine's."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtier import LLM, SamplingParams
+from tests.server.conftest import MODEL, ServerHandle
+
+PROMPT = (
+    "The with statement is used to wrap the execution of a block with methods defined by a "
+    "context manager. This allows common try, except and finally usage patterns to be kept"
+)
+
+
+def test_models_lists_the_served_name(server: ServerHandle) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra == {"max_model_len": 512}
+
+
+def test_greedy_completion_equals_offline_engine_and_reports_cached_tokens(
+    server: ServerHandle,
+) -> None:
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    offline = LLM(max_model_len=512).generate(
+        PROMPT, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False
+    )[0]
+    assert first.choices[0].text == offline.outputs[0].text
+    assert again.choices[0].text == first.choices[0].text
+    assert first.choices[0].finish_reason == "length"
+    usage = again.usage
+    assert usage is not None and usage.completion_tokens == 24
+    assert usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + 24
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= 16  # the first full block came from cache
+
+
+def test_token_id_prompts_and_several_prompts(server: ServerHandle) -> None:
+    client = server.client()
+    text = client.completions.create(model=MODEL, prompt="The for", max_tokens=8, temperature=0)
+    ids = LLM(max_model_len=512).get_tokenizer().encode("The for")
+    both = client.completions.create(
+        model=MODEL, prompt=[ids, ids], max_tokens=8, temperature=0, echo=True
+    )
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == "The for" + text.choices[0].text
+    assert both.choices[1].text == both.choices[0].text
+    assert both.usage is not None and both.usage.completion_tokens == 16
+
+
+def test_chat_completion_with_default_template(server: ServerHandle) -> None:
+    chat = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_completion_tokens=10,
+        temperature=0,
+    )
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 10
+    # the plain template: "system: Be brief.\nuser: Hi\nassistant:" (byte-level BPE: ≥ 10 tokens)
+    assert chat.usage.prompt_tokens >= 10
+
+
+def test_streaming_equals_non_streaming(server: ServerHandle) -> None:
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+    messages = [{"role": "user", "content": "Tell me about loops"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+
+
+def test_sse_ends_with_done(server: ServerHandle) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = {"model": MODEL, "prompt": "The if", "max_tokens": 4, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type", "").startswith("text/event-stream")
+    events = [e for e in resp.read().decode().split("\n\n") if e]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_stop_string_cuts_the_text(server: ServerHandle) -> None:
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_concurrent_requests_match_sequential_ones(server: ServerHandle) -> None:
+    client = server.client()
+    prompts = [f"The {word} statement" for word in ("if", "for", "while", "try", "with", "def")]
+
+    def run(prompt: str) -> str:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        return out.choices[0].text
+
+    sequential = [run(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(run, prompts))
+    assert concurrent == sequential

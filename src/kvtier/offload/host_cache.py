@@ -81,6 +81,18 @@ class HostCache:
             self._demote_descendants(key)
         return blocks, evicted
 
+    def evict(self, key: Key) -> bool:
+        """Drop one entry now (e.g. its host copy is known bad); its descendants become orphans.
+        A referenced block stays allocated to its holders, unfindable."""
+        block = self.get(key)
+        if block is None:
+            return False
+        self.pool.evict_blocks([block.block_id])
+        self._forget(key)
+        self.num_evicted += 1
+        self._demote_descendants(key)
+        return True
+
     def publish(
         self,
         group_id: int,

@@ -1,0 +1,205 @@
+"""HostTier beyond group F: concurrent loads, load failure rollback (H7), one restore boundary
+for hybrid models (H6), out-of-order completion, pinned-full accounting, re-store rate limit,
+metrics, and that the planning half imports no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvtier.kv import FullAttention, Mamba, SlidingWindow
+from kvtier.offload import HostTier
+from kvtier.sched.request import RequestStatus
+from tests.offload.factories import (
+    admit_with_load,
+    check,
+    device,
+    host_has,
+    request,
+    run,
+    settle_all,
+    tier,
+    tokens,
+)
+
+
+def _stored(dev, t, toks, rid="R"):
+    r = request(dev, rid, toks)
+    run(dev, r)
+    settle_all(t, t.plan_stores([r]))
+    t.finish_request(r)
+    dev.free(rid)
+    dev.pool.evict_blocks(range(1, dev.pool.num_blocks))  # the device forgets it
+    return r
+
+
+def test_a_prefix_being_loaded_is_waited_on_not_loaded_twice():
+    dev = device(24)
+    t = tier(dev)
+    toks = tokens(49)
+    _stored(dev, t, toks)
+    a = request(dev, "A", toks)
+    load = admit_with_load(dev, t, a)
+    assert load is not None and load.num_blocks == 3
+    b = request(dev, "B", toks)
+    answer = t.lookup(b, 0)
+    assert answer.num_tokens == 0 and answer.wait_for_load
+    assert t.metrics.num_load_waits == 1
+    assert t.complete([load.transfer_id]) == ["A"]
+    dev.cache_blocks(a, 48)  # the scheduler publishes A's blocks once loaded
+    _, num_hit = dev.get_computed_blocks(b)
+    assert num_hit == 48 and t.lookup(b, num_hit).num_tokens == 0
+    check(dev, t)
+
+
+def test_failed_load_rolls_back_to_the_device_hit_and_reports_bad_blocks():
+    dev = device(24)
+    t = tier(dev)
+    toks = tokens(49)
+    _stored(dev, t, toks)
+    q = request(dev, "Q", toks)
+    load = admit_with_load(dev, t, q)
+    assert load is not None and q.num_computed_tokens == 48
+    failure = t.fail(load.transfer_id)
+    assert failure is not None and failure.num_good_tokens == 0 and not failure.must_reallocate
+    assert failure.evict_device_block_ids == load.dst_block_ids
+    assert q.num_computed_tokens == 0 and q.status is RequestStatus.WAITING
+    assert not t.device_pins() and t.metrics.num_failed_loads == 1
+    check(dev, t)
+
+
+def test_partially_failed_load_keeps_the_good_prefix():
+    dev = device(24)
+    t = tier(dev)
+    toks = tokens(49)
+    _stored(dev, t, toks)
+    q = request(dev, "Q", toks)
+    load = admit_with_load(dev, t, q)
+    assert load is not None
+    failure = t.fail(load.transfer_id, [load.dst_block_ids[2]])
+    assert failure is not None and failure.num_good_tokens == 32
+    assert failure.evict_device_block_ids == [load.dst_block_ids[2]]
+    assert q.num_computed_tokens == 32
+    check(dev, t)
+
+
+def test_failed_load_with_a_window_group_asks_for_reallocation():
+    dev = device(32, [FullAttention(16), SlidingWindow(16, 32)])
+    t = tier(dev)
+    toks = tokens(65)
+    _stored(dev, t, toks)
+    q = request(dev, "Q", toks)
+    load = admit_with_load(dev, t, q)
+    assert load is not None
+    failure = t.fail(load.transfer_id)
+    assert failure is not None and failure.must_reallocate and q.num_computed_tokens == 0
+    check(dev, t)
+
+
+def test_hybrid_groups_restore_to_one_aligned_boundary_or_nothing():
+    """H6: a host hit counts only up to where every group restores (here group 1's third block
+    was evicted from the host: both groups stop at 64 tokens, not group 0's 96)."""
+    dev = device(32, [FullAttention(16), FullAttention(32)])
+    t = tier(dev, 16)
+    toks = tokens(97)
+    r = _stored(dev, t, toks)
+    view1 = t.coordinator.group_hashes(r.block_hashes)[1]
+    assert t.host.evict((1, view1[2]))
+    q = request(dev, "Q", toks)
+    assert t.lookup(q, 0).num_tokens == 64
+    load = t.plan_load(q, 0)
+    assert load is None
+    check(dev, t)
+
+
+def test_completions_out_of_order_each_release_their_own_pins():
+    dev = device(24)
+    t = tier(dev)
+    a, b = request(dev, "A", tokens(33)), request(dev, "B", tokens(33))
+    run(dev, a)
+    run(dev, b)
+    sa, sb = t.plan_stores([a, b])
+    t.complete([sb.transfer_id])
+    assert host_has(t, b, [0, 1]) == [True, True] and host_has(t, a, [0, 1]) == [False, False]
+    assert sorted(t.device_pins()) == sorted(sa.src_block_ids)
+    check(dev, t)
+    t.complete([sa.transfer_id, sa.transfer_id])  # a repeated report is ignored once ended
+    assert not t.device_pins()
+    check(dev, t)
+
+
+def test_blocks_not_planned_for_a_pinned_full_host_pool_are_counted_and_retried():
+    dev = device(24)
+    t = tier(dev, 3)  # 2 usable host blocks
+    a, b = request(dev, "A", tokens(33)), request(dev, "B", tokens(33))
+    run(dev, a)
+    run(dev, b)
+    [sa] = t.plan_stores([a, b])  # A takes both host blocks; B's two are skipped
+    assert sa.req_id == "A" and t.metrics.num_skipped_pinned_full == 2
+    assert t.stores._states["B"].cursor == [0]  # not advanced past what was not stored
+    settle_all(t, [sa])
+    t.finish_request(a)
+    [sb] = t.plan_stores([b])
+    assert sb.req_id == "B" and sb.num_blocks == 2
+    check(dev, t)
+
+
+def test_restores_are_capped_per_step():
+    dev = device(64)
+    t = tier(dev, 9, max_restores_per_step=1)  # 8 usable
+    owners = [request(dev, f"R{i}", tokens(33)) for i in range(4)]
+    for r in owners:
+        run(dev, r)
+        settle_all(t, t.plan_stores([r]))
+    others = [request(dev, f"O{i}", tokens(33)) for i in range(2)]
+    for o in others:
+        run(dev, o)
+    settle_all(t, t.plan_stores(others))  # evicts R0 and R1
+    for o in others:
+        t.finish_request(o)
+    lost = [len(t.stores._states[r.request_id].lost) for r in owners]
+    assert lost == [2, 2, 0, 0]
+    restores = t.plan_stores(owners)
+    assert sum(x.num_blocks for x in restores) == 1
+    assert t.metrics.num_restored_blocks == 1
+    check(dev, t)
+
+
+def test_bytes_are_counted_per_group_and_pending_gauges_follow_transfers():
+    dev = device(24, [FullAttention(16), SlidingWindow(16, 64)])
+    t = HostTier(dev, 16, bytes_per_block=[100, 10])
+    r = request(dev, "R", tokens(33))
+    run(dev, r)
+    [s] = t.plan_stores([r])
+    assert s.num_bytes == 2 * 100 + 2 * 10 and t.metrics.num_pending_stores == 1
+    settle_all(t, [s])
+    assert t.metrics.num_stored_bytes == 220 and t.metrics.num_pending_stores == 0
+    assert s.planned().transfer_id == s.transfer_id and not s.planned().is_load
+
+
+def test_models_with_state_groups_do_not_use_the_host_tier_yet():
+    dev = device(24, [FullAttention(16), Mamba(16)])
+    t = tier(dev)
+    r = request(dev, "R", tokens(33))
+    run(dev, r)
+    assert t.plan_stores([r]) == [] and t.lookup(r, 0).num_tokens == 0
+
+
+SCRIPT = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("blocked")
+sys.meta_path.insert(0, Block())
+import kvtier.offload.host_cache, kvtier.offload.stores, kvtier.offload.tier, kvtier.offload.types
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
+print("ok")
+"""
+
+
+def test_planning_modules_import_no_torch():
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -17,10 +17,10 @@ Differences from vLLM's SimpleCPUOffload, on purpose (reference §8.5, §8.6):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.kv.block import KVBlock
+from kvtier.offload.store_records import Candidate, ReqState, StoreRecord, lazy_candidates
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
 
@@ -28,42 +28,13 @@ if TYPE_CHECKING:
     from kvtier.offload.tier import HostTier
 
 
-@dataclass(slots=True)
-class _Candidate:
-    group_id: int
-    position: int
-    device_block: KVBlock
-    key: Key
-    parent: BlockHash | None
-
-
-@dataclass(slots=True)
-class _Store:
-    transfer: Transfer
-    host_blocks: list[KVBlock]  # allocated (ref 1), published only on completion
-    device_blocks: list[KVBlock]  # one device pin each
-    cands: list[_Candidate]
-    reports: int = 0
-    abandoned: bool = False  # reset while in flight: release without publishing
-
-
-@dataclass(slots=True)
-class _ReqState:
-    request: Request
-    cursor: list[int]  # per group: absolute position below which every block was visited
-    keys: dict[Key, int] = field(default_factory=dict)  # stored/cached key -> position
-    lost: set[tuple[int, int]] = field(default_factory=set)  # (group, position) evicted
-    transfers: set[int] = field(default_factory=set)
-    finished: bool = False
-
-
 class StorePlanner:
     def __init__(self, tier: HostTier, max_restores_per_step: int, lazy_scan_blocks: int) -> None:
         self.tier = tier
         self.max_restores_per_step = max_restores_per_step
         self.lazy_scan_blocks = lazy_scan_blocks
-        self._states: dict[str, _ReqState] = {}
-        self._stores: dict[int, _Store] = {}
+        self._states: dict[str, ReqState] = {}
+        self._stores: dict[int, StoreRecord] = {}
         self._holders: dict[Key, set[str]] = {}  # key -> requests whose chain includes it
 
     @property
@@ -97,19 +68,19 @@ class StorePlanner:
             self._maybe_drop(st)
         return out
 
-    def _state(self, request: Request) -> _ReqState:
+    def _state(self, request: Request) -> ReqState:
         st = self._states.get(request.request_id)
         if st is None:
-            st = self._states[request.request_id] = _ReqState(request, [0] * len(self.tier.specs))
+            st = self._states[request.request_id] = ReqState(request, [0] * len(self.tier.specs))
         st.request = request
         return st
 
-    def _plan_request(self, st: _ReqState) -> list[Transfer]:
+    def _plan_request(self, st: ReqState) -> list[Transfer]:
         tier, req = self.tier, st.request
         tables = tier.device.get_blocks(req.request_id)
         views = tier.coordinator.group_hashes(req.block_hashes)
         settled = req.num_settled_tokens
-        cands: list[_Candidate] = []
+        cands: list[Candidate] = []
         stop: list[int] = []  # per group: where the scan stopped
         for g, spec in enumerate(tier.specs):
             bs, table, view = spec.block_size, tables[g], views[g]
@@ -125,7 +96,7 @@ class StorePlanner:
                         self._hold(st, key, pos)
                     else:
                         parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
-                        cands.append(_Candidate(g, pos, db, key, parent))
+                        cands.append(Candidate(g, pos, db, key, parent))
                 pos += 1
             stop.append(pos)
         cands.sort(key=lambda c: (self._end(c.group_id, c.position), c.group_id))
@@ -135,9 +106,7 @@ class StorePlanner:
             st.cursor[g] = min(rejected, default=pos)
         return self._launch(st, accepted, restore=False)
 
-    def _limit(
-        self, st: _ReqState, cands: list[_Candidate], count_skipped: bool
-    ) -> list[_Candidate]:
+    def _limit(self, st: ReqState, cands: list[Candidate], count_skipped: bool) -> list[Candidate]:
         """The longest prefix of `cands` that fits in the host pool and does not evict a block of
         this request's own chain lying before the block it makes room for (a tail without its
         head is unreachable; evicting the request's own deeper blocks to restore a head is fine)."""
@@ -165,7 +134,7 @@ class StorePlanner:
                 continue
             tables = tier.device.get_blocks(st.request.request_id)
             views = tier.coordinator.group_hashes(st.request.block_hashes)
-            cands: list[_Candidate] = []
+            cands: list[Candidate] = []
             for g, pos in sorted(st.lost, key=lambda t: (self._end(t[0], t[1]), t[0])):
                 table, view = tables[g], views[g]
                 ok = pos < len(table) and pos < len(view) and table[pos].block_hash == view[pos]
@@ -174,7 +143,7 @@ class StorePlanner:
                     st.lost.discard((g, pos))  # device copy gone, or cached again: nothing to do
                     continue
                 parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
-                cands.append(_Candidate(g, pos, table[pos], key, parent))
+                cands.append(Candidate(g, pos, table[pos], key, parent))
             accepted = self._limit(st, cands[:budget], count_skipped=False)
             for c in accepted:
                 st.lost.discard((c.group_id, c.position))
@@ -184,25 +153,12 @@ class StorePlanner:
         return out
 
     def _plan_lazy(self) -> list[Transfer]:
-        tier, cands, seen = self.tier, [], set()
-        for i, db in enumerate(tier.device.pool.free_queue):
-            if i >= self.lazy_scan_blocks:
-                break
-            h = db.block_hash
-            if h is None:
-                continue
-            key = (db.group_id, h)
-            if key in seen or key in tier._store_keys or tier.host.contains(key):
-                continue
-            seen.add(key)
-            cands.append(_Candidate(db.group_id, -1, db, key, None))
-        n = min(len(cands), tier.host.num_free)
-        tier.metrics.num_skipped_pinned_full += len(cands) - n
+        cands = lazy_candidates(self.tier, self.lazy_scan_blocks)
+        n = min(len(cands), self.tier.host.num_free)
+        self.tier.metrics.num_skipped_pinned_full += len(cands) - n
         return self._launch(None, cands[:n], restore=False)
 
-    def _launch(
-        self, st: _ReqState | None, cands: list[_Candidate], restore: bool
-    ) -> list[Transfer]:
+    def _launch(self, st: ReqState | None, cands: list[Candidate], restore: bool) -> list[Transfer]:
         if not cands:
             return []
         tier = self.tier
@@ -222,7 +178,9 @@ class StorePlanner:
             [b.block_id for b in host_blocks],
             sum(tier.bytes_per_block[c.group_id] for c in cands),
         )
-        self._stores[transfer.transfer_id] = _Store(transfer, host_blocks, device_blocks, cands)
+        self._stores[transfer.transfer_id] = StoreRecord(
+            transfer, host_blocks, device_blocks, cands
+        )
         for c in cands:
             tier._store_keys[c.key] = transfer.transfer_id
             if st is not None:
@@ -234,7 +192,7 @@ class StorePlanner:
 
     # ---- holders and eviction notices ----------------------------------------------------------
 
-    def _hold(self, st: _ReqState, key: Key, pos: int) -> None:
+    def _hold(self, st: ReqState, key: Key, pos: int) -> None:
         st.keys[key] = pos
         self._holders.setdefault(key, set()).add(st.request.request_id)
 
@@ -245,7 +203,7 @@ class StorePlanner:
             if notify and not st.finished:
                 st.lost.add((key[0], pos))
 
-    def _maybe_drop(self, st: _ReqState) -> None:
+    def _maybe_drop(self, st: ReqState) -> None:
         if st.finished and not st.transfers:
             rid = st.request.request_id
             for key in st.keys:
@@ -275,7 +233,7 @@ class StorePlanner:
         for c in store.cands:  # every request holding these keys re-stores them (rate-limited)
             self._on_evicted(c.key, notify=True)
 
-    def _finish_store(self, store: _Store, publish: bool) -> None:
+    def _finish_store(self, store: StoreRecord, publish: bool) -> None:
         tier, t = self.tier, store.transfer
         del self._stores[t.transfer_id]
         for c in store.cands:

@@ -13,46 +13,16 @@ Torch-free. The scheduler calls, per step:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.kv.block import BlockId
 from kvtier.kv.coordinator import KVCacheCoordinator
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import FullAttention, Mamba
 from kvtier.offload.host_cache import HostCache
+from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.stores import StorePlanner
 from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, Transfer
-from kvtier.sched.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class _PendingHit:
-    num_device_hit: int
-    num_tokens: int
-    blocks: list[list[KVBlock]]  # host hit per group, positions from 0
-    pinned: list[KVBlock]  # one lookup reference each
-    keys: list[Key]
-
-
-@dataclass(slots=True)
-class _Load:
-    transfer: Transfer
-    request: Request
-    num_device_hit: int
-    num_tokens: int  # external tokens restored
-    positions: list[int]  # table position of each pair
-    host_blocks: list[KVBlock]  # one reference each, held until completion
-    device_blocks: list[KVBlock]  # one device pin each
-    keys: list[Key]
-    reports: int = 0
-    cancelled: bool = False
-
-
-@dataclass(slots=True)
-class _LoadClaims:
-    """Keys being loaded (or about to be: pending hits) -> the request claiming them."""
-
-    owner: dict[Key, str] = field(default_factory=dict)
+from kvtier.sched.request import Request
 
 
 class HostTier:
@@ -101,9 +71,7 @@ class HostTier:
         self.enabled = not any(isinstance(s, Mamba) for s in self.specs)
         self.chained = [isinstance(s, FullAttention) for s in self.specs]
         self._next_id = 0
-        self._pending: dict[str, _PendingHit] = {}
-        self._loads: dict[int, _Load] = {}
-        self._claims = _LoadClaims()
+        self.loads = LoadPlanner(self)
         self.stores = StorePlanner(self, max_restores_per_step, lazy_scan_blocks)
 
     def new_transfer_id(self) -> int:
@@ -120,138 +88,24 @@ class HostTier:
         Every group is restored to one aligned boundary or nothing (H6). The hit blocks are
         pinned until `plan_load` or the next lookup of this request; call again with
         `max_external_tokens` to accept fewer tokens (window groups need the exact boundary).
+        `wait_for_load`: another request is loading this prefix; retry after it completes.
         """
-        rid = request.request_id
-        self._release_pending(rid)
-        max_len = request.num_tokens - 1  # the last token is always recomputed
-        if max_external_tokens is not None:
-            max_len = min(max_len, num_device_hit_tokens + max_external_tokens)
-        if not self.enabled or max_len <= num_device_hit_tokens:
-            return HostLookup(0)
-        self.metrics.num_queries += 1
-        self.metrics.num_query_tokens += max_len - num_device_hit_tokens
-        hits, length = self.coordinator.find_longest_cache_hit(request.block_hashes, max_len)
-        if length <= num_device_hit_tokens:
-            return HostLookup(0)
-        pinned: list[KVBlock] = []
-        keys: list[Key] = []
-        for g, blocks in enumerate(hits):
-            bs = self.specs[g].block_size
-            for pos in range(num_device_hit_tokens // bs, length // bs):
-                block = blocks[pos]
-                if block.is_null:
-                    continue
-                assert block.block_hash is not None
-                key = (g, block.block_hash)
-                if self._claims.owner.get(key, rid) != rid:
-                    self.metrics.num_load_waits += 1
-                    return HostLookup(0, wait_for_load=True)
-                pinned.append(block)
-                keys.append(key)
-        self.host.pool.touch(pinned)
-        for key in keys:
-            self._claims.owner[key] = rid
-        self._pending[rid] = _PendingHit(
-            num_device_hit_tokens, length - num_device_hit_tokens, hits, pinned, keys
-        )
-        self.metrics.num_hit_tokens += length - num_device_hit_tokens
-        return HostLookup(length - num_device_hit_tokens)
-
-    def _release_pending(self, rid: str) -> None:
-        hit = self._pending.pop(rid, None)
-        if hit is None:
-            return
-        for key in hit.keys:
-            self._claims.owner.pop(key, None)
-        self.host.pool.free(list(reversed(hit.pinned)))
-
-    # ---- loads ---------------------------------------------------------------------------------
+        return self.loads.lookup(request, num_device_hit_tokens, max_external_tokens)
 
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 
         Call after `device.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
-        delay_cache_blocks=True)` succeeded (or with 0 to drop the pending hit). Host sources and
-        device destinations stay pinned until the transfer completes or fails; the request is set
-        to WAITING_FOR_REMOTE_KVS until then.
+        delay_cache_blocks=True)` succeeded (or with 0 to drop the pending hit, e.g. when the
+        allocation failed). Host sources and device destinations stay pinned until the transfer
+        completes or fails; the request is WAITING_FOR_REMOTE_KVS until then.
         """
-        rid = request.request_id
-        if num_external_tokens == 0:
-            self._release_pending(rid)
-            return None
-        hit = self._pending.get(rid)
-        if hit is None or hit.num_tokens != num_external_tokens:
-            offered = 0 if hit is None else hit.num_tokens
-            raise ValueError(
-                f"{rid}: plan_load({num_external_tokens}) but the last lookup offered {offered}; "
-                "look up again with max_external_tokens to accept fewer"
-            )
-        del self._pending[rid]
-        tables = self.device.get_blocks(rid)
-        end = hit.num_device_hit + num_external_tokens
-        groups: list[int] = []
-        positions: list[int] = []
-        host_blocks: list[KVBlock] = []
-        device_blocks: list[KVBlock] = []
-        unused: list[KVBlock] = []
-        for g, blocks in enumerate(hit.blocks):
-            bs = self.specs[g].block_size
-            for pos in range(hit.num_device_hit // bs, end // bs):
-                hb, db = blocks[pos], tables[g][pos]
-                if hb.is_null:
-                    continue
-                if db.is_null:  # outside the device table's window: nothing to restore there
-                    unused.append(hb)
-                    continue
-                groups.append(g)
-                positions.append(pos)
-                host_blocks.append(hb)
-                device_blocks.append(db)
-        self.host.pool.free(unused)
-        self.device.pool.touch(device_blocks)
-        transfer = Transfer(
-            self.new_transfer_id(),
-            rid,
-            True,
-            groups,
-            [b.block_id for b in host_blocks],
-            [b.block_id for b in device_blocks],
-            sum(self.bytes_per_block[g] for g in groups),
-        )
-        keys = [(g, b.block_hash) for g, b in zip(groups, host_blocks) if b.block_hash is not None]
-        for key in hit.keys:
-            if key not in keys:
-                self._claims.owner.pop(key, None)
-        self._loads[transfer.transfer_id] = _Load(
-            transfer,
-            request,
-            hit.num_device_hit,
-            num_external_tokens,
-            positions,
-            host_blocks,
-            device_blocks,
-            keys,
-        )
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.metrics.num_pending_loads = len(self._loads)
-        return transfer
+        return self.loads.plan_load(request, num_external_tokens)
 
     def cancel_load(self, request_id: str) -> None:
-        """The request is finished or aborted: drop its pending hit; an in-flight load keeps its
-        pins until the copy completes or fails (it still writes the destination blocks)."""
-        self._release_pending(request_id)
-        for load in self._loads.values():
-            if load.request.request_id == request_id:
-                load.cancelled = True
-
-    def _end_load(self, load: _Load) -> None:
-        del self._loads[load.transfer.transfer_id]
-        for key in load.keys:
-            if self._claims.owner.get(key) == load.request.request_id:
-                del self._claims.owner[key]
-        self.host.pool.free(list(reversed(load.host_blocks)))
-        self.device.pool.free(load.device_blocks)
-        self.metrics.num_pending_loads = len(self._loads)
+        """Drop the request's pending hit; an in-flight load keeps its pins until the copy
+        completes or fails (it still writes the destination blocks), then reports nothing."""
+        self.loads.cancel_load(request_id)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -278,66 +132,37 @@ class HostTier:
     # ---- completions ---------------------------------------------------------------------------
 
     def complete(self, transfer_ids: Iterable[int]) -> list[str]:
-        """Transfers one worker reported done (any order). Returns the ids of requests whose
-        load finished: they are WAITING again, with their KV on the device; the scheduler
-        publishes their blocks (`device.cache_blocks`) and schedules them."""
+        """Transfers one worker reported done (any order; repeats of ended ids are ignored).
+        Returns the ids of requests whose load finished: they are WAITING again with their KV on
+        the device; the scheduler publishes their blocks (`device.cache_blocks`) and runs them."""
         loaded: list[str] = []
         for tid in transfer_ids:
-            load = self._loads.get(tid)
-            if load is None:
+            if tid in self.loads._loads:
+                rid = self.loads.complete(tid)
+                if rid is not None:
+                    loaded.append(rid)
+            else:
                 self.stores.complete(tid)
-                continue
-            load.reports += 1
-            if load.reports < self.world_size:
-                continue
-            self._end_load(load)
-            if load.cancelled:
-                continue
-            self.metrics.num_loaded_blocks += load.transfer.num_blocks
-            self.metrics.num_loaded_bytes += load.transfer.num_bytes
-            load.request.status = RequestStatus.WAITING
-            loaded.append(load.request.request_id)
         return loaded
 
     def fail(
         self, transfer_id: int, failed_device_block_ids: Iterable[BlockId] | None = None
     ) -> LoadFailure | None:
         """A transfer failed (None: every block). A load rolls its request back to the last good
-        block (recomputed later, same output); a store is dropped and re-planned."""
-        load = self._loads.get(transfer_id)
+        block (recomputed later, same output) and says what to evict and whether to reallocate;
+        a failed store is dropped and re-stored like an eviction (rate-limited)."""
+        load = self.loads._loads.get(transfer_id)
         if load is None:
             self.stores.fail(transfer_id)
             return None
-        self._end_load(load)
-        self.metrics.num_failed_loads += 1
-        if load.cancelled:
-            return None
-        t = load.transfer
-        bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
-        end = load.num_device_hit + load.num_tokens
-        good = end
-        for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids):
-            if d in bad:
-                good = min(good, pos * self.specs[g].block_size)
-        align = self.device.coordinator.alignment
-        good = max(good // align * align, load.num_device_hit)
-        evict = [
-            d
-            for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids)
-            if (pos + 1) * self.specs[g].block_size > good
-        ]
-        must_reallocate = good < end and not all(self.chained)
-        request = load.request
-        request.num_computed_tokens = 0 if must_reallocate else good
-        request.status = RequestStatus.WAITING
-        return LoadFailure(t.req_id, request.num_computed_tokens, evict, must_reallocate)
+        return self.loads.fail(load, failed_device_block_ids)
 
     # ---- reset, pins, integrity ----------------------------------------------------------------
 
     def reset_cache(self) -> bool:
         """Forget the host cache. With transfers in flight: abandon them (their completions
         release pins without publishing) and return False; call again once they completed."""
-        if self._loads or self.stores.num_in_flight or self._pending:
+        if self.loads.busy or self.stores.num_in_flight:
             self.stores.abandon_all()
             return False
         self.stores.forget_all()
@@ -346,7 +171,7 @@ class HostTier:
     def device_pins(self) -> dict[BlockId, int]:
         """Device block id -> references the tier holds (load destinations, store sources)."""
         pins: dict[BlockId, int] = {}
-        blocks = [b for ld in self._loads.values() for b in ld.device_blocks]
+        blocks = self.loads.device_blocks()
         blocks += self.stores.pinned_device_blocks()
         for b in blocks:
             pins[b.block_id] = pins.get(b.block_id, 0) + 1
@@ -356,8 +181,7 @@ class HostTier:
         """Assert every host reference has exactly one holder and every device pin is backed."""
         self.host.check_integrity()
         holders: dict[BlockId, int] = {}
-        held = [b for h in self._pending.values() for b in h.pinned]
-        held += [b for ld in self._loads.values() for b in ld.host_blocks]
+        held = self.loads.pending_host_blocks() + self.loads.host_blocks()
         held += self.stores.host_blocks()
         for b in held:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
@@ -369,8 +193,5 @@ class HostTier:
             assert self.device.pool.blocks[block_id].ref_cnt >= n, (
                 f"device block {block_id} unpinned"
             )
-        claimed = {k for h in self._pending.values() for k in h.keys}
-        claimed |= {k for ld in self._loads.values() for k in ld.keys}
-        assert set(self._claims.owner) <= claimed, "load claim without a pending hit or load"
-        assert self.metrics.num_pending_loads == len(self._loads)
+        self.loads.check_integrity()
         self.stores.check_integrity()

@@ -1,0 +1,62 @@
+"""Records of the store planner: candidates, in-flight stores, per-request store state, and the
+lazy-mode scan of the device LRU head. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.offload.types import Key, Transfer
+from kvtier.sched.request import Request
+
+if TYPE_CHECKING:
+    from kvtier.offload.tier import HostTier
+
+
+@dataclass(slots=True)
+class Candidate:
+    group_id: int
+    position: int
+    device_block: KVBlock
+    key: Key
+    parent: BlockHash | None
+
+
+@dataclass(slots=True)
+class StoreRecord:
+    transfer: Transfer
+    host_blocks: list[KVBlock]  # allocated (ref 1), published only on completion
+    device_blocks: list[KVBlock]  # one device pin each
+    cands: list[Candidate]
+    reports: int = 0
+    abandoned: bool = False  # reset while in flight: release without publishing
+
+
+@dataclass(slots=True)
+class ReqState:
+    request: Request
+    cursor: list[int]  # per group: absolute position below which every block was visited
+    keys: dict[Key, int] = field(default_factory=dict)  # stored/cached key -> position
+    lost: set[tuple[int, int]] = field(default_factory=set)  # (group, position) evicted
+    transfers: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+def lazy_candidates(tier: HostTier, scan_blocks: int) -> list[Candidate]:
+    """Hashed device blocks among the first `scan_blocks` of the device free queue (the next to
+    be evicted there) whose content the host tier neither holds nor is storing."""
+    cands: list[Candidate] = []
+    seen: set[Key] = set()
+    for i, db in enumerate(tier.device.pool.free_queue):
+        if i >= scan_blocks:
+            break
+        h = db.block_hash
+        if h is None:
+            continue
+        key = (db.group_id, h)
+        if key in seen or key in tier._store_keys or tier.host.contains(key):
+            continue
+        seen.add(key)
+        cands.append(Candidate(db.group_id, -1, db, key, None))
+    return cands

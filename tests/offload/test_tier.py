@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvtier.kv import FullAttention, Mamba, SlidingWindow
+from kvtier.kv import BlockStored, FullAttention, Mamba, SlidingWindow
 from kvtier.offload import HostTier
 from kvtier.sched.request import RequestStatus
 from tests.offload.factories import (
@@ -208,3 +208,15 @@ def test_planning_modules_import_no_torch():
     )
     assert out.returncode == 0 and out.stdout.startswith("ok "), out.stderr
     assert int(out.stdout.split()[1]) >= 6  # every planning module, not just the package
+
+
+def test_host_events_name_each_stored_block_and_its_parent():
+    dev = device()
+    t = tier(dev, enable_kv_events=True)
+    r = request(dev, "R", tokens(49))
+    run(dev, r)
+    settle_all(t, t.plan_stores([r]))
+    stored = [e for e in t.host.pool.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[h] for h in r.block_hashes[:3]]
+    assert [e.parent_block_hash for e in stored] == [None, *r.block_hashes[:2]]
+    assert all(e.medium == "host" for e in stored)

@@ -104,9 +104,13 @@ class HostCache:
         """Insert completed store blocks (ordered head → tail of their chain) into the map and
         drop the store's reference tail-first; orphans among them go straight to the LRU head."""
         for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
-            self.pool.cache_full_blocks(group_id, [block], [block_hash], 0, 1, block_size)
             parent = parents[i] if parents is not None else None
-            if parent is not None:
+            if parent is None:
+                self.pool.cache_full_blocks(group_id, [block], [block_hash], 0, 1, block_size)
+            else:  # caches position 1 only; position 0 just names the parent in the event
+                self.pool.cache_full_blocks(
+                    group_id, [block, block], [parent, block_hash], 1, 2, block_size
+                )
                 self._parent[(group_id, block_hash)] = parent
                 self._children.setdefault((group_id, parent), set()).add(block_hash)
         self.pool.free(list(reversed(blocks)))  # rule (a): deepest first = evicted first

@@ -140,3 +140,39 @@ def test_concurrent_requests_match_sequential_ones(server: ServerHandle) -> None
     with ThreadPoolExecutor(len(prompts)) as pool:
         concurrent = list(pool.map(run, prompts))
     assert concurrent == sequential
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_candidates(server: ServerHandle) -> None:
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert lp.top_logprobs is not None and all(len(top) == 2 for top in lp.top_logprobs)
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and abs(value - max(top.values())) < 1e-5
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert tokens == lp.tokens
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    assert all(len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode()) for t in content)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+    )
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == chat.choices[0].message.content

@@ -3,158 +3,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from kvtier.engine.params import SamplingParams
-from kvtier.server.engine_loop import Delta, EngineLoop, Event, Failed, Sink, Started, Submission
+from kvtier.server.engine_loop import Delta, EngineLoop, Sink, Submission, TokenLogprob
+from kvtier.server.generation import Generation, Prompt, collect, stream
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     validation_error,
 )
-
-Prompt = str | list[int] | list[dict[str, Any]]
-
-
-class _Generation:
-    """The sub-requests of one HTTP request (one per prompt) and their merged event queue."""
-
-    def __init__(self, engine: EngineLoop, prefix: str, num: int) -> None:
-        self.engine = engine
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.req_ids = [f"{self.id}-{i}" for i in range(num)]
-        self.prompt_texts = [""] * num
-        self.texts = [""] * num
-        self.finish: list[str | None] = [None] * num
-        self.stop_reasons: list[str | int | None] = [None] * num
-        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        self.early: list[tuple[int, Delta]] = []
-
-    @property
-    def done(self) -> bool:
-        return all(f is not None for f in self.finish)
-
-    def abort_unfinished(self) -> None:
-        for rid, fin in zip(self.req_ids, self.finish):
-            if fin is None:
-                self.engine.abort(rid)
-
-    async def start(
-        self, prompts: list[Prompt], submit: Callable[[str, Prompt, Sink], None]
-    ) -> None:
-        """Submit every prompt; return once all are admitted, or raise the first refusal."""
-        loop = asyncio.get_running_loop()
-        for i, (rid, prompt) in enumerate(zip(self.req_ids, prompts)):
-            submit(rid, prompt, Sink(loop, self.queue, i))
-        started = 0
-        while started < len(prompts):
-            i, ev = await self.queue.get()
-            if isinstance(ev, Failed):
-                self.finish[i] = "error"
-                self.abort_unfinished()
-                raise ev.error
-            if isinstance(ev, Started):
-                self.prompt_texts[i] = ev.prompt_text
-                started += 1
-            else:
-                self.early.append((i, ev))
-
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        pending, self.early = self.early, []
-        for item in pending:
-            yield self._note(*item)
-        while not self.done:
-            i, ev = await self.queue.get()
-            if isinstance(ev, Failed):
-                raise ev.error
-            if isinstance(ev, Delta):
-                yield self._note(i, ev)
-
-    def _note(self, i: int, d: Delta) -> tuple[int, Delta]:
-        self.texts[i] += d.text
-        if d.finish_reason is not None:
-            self.finish[i], self.stop_reasons[i] = d.finish_reason, d.stop_reason
-        if d.usage is not None:
-            self.usage["prompt_tokens"] += d.usage.prompt_tokens
-            self.usage["completion_tokens"] += d.usage.completion_tokens
-            self.usage["cached_tokens"] += d.usage.cached_tokens
-        return i, d
-
-    def usage_body(self) -> dict[str, Any]:
-        u = self.usage
-        return {
-            "prompt_tokens": u["prompt_tokens"],
-            "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
-        }
-
-
-async def _until_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(gen: _Generation, raw: Request) -> None:
-    """Run a generation to its end; abort it if the client goes away first."""
-
-    async def drain() -> None:
-        async for _ in gen.deltas():
-            pass
-
-    work = asyncio.ensure_future(drain())
-    watch = asyncio.ensure_future(_until_disconnect(raw))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            gen.abort_unfinished()
-    work.result()  # re-raises an engine failure
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def _stream(
-    gen: _Generation, raw: Request, chunk: Callable[[int, Delta], dict[str, Any]], usage: bool
-) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        def on_disconnect(task: asyncio.Future[None]) -> None:
-            if not task.cancelled():
-                gen.abort_unfinished()
-
-        watch = asyncio.ensure_future(_until_disconnect(raw))
-        watch.add_done_callback(on_disconnect)
-        try:
-            async for i, d in gen.deltas():
-                yield _sse(chunk(i, d))
-            if usage:
-                yield _sse(chunk(-1, Delta("", [])) | {"choices": [], "usage": gen.usage_body()})
-            yield "data: [DONE]\n\n"
-        except APIError as exc:
-            yield _sse(exc.body())
-        finally:
-            watch.cancel()
-            gen.abort_unfinished()
-
-    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -217,38 +82,41 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         body.check_unsupported()
         check_max_tokens(body.max_tokens, "max_tokens")
         prompts: list[Prompt] = list(body.prompts())
-        gen = _Generation(engine, "cmpl", len(prompts))
-        await gen.start(prompts, _submitter(engine, body.max_tokens, body.sampling_params, body))
-        head = {
-            "id": gen.id,
-            "object": "text_completion",
-            "created": gen.created,
-            "model": body.model,
-        }
+        gen = Generation(engine, "cmpl", len(prompts))
+        await gen.start(prompts, _submitter(engine, body.max_tokens, body.num_logprobs(), body))
+        head = {"id": gen.id, "object": "text_completion", "created": gen.created}
+        head["model"] = body.model
+        offsets = [0] * len(prompts)
 
-        def choice(i: int, text: str, reason: str | None) -> dict[str, Any]:
+        def choice(
+            i: int, prefix: str, text: str, lps: list[TokenLogprob] | None, reason: str | None
+        ) -> dict[str, Any]:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(lps or [], offsets[i] + len(prefix))
+            offsets[i] += len(prefix) + len(text)
+            reason = _finish_reason(reason)
             return {
                 "index": i,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": _finish_reason(reason),
+                "text": prefix + text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
             }
 
         if body.stream:
             echoed: set[int] = set()
 
             def chunk(i: int, d: Delta) -> dict[str, Any]:
-                text = d.text
-                if body.echo and i not in echoed:
-                    echoed.add(i)
-                    text = gen.prompt_texts[i] + text
-                return head | {"choices": [choice(i, text, d.finish_reason)]}
+                prefix = gen.prompt_texts[i] if body.echo and i not in echoed else ""
+                echoed.add(i)
+                return head | {"choices": [choice(i, prefix, d.text, d.logprobs, d.finish_reason)]}
 
-            return _stream(gen, raw, chunk, body.include_usage)
-        await _collect(gen, raw)
+            return stream(gen, raw, chunk, body.include_usage)
+        await collect(gen, raw)
         choices = []
         for i, text in enumerate(gen.texts):
-            c = choice(i, (gen.prompt_texts[i] if body.echo else "") + text, gen.finish[i])
+            prefix = gen.prompt_texts[i] if body.echo else ""
+            c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i])
             choices.append(c | {"stop_reason": gen.stop_reasons[i]})
         return head | {"choices": choices, "usage": gen.usage_body()}
 
@@ -258,12 +126,15 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         body.check_unsupported()
         max_tokens = body.requested_max_tokens()
         check_max_tokens(max_tokens, "max_completion_tokens")
-        gen = _Generation(engine, "chatcmpl", 1)
-        await gen.start(
-            [body.dict_messages()], _submitter(engine, max_tokens, body.sampling_params, body)
-        )
+        num_logprobs = body.num_logprobs()
+        gen = Generation(engine, "chatcmpl", 1)
+        await gen.start([body.dict_messages()], _submitter(engine, max_tokens, num_logprobs, body))
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}
+
+        def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            return None if num_logprobs is None else _chat_logprobs(lps or [])
+
         if body.stream:
             first = [True]
 
@@ -272,20 +143,15 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
                 if first[0]:
                     first[0] = False
                     delta["role"] = "assistant"
-                reason = _finish_reason(d.finish_reason)
-                return head | {
-                    "choices": [
-                        {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-                    ]
-                }
+                c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
+                return head | {"choices": [c | {"finish_reason": _finish_reason(d.finish_reason)}]}
 
-            return _stream(gen, raw, chunk, body.include_usage)
-        await _collect(gen, raw)
-        message = {"role": "assistant", "content": gen.texts[0]}
+            return stream(gen, raw, chunk, body.include_usage)
+        await collect(gen, raw)
         choice = {
             "index": 0,
-            "message": message,
-            "logprobs": None,
+            "message": {"role": "assistant", "content": gen.texts[0]},
+            "logprobs": logprobs(gen.logprobs[0]),
             "finish_reason": _finish_reason(gen.finish[0]),
             "stop_reason": gen.stop_reasons[0],
         }
@@ -297,7 +163,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
 def _submitter(
     engine: EngineLoop,
     max_tokens: int | None,
-    sampling: Callable[[int, int | None], SamplingParams],
+    num_logprobs: int | None,
     body: CompletionRequest | ChatCompletionRequest,
 ) -> Callable[[str, Prompt, Sink], None]:
     gen_prompt = getattr(body, "add_generation_prompt", True)
@@ -308,7 +174,7 @@ def _submitter(
                 req_id,
                 prompt,
                 max_tokens,
-                lambda n: sampling(n, None),
+                lambda n: body.sampling_params(n, num_logprobs),
                 sink,
                 add_generation_prompt=gen_prompt,
                 priority=body.priority,
@@ -316,3 +182,27 @@ def _submitter(
         )
 
     return submit
+
+
+def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [dict(lp.top) for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [
+        entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in lps
+    ]
+    return {"content": content}

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvtier.engine.core import EngineCore
+from kvtier.engine.core import EngineCore, RequestState
 from kvtier.engine.params import EngineArgs, SamplingParams
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.protocol import APIError, render_default_chat
@@ -37,12 +37,22 @@ class Started:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One sampled token as text, its logprob and the top candidates (text, logprob)."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
 class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta of a request
     stop_reason: str | int | None = None
     usage: Usage | None = None  # set with finish_reason
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 @dataclass(slots=True)
@@ -87,6 +97,7 @@ class _Live:
     num_prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
+    num_logprobs_sent: int = 0
 
 
 class EngineLoop:
@@ -125,6 +136,9 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, sub: Submission) -> None:
+        if self.error is not None:
+            sub.sink.put(Failed(_engine_failed(self.error)))
+            return
         self._commands.put(("submit", sub))
 
     def abort(self, req_id: str) -> None:
@@ -259,8 +273,11 @@ class EngineLoop:
                     text = render_default_chat(messages, sub.add_generation_prompt)
             except Exception as exc:  # template errors are the request's fault
                 raise APIError(f"chat template: {exc}", param="messages") from None
-            return text, tok.encode(text, add_special_tokens=False)
+            # a template writes its own special tokens; the plain one gets the tokenizer's (bos)
+            return text, tok.encode(text, add_special_tokens=not tok.chat_template)
         ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        if not ids:
+            raise APIError("prompt must not be empty", param="prompt")
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
@@ -280,18 +297,38 @@ class EngineLoop:
                 )
                 live.first_token = live.first_token or now
                 live.last_token = now
-            if not out.finished:
-                live.sub.sink.put(Delta(out.new_text, list(out.new_token_ids)))
-                continue
-            state = engine.requests.pop(out.req_id)
-            del self._live[out.req_id]
-            reason = state.finish_reason or "stop"
-            self.metrics.finished(live.sub.arrival, now, reason)
-            usage = Usage(
-                live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
-            )
-            delta = Delta(out.new_text, list(out.new_token_ids), reason, state.stop_reason, usage)
+            state = engine.requests[out.req_id]
+            delta = Delta(out.new_text, list(out.new_token_ids))
+            if state.params.logprobs is not None:
+                delta.logprobs = _new_logprobs(engine, state, live)
+            if out.finished:
+                del engine.requests[out.req_id], self._live[out.req_id]
+                delta.finish_reason = state.finish_reason or "stop"
+                delta.stop_reason = state.stop_reason
+                self.metrics.finished(live.sub.arrival, now, delta.finish_reason)
+                delta.usage = Usage(
+                    live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
+                )
             live.sub.sink.put(delta)
+
+
+def _engine_failed(exc: BaseException) -> APIError:
+    return APIError(f"engine failed: {exc}", 500, kind="server_error")
+
+
+def _new_logprobs(engine: EngineCore, state: RequestState, live: _Live) -> list[TokenLogprob]:
+    """Logprobs of the tokens appended since the last delta, with token texts."""
+    decode = engine.tokenizer.decode
+    start, end = live.num_logprobs_sent, min(len(state.logprobs), len(state.token_ids))
+    live.num_logprobs_sent = end
+    return [
+        TokenLogprob(
+            decode([tok], skip_special_tokens=False),
+            lp.logprob,
+            [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
+        )
+        for tok, lp in zip(state.token_ids[start:end], state.logprobs[start:end])
+    ]
 
 
 def layout_summary(engine: EngineCore) -> str:

@@ -128,8 +128,9 @@ class CompletionRequest(_Sampling):
             raise APIError("suffix is not supported by this server", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError("only best_of=1 is supported", param="best_of")
-        if self.logprobs is not None:
-            raise APIError("logprobs are not served yet; omit them", param="logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Body):
@@ -171,10 +172,12 @@ class ChatCompletionRequest(_Sampling):
             else self.max_tokens
         )
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError("logprobs are not served yet; omit them", param="logprobs")
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def dict_messages(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,159 @@
+"""One HTTP request's generation: its sub-requests (one per prompt) on the engine loop, their
+merged events, and the two ways to deliver them (collected, or streamed as SSE), each aborting the
+sub-requests when the client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvtier.server.engine_loop import (
+    Delta,
+    EngineLoop,
+    Event,
+    Failed,
+    Sink,
+    Started,
+    TokenLogprob,
+)
+from kvtier.server.protocol import APIError
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class Generation:
+    """The sub-requests of one HTTP request (one per prompt) and their merged event queue."""
+
+    def __init__(self, engine: EngineLoop, prefix: str, num: int) -> None:
+        self.engine = engine
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.req_ids = [f"{self.id}-{i}" for i in range(num)]
+        self.prompt_texts = [""] * num
+        self.texts = [""] * num
+        self.finish: list[str | None] = [None] * num
+        self.stop_reasons: list[str | int | None] = [None] * num
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num)]
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self.early: list[tuple[int, Delta]] = []
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def abort_unfinished(self) -> None:
+        for rid, fin in zip(self.req_ids, self.finish):
+            if fin is None:
+                self.engine.abort(rid)
+
+    async def start(
+        self, prompts: list[Prompt], submit: Callable[[str, Prompt, Sink], None]
+    ) -> None:
+        """Submit every prompt; return once all are admitted, or raise the first refusal."""
+        loop = asyncio.get_running_loop()
+        for i, (rid, prompt) in enumerate(zip(self.req_ids, prompts)):
+            submit(rid, prompt, Sink(loop, self.queue, i))
+        started = 0
+        while started < len(prompts):
+            i, ev = await self.queue.get()
+            if isinstance(ev, Failed):
+                self.finish[i] = "error"
+                self.abort_unfinished()
+                raise ev.error
+            if isinstance(ev, Started):
+                self.prompt_texts[i] = ev.prompt_text
+                started += 1
+            else:
+                self.early.append((i, ev))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        pending, self.early = self.early, []
+        for item in pending:
+            yield self._note(*item)
+        while not self.done:
+            i, ev = await self.queue.get()
+            if isinstance(ev, Failed):
+                raise ev.error
+            if isinstance(ev, Delta):
+                yield self._note(i, ev)
+
+    def _note(self, i: int, d: Delta) -> tuple[int, Delta]:
+        self.texts[i] += d.text
+        self.logprobs[i] += d.logprobs or []
+        if d.finish_reason is not None:
+            self.finish[i], self.stop_reasons[i] = d.finish_reason, d.stop_reason
+        if d.usage is not None:
+            self.usage["prompt_tokens"] += d.usage.prompt_tokens
+            self.usage["completion_tokens"] += d.usage.completion_tokens
+            self.usage["cached_tokens"] += d.usage.cached_tokens
+        return i, d
+
+    def usage_body(self) -> dict[str, Any]:
+        u = self.usage
+        return {
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+        }
+
+
+async def until_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(gen: Generation, raw: Request) -> None:
+    """Run a generation to its end; abort it if the client goes away first."""
+
+    async def drain() -> None:
+        async for _ in gen.deltas():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(until_disconnect(raw))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            gen.abort_unfinished()
+    work.result()  # re-raises an engine failure
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def stream(
+    gen: Generation, raw: Request, chunk: Callable[[int, Delta], dict[str, Any]], usage: bool
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        def on_disconnect(task: asyncio.Future[None]) -> None:
+            if not task.cancelled():
+                gen.abort_unfinished()
+
+        watch = asyncio.ensure_future(until_disconnect(raw))
+        watch.add_done_callback(on_disconnect)
+        try:
+            async for i, d in gen.deltas():
+                yield sse(chunk(i, d))
+            if usage:
+                yield sse(chunk(-1, Delta("", [])) | {"choices": [], "usage": gen.usage_body()})
+            yield "data: [DONE]\n\n"
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            watch.cancel()
+            gen.abort_unfinished()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -316,12 +316,14 @@ def _chain_then_two_others(split: bool):
     dev = device(24)
     t = tier(dev, 7, enable_kv_events=True)
     r = request(dev, "R", tokens(65))
-    run(dev, r, settle=False)
-    if split:
-        r.ledger.records[0].num_scheduled_tokens = 33
-        r.ledger.num_live_in_flight_tokens = 33
-        settle_all(t, t.plan_stores([r]))  # settled 32: h0, h1
+    assert dev.allocate_slots(r, 65) is not None
+    r.num_computed_tokens = 65
+    r.ledger.append(StepRecord(1, 32, 0, 0))  # two prefill chunks
+    r.ledger.append(StepRecord(2, 33, 0, 1))
     r.ledger.consume(1)
+    if split:
+        settle_all(t, t.plan_stores([r]))  # settled 32: h0, h1
+    r.ledger.consume(2)
     settle_all(t, t.plan_stores([r]))
     q, p = request(dev, "Q", tokens(33)), request(dev, "P", tokens(33))
     run(dev, q)

@@ -79,7 +79,8 @@ class StorePlanner:
         tier, req = self.tier, st.request
         tables = tier.device.get_blocks(req.request_id)
         views = tier.coordinator.group_hashes(req.block_hashes)
-        settled = req.num_settled_tokens
+        # Stale records count too: never ahead of the device even after mark_stale (preemption).
+        settled = max(0, req.num_computed_tokens - req.ledger.num_in_flight_tokens)
         cands: list[Candidate] = []
         stop: list[int] = []  # per group: where the scan stopped
         for g, spec in enumerate(tier.specs):

@@ -154,6 +154,14 @@ class HostTierMachine(RuleBasedStateMachine):
         transfers = self.t.plan_stores(list(self.running.values()))
         for x in transfers:
             assert not x.is_load and 0 not in x.src_block_ids + x.dst_block_ids
+            req = self.running.get(x.req_id)
+            if req is None:
+                continue
+            settled = req.num_computed_tokens - req.ledger.num_in_flight_tokens
+            tables = self.dev.get_block_ids(x.req_id)
+            for g, d in zip(x.group_ids, x.src_block_ids):
+                end = (tables[g].index(d) + 1) * self.SPECS[g].block_size
+                assert end <= settled, "stored a block the device may not have finished (H1)"
         self._track(transfers)
 
     @precondition(lambda self: self.outstanding)

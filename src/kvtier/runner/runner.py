@@ -8,6 +8,7 @@ Every op declares the blocks and buffers it touches, for the sanitizer.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +75,9 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
         self.generator = torch.Generator().manual_seed(seed)
-        self.max_rollback = num_speculative_tokens * max_async_depth
+        # Drafts of each launched step not yet waited on: they may be rejected, so a request's
+        # next step may start up to that many tokens before the scheduler's count.
+        self._unverified: deque[tuple[int, dict[str, int]]] = deque()
         width = 1 + num_speculative_tokens
         device.alloc_buffer(TOKEN_STATE, (1,), "int64")
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
@@ -129,6 +132,8 @@ class ModelRunner:
     def wait(self, handle: StepHandle) -> RunnerOutput:
         """Block until the step's tokens are on the host; return them as a `RunnerOutput`."""
         self.device.synchronize_event(handle.event)
+        while self._unverified and self._unverified[0][0] <= handle.output.step_seq:
+            self._unverified.popleft()  # its drafts are verified now
         host = self.host_out[handle.slot]
         sampled: dict[str, list[int]] = {}
 
@@ -152,25 +157,29 @@ class ModelRunner:
             tables.pop(req_id, None)
         fresh: list[int] = []
         starts: dict[str, int] = {}
+        ends: dict[str, int] = {}  # the scheduler's start of each request's step
         for new in output.scheduled_new_reqs:
             tables[new.req_id] = [list(ids) for ids in new.block_ids]
-            starts[new.req_id] = new.num_computed_tokens
+            starts[new.req_id] = ends[new.req_id] = new.num_computed_tokens
             fresh += _new_ids(new.block_ids, new.num_computed_tokens, self.block_size)
         for cached in output.scheduled_cached_reqs:
             for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
                 table.extend(ids)
                 fresh += [b for b in ids if b]
-            starts[cached.req_id] = max(0, cached.num_computed_tokens - self.max_rollback)
+            rollback = sum(d.get(cached.req_id, 0) for _, d in self._unverified)
+            starts[cached.req_id] = max(0, cached.num_computed_tokens - rollback)
+            ends[cached.req_id] = cached.num_computed_tokens
         if fresh:
             self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
         bs = self.block_size
-        new_ids = {new.req_id for new in output.scheduled_new_reqs}
+        spec = output.scheduled_spec_decode_tokens
+        self._unverified.append((output.step_seq, {r: len(d) for r, d in spec.items() if d}))
         kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
             lo = starts[req_id]
-            hi = lo + n + (self.max_rollback if req_id not in new_ids else 0)
+            hi = ends[req_id] + n  # the scheduler's end; the device's is never later
             for kind, table in zip(kinds, tables[req_id], strict=True):
                 # What attention gathers: from the window (or chunk) start of the first query.
                 reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)

@@ -41,7 +41,15 @@ class SettledLifetimes:
         self.cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
-        """(token count to prune at, step stamp for the quarantine)."""
+        """(token count to prune at, step stamp for the quarantine).
+
+        A step launched while earlier drafts were unverified cannot know where it starts, so it
+        declares (and may gather) its window from the lowest start a rollback allows. While a
+        request has drafts in flight, pruned blocks are therefore stamped with its last step
+        (held by the quarantine until those steps are processed) instead of freed at once.
+        """
+        if any(r.num_draft_tokens for r in request.ledger.records):
+            return request.num_settled_tokens, request.last_sched_seq
         return request.num_settled_tokens, processed_step_seq
 
     def prune(self, request: Request, processed_step_seq: int) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.server.conftest import MODEL, ServerHandle, wait_until
+from tests.server.conftest import MODEL, ServerHandle, _health, wait_until
 
 
 def _idle(server: ServerHandle) -> bool:
@@ -122,3 +124,31 @@ def test_serve_cli_lists_the_vllm_style_flags() -> None:
         "--num-speculative-tokens",
     ):
         assert flag in out, flag
+
+
+def test_kvtier_serve_starts_logs_the_kv_layout_and_answers(tmp_path: Path) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    log = (tmp_path / "serve.log").open("w+")
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--max-model-len"]
+    cmd += ["256", "--num-device-blocks", "64", "--torch-threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 60)
+        assert proc.poll() is None, Path(log.name).read_text()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = {"model": MODEL, "prompt": "The with statement", "max_tokens": 4}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        reply = json.loads(conn.getresponse().read())
+        conn.close()
+        assert reply["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    text = Path(log.name).read_text()
+    assert "KV layout: 3 groups [FullAttention layers [2, 5]; SlidingWindow(window=64)" in text
+    assert "device 64 blocks × 8192 B" in text

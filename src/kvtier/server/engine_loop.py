@@ -116,6 +116,7 @@ class EngineLoop:
         self.layout_summary = ""
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ready = threading.Event()
+        self._failure_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kvtier-engine", daemon=True)
         self._live: dict[str, _Live] = {}
 
@@ -136,10 +137,11 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, sub: Submission) -> None:
-        if self.error is not None:
-            sub.sink.put(Failed(_engine_failed(self.error)))
-            return
-        self._commands.put(("submit", sub))
+        with self._failure_lock:  # INVARIANT: nothing is queued after the failure drain
+            if self.error is None:
+                self._commands.put(("submit", sub))
+                return
+        sub.sink.put(Failed(_engine_failed(self.error)))
 
     def abort(self, req_id: str) -> None:
         self._commands.put(("abort", req_id))
@@ -171,12 +173,24 @@ class EngineLoop:
             self._loop(engine)
         except Exception as exc:
             log.exception("engine loop failed; failing every request in flight")
-            self.error = exc
+            with self._failure_lock:
+                self.error = exc
             for live in self._live.values():
-                live.sub.sink.put(
-                    Failed(APIError(f"engine failed: {exc}", 500, kind="server_error"))
-                )
+                live.sub.sink.put(Failed(_engine_failed(exc)))
             self._live.clear()
+            self._fail_pending(exc)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        """Answer commands that raced with a failure (later ones are refused by `submit`)."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                arg.sink.put(Failed(_engine_failed(exc)))
+            elif kind == "call":
+                arg[1].set_exception(exc)
 
     def _loop(self, engine: EngineCore) -> None:
         while True:
@@ -205,6 +219,10 @@ class EngineLoop:
             except APIError as exc:
                 self.metrics.rejected(exc.status)
                 arg.sink.put(Failed(exc))
+            except Exception as exc:  # add_request raises before recording anything: carry on
+                log.exception("request %s could not be admitted", arg.req_id)
+                self.metrics.rejected(500)
+                arg.sink.put(Failed(APIError(f"internal error: {exc}", 500, kind="server_error")))
         elif kind == "abort":
             live = self._live.pop(arg, None)
             if live is not None and engine.abort(arg):

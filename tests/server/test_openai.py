@@ -176,3 +176,29 @@ def test_logprobs_of_greedy_tokens_are_the_top_candidates(server: ServerHandle) 
     )
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_streaming_several_prompts_with_echo_and_usage(server: ServerHandle) -> None:
+    client = server.client()
+    prompts = ["The for statement", "The while statement"]
+    whole = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, temperature=0, echo=True
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompts,
+            max_tokens=8,
+            temperature=0,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    assert texts[0].startswith(prompts[0]) and texts[1].startswith(prompts[1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage

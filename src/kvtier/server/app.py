@@ -111,7 +111,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
                 echoed.add(i)
                 return head | {"choices": [choice(i, prefix, d.text, d.logprobs, d.finish_reason)]}
 
-            return stream(gen, raw, chunk, body.include_usage)
+            return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
         choices = []
         for i, text in enumerate(gen.texts):
@@ -146,7 +146,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
                 c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
                 return head | {"choices": [c | {"finish_reason": _finish_reason(d.finish_reason)}]}
 
-            return stream(gen, raw, chunk, body.include_usage)
+            return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
         choice = {
             "index": 0,

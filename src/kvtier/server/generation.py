@@ -135,8 +135,13 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 def stream(
-    gen: Generation, raw: Request, chunk: Callable[[int, Delta], dict[str, Any]], usage: bool
+    gen: Generation,
+    raw: Request,
+    chunk: Callable[[int, Delta], dict[str, Any]],
+    usage_head: dict[str, Any] | None,
 ) -> StreamingResponse:
+    """SSE of `chunk(index, delta)` per delta, then (if `usage_head`) a usage chunk, then [DONE]."""
+
     async def events() -> AsyncIterator[str]:
         def on_disconnect(task: asyncio.Future[None]) -> None:
             if not task.cancelled():
@@ -147,8 +152,8 @@ def stream(
         try:
             async for i, d in gen.deltas():
                 yield sse(chunk(i, d))
-            if usage:
-                yield sse(chunk(-1, Delta("", [])) | {"choices": [], "usage": gen.usage_body()})
+            if usage_head is not None:
+                yield sse(usage_head | {"choices": [], "usage": gen.usage_body()})
             yield "data: [DONE]\n\n"
         except APIError as exc:
             yield sse(exc.body())

@@ -220,3 +220,48 @@ def test_host_events_name_each_stored_block_and_its_parent():
     assert [e.block_hashes for e in stored] == [[h] for h in r.block_hashes[:3]]
     assert [e.parent_block_hash for e in stored] == [None, *r.block_hashes[:2]]
     assert all(e.medium == "host" for e in stored)
+
+
+def _device_keeps_head_host_keeps_rest(specs):
+    dev = device(40, specs)
+    t = tier(dev, 24)
+    toks = tokens(97)
+    r = request(dev, "R", toks)
+    run(dev, r)
+    settle_all(t, t.plan_stores([r]))
+    t.finish_request(r)
+    tables = dev.get_blocks("R")
+    dev.free("R")
+    dev.pool.evict_blocks([b.block_id for table in tables for b in table[2:]])
+    for g, view in enumerate(t.coordinator.group_hashes(r.block_hashes)):
+        for h in view[:2]:
+            t.host.evict((g, h))  # the host lost the head the device still serves
+    q = request(dev, "Q", toks)
+    hits, num_hit = dev.get_computed_blocks(q)
+    return dev, t, q, hits, num_hit
+
+
+def test_a_host_hit_extends_the_device_hit_without_the_host_holding_the_head():
+    """A lookup from token 0 (vLLM's) finds nothing on the host here: h0, h1 were evicted
+    there while the device keeps serving them. kvtier looks up from the device hit on."""
+    dev, t, q, hits, num_hit = _device_keeps_head_host_keeps_rest([FullAttention(16)])
+    assert num_hit == 32
+    assert t.lookup(q, num_hit).num_tokens == 64
+    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    load = t.plan_load(q, 64)
+    assert load is not None and load.num_blocks == 4
+    check(dev, t)
+
+
+def test_a_window_group_reads_across_the_device_and_host_parts_of_a_hit():
+    dev, t, q, hits, num_hit = _device_keeps_head_host_keeps_rest(
+        [FullAttention(16), SlidingWindow(16, 32)]
+    )
+    assert num_hit == 32
+    assert t.lookup(q, num_hit).num_tokens == 64
+    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    load = t.plan_load(q, 64)
+    assert load is not None and 0 not in load.dst_block_ids
+    # full attention: positions 2..5; the window (2 blocks before 96): positions 4, 5
+    assert sorted(load.group_ids) == [0, 0, 0, 0, 1, 1]
+    check(dev, t)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.kv.block import BlockId, KVBlock
+from kvtier.offload.lookup import HostHit, extend_device_hit
 from kvtier.offload.types import HostLookup, Key, LoadFailure, Transfer
 from kvtier.sched.request import Request, RequestStatus
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class _PendingHit:
     num_device_hit: int
     num_tokens: int
-    blocks: list[list[KVBlock]]  # host hit per group, positions from 0
+    blocks: HostHit  # per group: table position -> host block
     pinned: list[KVBlock]  # one lookup reference each
     keys: list[Key]
 
@@ -77,17 +78,15 @@ class LoadPlanner:
             return HostLookup(0)
         self.metrics.num_queries += 1
         self.metrics.num_query_tokens += max_len - num_device_hit_tokens
-        hits, length = self.coordinator.find_longest_cache_hit(request.block_hashes, max_len)
+        hits, length = extend_device_hit(
+            self.tier, request.block_hashes, num_device_hit_tokens, max_len
+        )
         if length <= num_device_hit_tokens:
             return HostLookup(0)
         pinned: list[KVBlock] = []
         keys: list[Key] = []
         for g, blocks in enumerate(hits):
-            bs = self.specs[g].block_size
-            for pos in range(num_device_hit_tokens // bs, length // bs):
-                block = blocks[pos]
-                if block.is_null:
-                    continue
+            for block in blocks.values():
                 assert block.block_hash is not None
                 key = (g, block.block_hash)
                 if self._claims.get(key, rid) != rid:
@@ -144,8 +143,8 @@ class LoadPlanner:
         for g, blocks in enumerate(hit.blocks):
             bs = self.specs[g].block_size
             for pos in range(hit.num_device_hit // bs, end // bs):
-                hb, db = blocks[pos], tables[g][pos]
-                if hb.is_null:
+                hb, db = blocks.get(pos), tables[g][pos]
+                if hb is None:
                     continue
                 if db.is_null:  # outside the device table's window: nothing to restore there
                     unused.append(hb)

@@ -50,9 +50,11 @@ class HostTierMachine(RuleBasedStateMachine):
         req.status = RequestStatus.RUNNING
         self.running[req.request_id] = req
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, fewer: bool = False) -> None:
         hits, num_hit = self.dev.get_computed_blocks(req)
         answer = self.t.lookup(req, num_hit)
+        if fewer and answer.num_tokens > 4:  # the scheduler accepts one block less
+            answer = self.t.lookup(req, num_hit, max_external_tokens=answer.num_tokens - 4)
         if answer.wait_for_load:
             assert answer.num_tokens == 0
             self._track(self.t.finish_request(req))  # would stay waiting: aborted here
@@ -94,10 +96,11 @@ class HostTierMachine(RuleBasedStateMachine):
         k=st.integers(0, 2),
         prefix=st.integers(0, 16),
         suffix=st.integers(1, 10),
+        fewer=st.booleans(),
     )
-    def admit(self, k: int, prefix: int, suffix: int) -> None:
+    def admit(self, k: int, prefix: int, suffix: int, fewer: bool) -> None:
         toks = PREFIXES[k][:prefix] + [next(self.fresh) for _ in range(suffix)]
-        self._admit(Request(f"r{next(self.ids)}", toks, hasher=self.dev.hasher))
+        self._admit(Request(f"r{next(self.ids)}", toks, hasher=self.dev.hasher), fewer)
 
     @rule(k=st.integers(0, 2), suffix=st.integers(1, 6), forget=st.booleans())
     def serve_and_finish(self, k: int, suffix: int, forget: bool) -> None:

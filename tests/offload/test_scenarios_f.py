@@ -25,7 +25,7 @@ from tests.offload.factories import (
 
 
 def test_47_eager_store_then_load_roundtrip_pins_until_completion():
-    dev, t = device(), None
+    dev = device()
     t = tier(dev)
     toks = tokens(33)
     p = request(dev, "P", toks)

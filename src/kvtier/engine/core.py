@@ -111,6 +111,7 @@ class EngineCore:
             block_size=self.plan.block_size,
             max_num_seqs=sched_cfg.max_num_seqs,
             num_speculative_tokens=args.num_speculative_tokens,
+            max_async_depth=sched_cfg.depth,
             eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
             seed=args.seed,
             order_copies_after_compute="event" in args.protect,
@@ -172,6 +173,7 @@ class EngineCore:
         if state is None or state.finish_reason is not None:
             return False
         self.scheduler.abort(req_id)
+        self.runner.remove_request(req_id)
         state.finish_reason = "abort"
         return True
 

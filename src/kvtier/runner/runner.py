@@ -99,7 +99,8 @@ class ModelRunner:
         self.params[req_id] = params
 
     def remove_request(self, req_id: str) -> None:
-        """Forget host-side data of a finished request (device state drops with its diff)."""
+        """Forget host-side data of a finished or aborted request (safe at any time: steps
+        already launched carry what they need; device state drops with its diff)."""
         self.params.pop(req_id, None)
 
     def execute(self, output: SchedulerOutput) -> StepHandle:
@@ -113,8 +114,12 @@ class ModelRunner:
             writes={"device": sorted(writes), TOKEN_STATE: None, SAMPLED: None},
         )
         work = Work.forward(max(1, output.total_num_scheduled_tokens), self.model.config.num_layers)
+        # Read on the host now: the op may run later (sim), after the request is forgotten here.
+        params = {new.req_id: self.params[new.req_id] for new in output.scheduled_new_reqs}
         self.transfers.launch_loads(output.planned_transfers, output.step_seq)
-        self.device.launch(COMPUTE, lambda: self._forward(output, slot, rows), access, meta, work)
+        self.device.launch(
+            COMPUTE, lambda: self._forward(output, params, slot, rows), access, meta, work
+        )
         self.transfers.forward_launched()
         self.transfers.launch_stores(output.planned_transfers, output.step_seq)
         host = self.host_out[slot]
@@ -189,8 +194,14 @@ class ModelRunner:
     # ---- device side (runs inside the forward op) ---------------------------------------------
 
     @torch.inference_mode()
-    def _forward(self, output: SchedulerOutput, slot: int, rows: list[str]) -> None:
-        apply_diffs(self.state, output, self.params, self.eos_token_ids)
+    def _forward(
+        self,
+        output: SchedulerOutput,
+        params: dict[str, ModelSamplingParams],
+        slot: int,
+        rows: list[str],
+    ) -> None:
+        apply_diffs(self.state, output, params, self.eos_token_ids)
         spec = output.scheduled_spec_decode_tokens
         plan: list[_Planned] = []
         input_ids: list[int] = []

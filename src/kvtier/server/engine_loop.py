@@ -227,7 +227,6 @@ class EngineLoop:
             live = self._live.pop(arg, None)
             if live is not None and engine.abort(arg):
                 state = engine.requests.pop(arg)
-                engine.runner.remove_request(arg)  # EngineCore.abort leaves the runner's entry
                 self.metrics.finished(live.sub.arrival, time.monotonic(), "abort")
                 usage = Usage(
                     live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens

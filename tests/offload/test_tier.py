@@ -265,3 +265,14 @@ def test_a_window_group_reads_across_the_device_and_host_parts_of_a_hit():
     # full attention: positions 2..5; the window (2 blocks before 96): positions 4, 5
     assert sorted(load.group_ids) == [0, 0, 0, 0, 1, 1]
     check(dev, t)
+
+
+def test_store_from_settled_off_plans_blocks_of_steps_still_executing():
+    """Protection `settled` off (vLLM's confirmed count): a prefill chunk still in flight is
+    planned for store at once, which only the compute-done event can order (H1)."""
+    dev = device()
+    r = request(dev, "R", tokens(33))
+    run(dev, r, settle=False)  # one prefill step, scheduled, not processed
+    assert tier(dev).plan_stores([r]) == []
+    [store] = tier(dev, store_from_settled=False).plan_stores([r])
+    assert store.num_blocks == 2

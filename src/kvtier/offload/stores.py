@@ -7,9 +7,8 @@ Differences from vLLM's SimpleCPUOffload, on purpose (reference §8.5, §8.6):
   already cached, or null); a cursor only moves past positions actually planned or skipped;
 - when the host evicts an entry, exactly the requests that stored it learn which position they
   lost (hash → requests map) and re-store it while their device copy still carries that hash,
-  at most `max_restores_per_step` blocks per step; a re-store never evicts a block of its own
-  request's chain, and evictions caused by re-stores trigger no further re-stores (no thrash);
-- a plan never evicts a block of the storing request's own chain to extend that chain;
+  at most `max_restores_per_step` per step; evictions caused by re-stores trigger no further
+  re-stores, and no plan evicts its own chain's earlier blocks to extend it (no thrash);
 - blocks not planned because no host block is allocatable are counted, not silently dropped;
 - finishing or preempting a request flushes its settled blocks at once.
 """
@@ -79,8 +78,10 @@ class StorePlanner:
         tier, req = self.tier, st.request
         tables = tier.device.get_blocks(req.request_id)
         views = tier.coordinator.group_hashes(req.block_hashes)
-        # Stale records count too: never ahead of the device even after mark_stale (preemption).
-        settled = max(0, req.num_computed_tokens - req.ledger.num_in_flight_tokens)
+        if tier.store_from_settled:  # stale records count too: never ahead of the device
+            settled = max(0, req.num_computed_tokens - req.ledger.num_in_flight_tokens)
+        else:  # vLLM's "confirmed" count: includes steps still executing (H1 without the event)
+            settled = max(0, req.num_computed_tokens - req.num_output_placeholders)
         cands: list[Candidate] = []
         stop: list[int] = []  # per group: where the scan stopped
         for g, spec in enumerate(tier.specs):
@@ -108,9 +109,8 @@ class StorePlanner:
         return self._launch(st, accepted, restore=False)
 
     def _limit(self, st: ReqState, cands: list[Candidate], count_skipped: bool) -> list[Candidate]:
-        """The longest prefix of `cands` that fits in the host pool and does not evict a block of
-        this request's own chain lying before the block it makes room for (a tail without its
-        head is unreachable; evicting the request's own deeper blocks to restore a head is fine)."""
+        """The longest prefix of `cands` that fits and evicts no block of this request's chain
+        lying before the block it makes room for (deeper own blocks may go to restore a head)."""
         n = min(len(cands), self.tier.host.num_free)
         if count_skipped:
             self.tier.metrics.num_skipped_pinned_full += len(cands) - n
@@ -122,8 +122,7 @@ class StorePlanner:
                 break
         return cands[:n]
 
-    def _end(self, group_id: int, position: int) -> int:
-        """Token count a block's position ends at (orders blocks of different groups)."""
+    def _end(self, group_id: int, position: int) -> int:  # token count a position ends at
         return (position + 1) * self.tier.specs[group_id].block_size
 
     def _plan_restores(self) -> list[Transfer]:

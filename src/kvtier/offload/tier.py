@@ -31,6 +31,8 @@ class HostTier:
     `store_mode`: "eager" stores a request's full blocks once settled; "lazy" stores hashed
     blocks that reach the device LRU head. `world_size`: a transfer completes when every worker
     reported it. `max_restores_per_step` caps re-stores after eviction (no thrash).
+    `store_from_settled=False` plans stores from vLLM's optimistic "confirmed" count instead
+    (protection `settled` off: reproduces the store read-after-write H1 without the event).
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class HostTier:
         world_size: int = 1,
         max_restores_per_step: int = 8,
         lazy_scan_blocks: int = 64,
+        store_from_settled: bool = True,
         enable_kv_events: bool = False,
     ) -> None:
         if store_mode not in ("eager", "lazy"):
@@ -53,6 +56,7 @@ class HostTier:
         self.specs = device.specs
         self.store_mode = store_mode
         self.world_size = world_size
+        self.store_from_settled = store_from_settled
         per_group = (
             [bytes_per_block] * len(self.specs)
             if isinstance(bytes_per_block, int)

@@ -51,13 +51,7 @@ workload_st = st.lists(
 )
 
 
-# 25 workloads by default (each runs a whole engine); KVTIER_ENGINE_EXAMPLES=500 for a soak.
-@settings(
-    max_examples=int(os.environ.get("KVTIER_ENGINE_EXAMPLES", "25")),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
-@given(
+ENGINE_GIVEN = given(
     workload=workload_st,
     depth=st.sampled_from([1, 2, 3]),
     num_spec=st.sampled_from([0, 0, 2]),
@@ -65,7 +59,29 @@ workload_st = st.lists(
     budget=st.sampled_from([8, 16, 64]),
     caching=st.booleans(),
 )
+
+
+# 25 workloads by default (each runs a whole engine); KVTIER_ENGINE_EXAMPLES=N for more.
+@settings(
+    max_examples=int(os.environ.get("KVTIER_ENGINE_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+@ENGINE_GIVEN
 def test_random_workloads_match_each_prompt_alone(
+    tmp_path_factory: pytest.TempPathFactory, **case: object
+) -> None:
+    check_workload(tmp_path_factory, **case)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@ENGINE_GIVEN
+def test_random_workloads_soak(tmp_path_factory: pytest.TempPathFactory, **case: object) -> None:
+    check_workload(tmp_path_factory, **case)  # type: ignore[arg-type]
+
+
+def check_workload(
     tmp_path_factory: pytest.TempPathFactory,
     workload: list[tuple[tuple[int, ...], int, int, bool]],
     depth: int,

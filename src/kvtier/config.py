@@ -153,6 +153,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_offloading_size: float | None = None  # host tier, GiB
+    num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -165,6 +166,8 @@ class CacheConfig:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(DTYPE_BYTES)}")
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
+        if self.num_host_blocks is not None and self.num_host_blocks < 2:
+            raise ValueError(f"--num-host-blocks must be ≥ 2, got {self.num_host_blocks}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ FLAG_HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
     "kv_offloading_size": "host-memory KV tier size in GiB",
+    "num_host_blocks": "host-memory KV tier size in blocks (overrides --kv-offloading-size)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's max positions)",

@@ -15,6 +15,7 @@ from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.kv.specs import blocks_for_requests
 from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
+from kvtier.offload import HostTier
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.runner import TokenLogprobs
 from kvtier.sched.batch_queue import BatchQueue
@@ -78,9 +79,22 @@ class EngineCore:
             max_in_flight_tokens=sched_cfg.max_in_flight_tokens,
             hash_fn=args.cache.prefix_caching_hash_algo,
         )
+        host = [t for t in self.plan.tiers if t.name == "host"]
+        num_host_blocks = host[0].num_blocks if host else 0
+        self.host_tier = (
+            HostTier(
+                self.kv,
+                num_host_blocks,
+                bytes_per_block=self.plan.bytes_per_block,
+                store_from_settled="settled" in args.protect,
+            )
+            if num_host_blocks
+            else None
+        )
         self.scheduler = Scheduler.from_config(
             sched_cfg,
             self.kv,
+            connector=self.host_tier,
             num_speculative_tokens=args.num_speculative_tokens,
             settled="settled" in args.protect,
             policy=args.policy,
@@ -99,7 +113,7 @@ class EngineCore:
             args.device,  # type: ignore[arg-type]
             layout,
             num_blocks,
-            0,
+            num_host_blocks,
             sanitize="raise" if sanitize else None,
             poison=args.poison,
             seed=args.seed,
@@ -219,7 +233,7 @@ class EngineCore:
             if finished:
                 self.runner.remove_request(out.req_id)
         if self.args.check_integrity:
-            self.kv.check_integrity()
+            self.check_integrity()
         return outs
 
     def _append(
@@ -237,6 +251,13 @@ class EngineCore:
                 state.finish_reason, state.stop_reason = "stop", state.detok.stop_reason
                 self.scheduler.abort(state.request.request_id)
         return text
+
+    def check_integrity(self) -> None:
+        """Assert the KV pools' invariants (every device reference has a holder)."""
+        pins = self.host_tier.device_pins() if self.host_tier is not None else None
+        self.kv.check_integrity(num_pinned=pins)
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
 
     def drain(self) -> None:
         """Step until no request is unfinished and no step is in flight."""

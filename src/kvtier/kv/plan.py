@@ -116,12 +116,11 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
             "give a device KV budget: --num-device-blocks N or --kv-cache-memory-bytes"
         )
     tiers = [TierPlan("device", device_blocks, bytes_per_block)]
-    if cache.kv_offloading_size:
-        tiers.append(
-            TierPlan(
-                "host", int(cache.kv_offloading_size * GIB) // bytes_per_block, bytes_per_block
-            )
-        )
+    if cache.num_host_blocks is not None:
+        tiers.append(TierPlan("host", cache.num_host_blocks, bytes_per_block))
+    elif cache.kv_offloading_size:
+        host_blocks = int(cache.kv_offloading_size * GIB) // bytes_per_block
+        tiers.append(TierPlan("host", host_blocks, bytes_per_block))
     plan = KVPlan(
         groups,
         cache.block_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
@@ -15,6 +16,7 @@ from kvtier.sched.output import (
     BlockIds,
     CachedRequestData,
     NewRequestData,
+    PlannedTransfer,
     RequestOutput,
     RunnerOutput,
     SchedulerOutput,
@@ -24,6 +26,7 @@ from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
+    from kvtier.sched.connector import KVConnector
 
 MAX_ASYNC_DEPTH = 3
 
@@ -48,6 +51,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
         settled: bool = True,
+        connector: KVConnector | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be ≥ 1, got {max_num_seqs}")
@@ -79,6 +83,8 @@ class Scheduler:
         self.num_arrivals = 0
         self.num_preemptions = 0
         self._finished_ids: list[ReqId] = []  # for the next SchedulerOutput
+        self.connector = connector  # the host tier, if any: loads, stores, their completions
+        self._transfers: list[PlannedTransfer] = []  # planned since the last SchedulerOutput
 
     @classmethod
     def from_config(
@@ -207,6 +213,9 @@ class Scheduler:
         self.sched_step_seq = seq
         self.num_in_flight_tokens += self.max_num_batched_tokens - budget
         finished, self._finished_ids = self._finished_ids, []
+        if self.connector is not None:
+            self._transfers += [t.planned() for t in self.connector.plan_stores(self.running)]
+        transfers, self._transfers = self._transfers, []
         return SchedulerOutput(
             step_seq=seq,
             scheduled_new_reqs=new_reqs,
@@ -216,6 +225,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             preempted_req_ids=preempted,
             finished_req_ids=finished,
+            planned_transfers=transfers,
         )
 
     def _running_tokens(self, request: Request, budget: int) -> tuple[int, list[int], bool]:
@@ -283,11 +293,22 @@ class Scheduler:
             if request.ledger.records or request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(request)  # a stale step of its last incarnation is still in flight
                 continue
-            hits, num_hit = kv.get_computed_blocks(request)
+            loaded = kv.coordinator.has_request(request.request_id)  # its host load completed
+            if loaded:
+                num_hit = request.num_computed_tokens
+            else:
+                hits, num_hit = kv.get_computed_blocks(request)
+                parked = self._try_load(request, num_hit, hits)
+                if parked is None:
+                    waiting.prepend(request)  # no room for its load destinations: wait
+                    break
+                if parked:
+                    skipped.append(request)  # loading, or waiting on another request's load
+                    continue
             n = min(request.num_tokens - num_hit, budget)
             if 0 < self.long_prefill_token_threshold < n:
                 n = self.long_prefill_token_threshold
-            if kv.allocate_slots(request, n, num_hit, hits) is None:
+            if kv.allocate_slots(request, n, *(() if loaded else (num_hit, hits))) is None:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
                 break
             request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
@@ -312,6 +333,32 @@ class Scheduler:
         waiting.prepend_all(skipped)
         return budget
 
+    def _try_load(self, request: Request, num_hit: int, hits: GroupBlocks) -> bool | None:
+        """Start loading what the connector holds beyond the device hit. True: the request is
+        parked (its load is planned, or another request is loading that prefix: look again next
+        step); False: nothing to load, admit it now; None: its destinations do not fit now."""
+        connector = self.connector
+        if connector is None:
+            return False
+        lookup = connector.lookup(request, num_hit)
+        if lookup.wait_for_load:
+            return True
+        num_external = lookup.num_tokens
+        if num_external == 0:
+            return False
+        if (
+            self.kv.allocate_slots(request, 0, num_hit, hits, 0, num_external, True) is None
+        ):  # destinations for the loaded tokens; published only when the load completes
+            connector.plan_load(request, 0)
+            return None
+        request.num_computed_tokens = num_hit + num_external
+        transfer = connector.plan_load(request, num_external)  # WAITING_FOR_REMOTE_KVS now
+        assert transfer is not None, "a host hit with room for it must plan a load"
+        self._transfers.append(transfer.planned())
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit + num_external
+        return True
+
     def _record(self, request: Request, seq: int, n: int, num_drafts: int, samples: bool) -> None:
         request.ledger.append(StepRecord(seq, n, num_drafts, 1 + num_drafts if samples else 0))
         request.num_computed_tokens += n
@@ -319,6 +366,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
+        if self.connector is not None:  # store what is settled first: it may come back as a hit
+            self._transfers += [t.planned() for t in self.connector.preempt_request(request)]
         self.lifetimes.free(request)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
@@ -347,6 +396,8 @@ class Scheduler:
         self.processed_step_seq = seq
         self.num_in_flight_tokens -= output.total_num_scheduled_tokens
         self.kv.release_quarantine(seq)
+        if self.connector is not None:
+            self._transfers_done(result)
         outputs: list[RequestOutput] = []
         num_finished = 0
         sampled = result.sampled_token_ids
@@ -386,13 +437,37 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
+    def _transfers_done(self, result: RunnerOutput) -> None:
+        """Apply the copies the runner reports: loaded requests publish their blocks and become
+        admissible; a failed load rolls its request back (recomputed: same output)."""
+        assert self.connector is not None
+        for req_id in self.connector.complete(result.finished_transfers):
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+        for tid in result.failed_transfers:
+            failure = self.connector.fail(tid)
+            if failure is None or failure.req_id not in self.requests:
+                continue
+            request = self.requests[failure.req_id]
+            self.kv.pool.evict_blocks(failure.evict_device_block_ids)
+            if failure.must_reallocate:  # a window table cannot roll back in place: start over
+                self.lifetimes.free(request)
+                request.num_computed_tokens = 0
+            else:
+                self.kv.cache_blocks(request, failure.num_good_tokens)
+
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
+        if self.connector is not None:
+            self._transfers += [t.planned() for t in self.connector.finish_request(request)]
         if request.status is RequestStatus.RUNNING:
             self.lifetimes.cache(request)
             self.lifetimes.free(request)
         else:
-            self.waiting.remove(request)  # waiting or preempted: its blocks were freed already
+            self.waiting.remove(request)
+            if self.kv.coordinator.has_request(request.request_id):  # loading or loaded
+                self.lifetimes.free(request)
         request.status = reason
         request.ledger.mark_stale()  # outputs of steps still in flight are dropped
         self._finished_ids.append(request.request_id)

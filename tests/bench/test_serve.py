@@ -1,0 +1,138 @@
+"""`kvtier bench serve` against a real `kvtier serve` on 127.0.0.1: summary consistent with the
+usage the server reported, multi-round prefix hits, failures counted (never raised), timeouts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.bench import serve
+from tests.server.conftest import MODEL, ServerHandle, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerHandle]:
+    handle = start_server(max_num_seqs=4, num_device_blocks=256, max_model_len=512)
+    yield handle
+    stop_server(handle)
+
+
+def bench(srv: ServerHandle, tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(
+        ["--base-url", srv.base_url, "--model", MODEL, "--out", str(out), *flags]
+    )
+    rc = serve.run(args)
+    return rc, json.loads(out.read_text())
+
+
+def check_consistent(res: dict[str, Any]) -> None:
+    s, reqs = res["summary"], res["requests"]
+    ok = [r for r in reqs if r["success"]]
+    assert s["completed"] == len(ok) and s["failed"] == len(reqs) - len(ok)
+    assert all(r["count_source"] == "usage" for r in ok)
+    assert s["total_input_tokens"] == sum(r["usage"]["prompt_tokens"] for r in ok)
+    assert s["total_output_tokens"] == sum(r["usage"]["completion_tokens"] for r in ok)
+    assert s["cached_tokens"] == sum(
+        r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok
+    )
+    for r in ok:
+        assert 0 < r["ttft"] <= r["latency"]
+        assert len(r["itl"]) == r["chunks"] - 1
+        assert r["prompt_len"] == r["usage"]["prompt_tokens"]  # the ids we sent, as counted
+    for key in ("request_throughput", "output_throughput", "total_token_throughput"):
+        assert s[key] > 0
+    assert s["total_token_throughput"] > s["output_throughput"]
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert s[f"mean_{m}_ms"] > 0 and s[f"median_{m}_ms"] <= s[f"p99_{m}_ms"]
+    assert s["mean_ttft_ms"] <= s["mean_e2el_ms"] and s["p99_ttft_ms"] <= s["p99_e2el_ms"]
+    assert s["duration"] > 0 and s["max_concurrent_requests"] <= res["config"]["max_concurrency"]
+
+
+def test_random_fixed_lengths(server: ServerHandle, tmp_path: Path, capsys: Any) -> None:
+    rc, res = bench(
+        server, tmp_path, "--num-prompts", "6", "--input-len", "32", "--output-len", "8",
+        "--range-ratio", "0.5", "--max-concurrency", "2", "--ignore-eos", "--plot",
+    )  # fmt: skip
+    assert rc == 0
+    check_consistent(res)
+    s = res["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0
+    for r in res["requests"]:
+        assert r["usage"]["completion_tokens"] == r["max_tokens"]  # ignore_eos: fixed lengths
+        assert 16 <= r["prompt_len"] <= 48
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    text = capsys.readouterr().out
+    for label in ("Successful requests:", "Median TPOT (ms):", "P99 E2EL (ms):", "Prefix cache"):
+        assert label in text
+
+
+def test_shared_prefix_rounds_hit_cache(server: ServerHandle, tmp_path: Path) -> None:
+    rc, res = bench(
+        server, tmp_path, "--dataset", "shared-prefix", "--num-prompts", "4",
+        "--num-prefixes", "2", "--prefix-len", "48", "--num-rounds", "3", "--input-len", "16",
+        "--output-len", "8", "--max-concurrency", "2", "--ignore-eos",
+    )  # fmt: skip
+    assert rc == 0
+    check_consistent(res)
+    rounds = res["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["completed"] == 4 for r in rounds)
+    assert all(r["cached_tokens"] > 0 for r in rounds[1:])
+    # each round's prompt extends the previous one: prompt + answer + question
+    by_conv: dict[int, list[dict[str, Any]]] = {}
+    for r in res["requests"]:
+        by_conv.setdefault(r["conversation"], []).append(r)
+    for recs in by_conv.values():
+        lens = [r["prompt_len"] for r in sorted(recs, key=lambda r: r["round"])]
+        assert lens[0] == 48 + 16 and lens[0] < lens[1] < lens[2]
+    assert 0 < res["summary"]["prefix_cache_hit_rate"] < 1
+
+
+def test_server_errors_counted_as_failed(server: ServerHandle, tmp_path: Path) -> None:
+    # prompts of 15..105 tokens + 8 output on a 64-token budget: some requests get a 400
+    srv = start_server(max_num_seqs=2, num_device_blocks=64, max_model_len=64)
+    try:
+        rc, res = bench(
+            srv, tmp_path, "--num-prompts", "8", "--input-len", "60", "--output-len", "8",
+            "--range-ratio", "0.75", "--max-concurrency", "2", "--seed", "1",
+        )  # fmt: skip
+    finally:
+        stop_server(srv)
+    assert rc == 0
+    s = res["summary"]
+    assert s["completed"] > 0 and s["failed"] > 0 and s["completed"] + s["failed"] == 8
+    check_consistent(res)
+    failed = [r for r in res["requests"] if not r["success"]]
+    assert all(r["error"].startswith("HTTP 400") for r in failed)
+    assert all(r["prompt_len"] + 8 > 64 for r in failed)
+
+
+def test_wrong_model_and_timeouts_fail_without_raising(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    out = tmp_path / "x.json"
+    base = ["--base-url", server.base_url, "--num-prompts", "3", "--out", str(out)]
+    args = parser.parse_args([*base, "--model", "nope", "--tokenizer", "none"])
+    assert serve.run(args) == 1
+    res = json.loads(out.read_text())
+    assert res["summary"]["failed"] == 3 and res["config"]["prompt_format"] == "text"
+    assert all(r["error"].startswith("HTTP 404") for r in res["requests"])
+    args = parser.parse_args([*base, "--model", MODEL, "--timeout", "0.001"])
+    assert serve.run(args) == 1
+    res = json.loads(out.read_text())
+    assert res["summary"]["failed"] == 3
+    assert all(r["error"].startswith("timeout") for r in res["requests"])
+    closed = ["--base-url", "http://127.0.0.1:9", "--model", MODEL, "--timeout", "5"]
+    args = parser.parse_args([*closed, "--num-prompts", "2", "--out", str(out)])
+    assert serve.run(args) == 1
+    assert json.loads(out.read_text())["summary"]["errors"] == {"ConnectError": 2}

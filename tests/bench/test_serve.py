@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench import serve
+from kvtier.bench import serve, serve_data
+from kvtier.bench.serve_client import Record, count
 from tests.server.conftest import MODEL, ServerHandle, start_server, stop_server
 
 
@@ -136,3 +137,39 @@ def test_wrong_model_and_timeouts_fail_without_raising(
     args = parser.parse_args([*closed, "--num-prompts", "2", "--out", str(out)])
     assert serve.run(args) == 1
     assert json.loads(out.read_text())["summary"]["errors"] == {"ConnectError": 2}
+
+
+def test_text_prompts_multi_round(server: ServerHandle, tmp_path: Path) -> None:
+    rc, res = bench(
+        server, tmp_path, "--tokenizer", "none", "--dataset", "shared-prefix",
+        "--num-prompts", "2", "--num-prefixes", "1", "--prefix-len", "48", "--num-rounds", "2",
+        "--input-len", "8", "--output-len", "4", "--max-concurrency", "2", "--ignore-eos",
+    )  # fmt: skip
+    assert rc == 0 and res["config"]["prompt_format"] == "text"
+    s, reqs = res["summary"], res["requests"]
+    assert s["completed"] == 4 and all(r["prompt_len"] is None for r in reqs)
+    assert s["total_input_tokens"] == sum(r["usage"]["prompt_tokens"] for r in reqs)
+    assert res["rounds"][1]["cached_tokens"] > 0
+
+
+def test_poisson_starts_and_fallback_counts() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "x", "--model", "m", "--num-prompts", "400"])
+    args.request_rate = 50.0
+    convs = serve_data.build(args, None, use_ids=False)
+    starts = [c.start_delay for c in convs]
+    assert starts[0] == 0 and starts == sorted(starts)
+    assert 6 < starts[-1] < 10  # 399 gaps of mean 1/50 s
+    tok = serve_data.resolve_tokenizer(None, MODEL)
+    assert tok is not None
+    rec = Record(0, 0, 4, 10, success=True, text=" the water", chunks=2)
+    count(rec, tok)  # no usage reported: the tokenizer counts the output
+    assert (rec.input_tokens, rec.output_tokens, rec.count_source) == (
+        10,
+        tok.count(" the water"),
+        "tokenizer",
+    )
+    rec = Record(0, 0, 4, None, success=True, text="ab", chunks=3)
+    count(rec, None)
+    assert (rec.input_tokens, rec.output_tokens, rec.count_source) == (0, 3, "chunks")

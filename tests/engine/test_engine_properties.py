@@ -1,7 +1,7 @@
 """Random workloads through the whole engine on the sim device, with the race sanitizer raising at
 the first hazard and NaN poison in recycled blocks: every completion must equal the same prompt run
 alone, synchronously, without prefix caching — whatever the async depth, drafts, pool size, chunk
-budget, arrival pattern and aborts."""
+budget, host tier, arrival pattern and aborts."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ ENGINE_GIVEN = given(
     num_blocks=st.sampled_from([70, 100, 400]),
     budget=st.sampled_from([8, 16, 64]),
     caching=st.booleans(),
+    host_blocks=st.sampled_from([0, 0, 200]),
 )
 
 
@@ -89,6 +90,7 @@ def check_workload(
     num_blocks: int,
     budget: int,
     caching: bool,
+    host_blocks: int,
 ) -> None:
     path = model_path(tmp_path_factory.getbasetemp())
     engine = EngineCore(
@@ -105,7 +107,8 @@ def check_workload(
             num_speculative_tokens=num_spec,
             num_device_blocks=num_blocks,
             max_num_batched_tokens=budget,
-            enable_prefix_caching=caching,
+            enable_prefix_caching=caching or host_blocks > 0,
+            num_host_blocks=host_blocks or None,
         )
     )
     pending = sorted(enumerate(workload), key=lambda item: item[1][2])
@@ -123,7 +126,8 @@ def check_workload(
         if step == 3:
             for req_id in aborted:
                 engine.abort(req_id)
-    engine.kv.check_integrity()
+    engine.check_integrity()
+    assert engine.host_tier is None or not engine.host_tier.has_pending_stores
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1  # everything came back
     for i, (prompt, max_tokens, _, _) in enumerate(workload):
         state = engine.requests[f"r{i}"]

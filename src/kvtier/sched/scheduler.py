@@ -146,8 +146,11 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs (finished ones may still drain ledgers)."""
-        return bool(self.running) or len(self.waiting) > 0
+        """True while any request waits or runs, or the connector still has copies to report
+        (finished requests may still drain ledgers)."""
+        if self.running or len(self.waiting) > 0:
+            return True
+        return self.connector is not None and self.connector.has_pending_stores
 
     @property
     def num_unprocessed_steps(self) -> int:

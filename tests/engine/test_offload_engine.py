@@ -76,3 +76,28 @@ def test_stores_race_the_forward_without_settled_counts_or_the_event(gemma3: Pat
     assert all(
         h.first.meta.label == "store" or h.second.meta.label == "store" for h in info.value.hazards
     )
+
+
+def test_failed_loads_roll_back_and_recompute_with_the_same_tokens(
+    gemma3: Path, reference: list[list[list[int]]]
+) -> None:
+    """H7: every other load reports failure; its request rolls back to its last good block and
+    recomputes the rest, and no completion changes."""
+    llm = LLM(str(gemma3), **{**BASE, "num_device_blocks": 80, "num_host_blocks": 400})
+    transfers = llm.engine.runner.transfers
+    launch = transfers.launch_loads
+
+    def failing(planned: list, step_seq: int) -> None:  # type: ignore[type-arg]
+        transfers.fail_ids.update(t.transfer_id for t in planned if t.is_load and t.transfer_id % 2)
+        launch(planned, step_seq)
+
+    transfers.launch_loads = failing  # type: ignore[method-assign]
+    batch = [{"prompt_token_ids": p} for p in prompts()]
+    outs = [
+        [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        for _ in range(3)
+    ]
+    assert outs == reference
+    tier = llm.engine.host_tier
+    assert tier is not None and tier.metrics.num_failed_loads > 0
+    llm.engine.check_integrity()

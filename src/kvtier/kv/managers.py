@@ -6,6 +6,7 @@ Managers never pick requests or step seqs; they apply what the coordinator asks,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvtier.kv.block import BlockHash, KVBlock
@@ -15,7 +16,7 @@ from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingW
 ReqId = str
 
 
-class SingleTypeManager:
+class SingleTypeManager(ABC):
     """Shared behaviour; subclasses differ in cache-hit search and (Mamba) which blocks are real."""
 
     def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int) -> None:
@@ -178,12 +179,12 @@ class SingleTypeManager:
 
     # ---- prefix-cache lookup -------------------------------------------------------------------
 
+    @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int, alignment: int
     ) -> list[KVBlock]:
         """Blocks of the longest cached prefix of at most `max_length` tokens, a multiple of
         `alignment` tokens; skipped positions are null. Touches nothing."""
-        raise NotImplementedError  # abstract: every concrete manager overrides it
 
 
 class FullAttentionManager(SingleTypeManager):

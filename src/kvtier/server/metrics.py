@@ -12,7 +12,6 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-NO_OFFLOAD = "; stays 0 until the host offload tier exists (no transfers are made yet)"
 
 
 class EngineMetrics:
@@ -94,13 +93,13 @@ class EngineMetrics:
         )
         self.transfer_bytes = Counter(
             "kvtier:kv_transfer_bytes",
-            "Bytes copied between KV tiers" + NO_OFFLOAD,
+            "Bytes copied between KV tiers (0 without a host tier)",
             ["direction"],
             registry=r,
         )
         self.pending_transfers = Gauge(
             "kvtier:kv_pending_transfers",
-            "KV transfers launched, not done" + NO_OFFLOAD,
+            "KV transfers planned, not yet complete (0 without a host tier)",
             registry=r,
         )
         for direction in ("device_to_host", "host_to_device"):
@@ -112,7 +111,7 @@ class EngineMetrics:
         self._seen: dict[str, int] = {}
 
     def set_layout(self, engine: EngineCore) -> None:
-        for t in engine.plan.tiers[:1]:  # device only: the engine has no host tier yet
+        for t in engine.plan.tiers:
             self.kv_blocks.labels(t.name).set(t.num_blocks - 1)
         self.update(engine)
 
@@ -132,6 +131,15 @@ class EngineMetrics:
         self.waiting.set(len(sched.waiting))
         self.preemptions.inc(self._delta("p", sched.num_preemptions))
         self.quarantined.set(kv.pool.num_quarantined_refs)
+        tier = engine.host_tier
+        if tier is not None:
+            m = tier.metrics
+            self.kv_usage.labels("host").set(tier.host.pool.usage)
+            self.prefix_queries.labels("host").inc(self._delta("hq", m.num_query_tokens))
+            self.prefix_hits.labels("host").inc(self._delta("hh", m.num_hit_tokens))
+            self.transfer_bytes.labels("device_to_host").inc(self._delta("sb", m.num_stored_bytes))
+            self.transfer_bytes.labels("host_to_device").inc(self._delta("lb", m.num_loaded_bytes))
+            self.pending_transfers.set(m.num_pending_loads + m.num_pending_stores)
         sanitizer = engine.device.sanitizer
         if sanitizer is not None:
             for kind, n in sanitizer.counts.items():

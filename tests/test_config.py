@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 
 def write(tmp_path: Path, cfg: dict[str, object]) -> Path:
@@ -96,6 +96,10 @@ def test_bad_json_is_reported(tmp_path: Path) -> None:
         (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs"),
         (lambda: SchedulerConfig(async_depth=4), "--async-depth"),
         (lambda: SchedulerConfig(max_model_len=-1), "--max-model-len"),
+        (lambda: ServerConfig(port=0), "--port"),
+        (lambda: ServerConfig(max_waiting_requests=-1), "--max-waiting-requests"),
+        (lambda: ServerConfig(log_level="loud"), "--log-level"),
+        (lambda: CacheConfig(num_host_blocks=1), "--num-host-blocks"),
     ],
 )
 def test_validation_names_the_flag(make: object, flag: str) -> None:

@@ -201,6 +201,30 @@ class SchedulerConfig:
         return self.depth * self.max_num_batched_tokens
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front of `kvtier serve`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: --model, or "kvtier-default"
+    max_waiting_requests: int = 1024  # more waiting requests get HTTP 429
+    torch_threads: int | None = None  # torch threads of the engine thread
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must be ≥ 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("--torch-threads must be ≥ 1")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(
+                f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+
+
 # Help text for the flags the CLI derives from these dataclasses (`kvtier.cli_args`).
 FLAG_HELP = {
     "block_size": "tokens per KV block",
@@ -216,4 +240,10 @@ FLAG_HELP = {
     "max_model_len": "longest prompt + output (default: the model's max positions)",
     "async_scheduling": "schedule the next step while the device runs this one",
     "async_depth": "unprocessed steps allowed at once with async scheduling (1-3)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "served_model_name": "model id clients send (default: --model, or kvtier-default)",
+    "max_waiting_requests": "requests allowed to wait for admission; more get HTTP 429",
+    "torch_threads": "torch threads of the engine thread",
+    "log_level": "debug, info, warning or error",
 }

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvtier.config import DTYPE_BYTES, ModelConfig
-from kvtier.device import KVLayout, make_device
+from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
@@ -109,12 +109,14 @@ class EngineCore:
             dtype_name,
         )
         sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
+        modes: dict[object, SanitizerMode | None] = {True: "raise", "raise": "raise"}
+        mode = modes.get(sanitize, "collect" if sanitize == "collect" else None)
         self.device = make_device(
             args.device,  # type: ignore[arg-type]
             layout,
             num_blocks,
             num_host_blocks,
-            sanitize="raise" if sanitize else None,
+            sanitize=mode,
             poison=args.poison,
             seed=args.seed,
         )

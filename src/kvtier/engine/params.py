@@ -75,7 +75,9 @@ class EngineArgs:
     seed: int = 0
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step
     protect: tuple[str, ...] = PROTECTIONS  # block-lifetime protections in force
-    sanitize: bool | None = None  # race sanitizer; default on for sim, off elsewhere
+    # Race sanitizer: True/"raise" stops at the first hazard, "collect" counts them (benchmarks);
+    # default: raise on sim, off elsewhere.
+    sanitize: bool | str | None = None
     poison: bool = False  # fill recycled blocks with NaN (debug)
     check_integrity: bool = False  # check the KV pool after every step (debug)
     policy: str = "fcfs"  # or "priority"
@@ -86,6 +88,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "sim", "cuda"):
             raise ValueError(f"device must be cpu, sim or cuda, got {self.device!r}")
+        if self.sanitize not in (None, True, False, "raise", "collect"):
+            raise ValueError(
+                f"sanitize must be True, False, 'raise' or 'collect', got {self.sanitize!r}"
+            )
         bad = sorted(set(self.protect) - set(PROTECTIONS))
         if bad:
             raise ValueError(f"unknown protections {bad}; choose from {PROTECTIONS} (or none)")

@@ -1,0 +1,212 @@
+"""Garble benchmark: the seed-000 table on the sim device — async scheduling, sliding-window layers
+and heavy offload, with each block-lifetime protection switched on alone, all, or none.
+
+A completion is garbled when its tokens differ from the same prompt's reference run (synchronous,
+no offload, same dtype; float64 by default so batch shapes cannot flip ties). The sanitizer counts
+hazards instead of raising. Prints a table, saves JSON and optionally a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from kvtier.bench import save_json
+
+VARIANTS = {
+    "none": "none",
+    "event": "event",
+    "quarantine": "quarantine",
+    "settled": "settled",
+    "all": "event,settled,quarantine",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
+    parser.add_argument("--num-prompts", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=64, help="max_num_seqs")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--min-prompt", type=int, default=24)
+    parser.add_argument("--max-prompt", type=int, default=96)
+    parser.add_argument("--dtype", default="float64")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--device-fraction",
+        type=float,
+        default=0.5,
+        help="device pool as a fraction of what the concurrency needs",
+    )
+    parser.add_argument("--host-blocks", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_garble.json")
+    parser.add_argument("--plot", default=None, help="write a PNG chart here")
+
+
+def prompts(tokenizer: Any, args: argparse.Namespace) -> list[list[int]]:
+    """Passages of Python's documentation topics (what the embedded model was trained on)."""
+    import pydoc_data.topics
+
+    rng = random.Random(args.seed)
+    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out = []
+    for _ in range(args.num_prompts):
+        n = rng.randint(args.min_prompt, args.max_prompt)
+        start = rng.randrange(0, len(ids) - n)
+        out.append(ids[start : start + n])
+    return out
+
+
+def run_variant(args: argparse.Namespace, batch: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    from kvtier.engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        **kw,
+    )
+    engine = llm.engine
+    usage: list[float] = []
+    waiting: list[int] = []
+    step = engine.step
+
+    def sampled_step() -> Any:
+        out = step()
+        usage.append(engine.kv.usage)
+        waiting.append(len(engine.scheduler.waiting))
+        return out
+
+    engine.step = sampled_step  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    rounds = [
+        [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        for _ in range(args.rounds)
+    ]
+    wall = time.perf_counter() - t0
+    tier = engine.host_tier
+    sanitizer = engine.device.sanitizer
+    device_ns = getattr(engine.device, "now_ns", 0)
+    tokens = sum(len(t) for r in rounds for t in r)
+    return {
+        "rounds": rounds,
+        "wall_s": wall,
+        "device_s": device_ns / 1e9,
+        "tokens": tokens,
+        "tok_s_wall": tokens / wall,
+        "tok_s_device": tokens / (device_ns / 1e9) if device_ns else None,
+        "mean_kv_usage": sum(usage) / max(1, len(usage)),
+        "mean_waiting": sum(waiting) / max(1, len(waiting)),
+        "host_hit_rate": (tier.metrics.num_hit_tokens / tier.metrics.num_query_tokens)
+        if tier is not None and tier.metrics.num_query_tokens
+        else 0.0,
+        "preemptions": engine.scheduler.num_preemptions,
+        "hazards": sanitizer.num_hazards if sanitizer is not None else 0,
+        "hazard_kinds": dict(sanitizer.counts) if sanitizer is not None else {},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.engine.params import DEFAULT_MODEL
+    from kvtier.kv.plan import plan_kv
+    from kvtier.model import load_tokenizer
+
+    path = args.model or str(DEFAULT_MODEL)
+    args.model = path
+    cfg = ModelConfig.from_pretrained(path)
+    if "sliding" not in cfg.layer_kinds:
+        raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
+    batch = [{"prompt_token_ids": p} for p in prompts(load_tokenizer(path), args)]
+    max_len = args.max_prompt + args.max_tokens + args.block_size
+    sched = SchedulerConfig(
+        max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    probe = plan_kv(cfg, CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20), sched)
+    needed = probe.blocks_per_request(max_len) * args.concurrency
+    device_blocks = max(probe.blocks_per_request(max_len) + 2, int(needed * args.device_fraction))
+    print(
+        f"{len(batch)} prompts × {args.rounds} rounds, concurrency {args.concurrency}, "
+        f"{args.max_tokens} new tokens, {args.dtype}; device pool {device_blocks} blocks "
+        f"(the concurrency needs {needed}), host {args.host_blocks} blocks"
+    )
+    ref = run_variant(
+        args,
+        batch,
+        device="cpu",
+        async_scheduling=False,
+        max_model_len=max_len,
+        num_device_blocks=needed + 1,
+        max_num_seqs=args.concurrency,
+        enable_prefix_caching=False,
+    )
+    reference = ref["rounds"][0]
+    rows = []
+    for name in args.variants.split(","):
+        r = run_variant(
+            args,
+            batch,
+            device="sim",
+            sanitize="collect",
+            async_depth=2,
+            max_model_len=max_len,
+            num_device_blocks=device_blocks,
+            num_host_blocks=args.host_blocks,
+            max_num_seqs=args.concurrency,
+            protect=VARIANTS[name],
+        )
+        garbled = sum(t != reference[i] for rnd in r.pop("rounds") for i, t in enumerate(rnd))
+        total = len(batch) * args.rounds
+        row = {
+            "variant": name,
+            "garbled": garbled,
+            "total": total,
+            "garble_rate": garbled / total,
+            **r,
+        }
+        rows.append(row)
+        print(
+            f"{name:11s} garbled {garbled:4d}/{total} ({garbled / total:6.2%})  wall {r['wall_s']:6.1f}s  "
+            f"device {r['device_s']:7.2f}s  tok/s {r['tok_s_wall']:7.1f} (device "
+            f"{(r['tok_s_device'] or 0):8.1f})  KV {r['mean_kv_usage']:.2f}  waiting "
+            f"{r['mean_waiting']:5.1f}  host hits {r['host_hit_rate']:.2%}  preempt "
+            f"{r['preemptions']:3d}  hazards {r['hazards']} {r['hazard_kinds']}",
+            flush=True,
+        )
+    result = {
+        "config": {k: v for k, v in vars(args).items()},
+        "device_blocks": device_blocks,
+        "reference": {k: v for k, v in ref.items() if k != "rounds"},
+        "rows": rows,
+    }
+    print(f"saved {save_json(result, args.out)}")
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["variant"] for r in rows]
+    a.bar(names, [100 * r["garble_rate"] for r in rows], color="tab:red")
+    a.set_ylabel("garbled completions (%)")
+    b.bar(names, [r["hazards"] for r in rows], color="tab:blue")
+    b.set_ylabel("sanitizer hazards")
+    fig.suptitle("kvtier garble benchmark (sim device, async depth 2, heavy offload)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")

@@ -17,6 +17,13 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # block-lifetime protections (DESIGN.md §5)
+
+
+def parse_protect(text: str) -> tuple[str, ...]:
+    """'event,settled' → ('event', 'settled'); 'none' → (). Unknown names are left to validation."""
+    return () if text == "none" else tuple(p for p in text.split(",") if p)
+
+
 _HF_LAYER_TYPES = {
     "full_attention": "full",
     "sliding_attention": "sliding",

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
-from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig
+from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
 
 if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, not when parsing
     from kvtier.engine.params import EngineArgs
@@ -33,14 +33,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     from kvtier.engine.params import EngineArgs
 
-    protect = () if args.protect == "none" else tuple(p for p in args.protect.split(",") if p)
     return EngineArgs(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
-        protect=protect,
+        protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig
+from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.request import SamplingParams as StopParams
 
@@ -115,6 +115,5 @@ class EngineArgs:
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
         rest = {k: v for k, v in kwargs.items() if k in own}
         if isinstance(rest.get("protect"), str):
-            p = rest["protect"]
-            rest["protect"] = () if p == "none" else tuple(x for x in p.split(",") if x)
+            rest["protect"] = parse_protect(rest["protect"])
         return cls(model=model, cache=cache, scheduler=sched, **rest)

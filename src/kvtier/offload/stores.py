@@ -80,6 +80,12 @@ class StorePlanner:
         views = tier.coordinator.group_hashes(req.block_hashes)
         if tier.store_from_settled:  # stale records count too: never ahead of the device
             settled = max(0, req.num_computed_tokens - req.ledger.num_in_flight_tokens)
+            records = req.ledger.records
+            if records and records[0].step_seq <= req.admit_seq:
+                # Its prefix hits count as settled at once, but another request's step up to the
+                # admission step may still be writing them (blocks are published at schedule
+                # time): nothing is final before the admission step is processed.
+                settled = 0
         else:  # vLLM's "confirmed" count: includes steps still executing (H1 without the event)
             settled = max(0, req.num_computed_tokens - req.num_output_placeholders)
         cands: list[Candidate] = []

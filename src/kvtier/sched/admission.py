@@ -68,6 +68,7 @@ class AdmissionMixin:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._record(request, seq, n, 0, num_hit + n == request.num_tokens)
+            request.admit_seq = seq  # its prefix hits are final once this step is processed
             num_scheduled[request.request_id] = n
             new_reqs.append(
                 NewRequestData(

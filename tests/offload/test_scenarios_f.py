@@ -291,6 +291,28 @@ def test_58_lazy_mode_stores_blocks_reaching_the_device_lru_head():
     check(dev, t)
 
 
+def test_58b_lazy_scan_also_covers_the_blocks_that_move_up_while_candidates_are_copied():
+    """Regression: the scan stopped after `lazy_scan_blocks` queue positions, but the candidates
+    leave the queue for their copy, so the unscanned blocks behind them became the head and the
+    next allocation evicted them unstored (in the engine: every shared prefix of a hybrid model
+    lost from both tiers, 0 host hits). The scan now passes `lazy_scan_blocks` blocks that stay."""
+    dev = device(16)
+    t = tier(dev, 16, store_mode="lazy", lazy_scan_blocks=2)
+    x = request(dev, "X", tokens(16 * 4 + 1))
+    run(dev, x)
+    x_blocks = [b.block_id for b in dev.get_blocks("X")[0][:4]]
+    dev.free("X")
+    filler = dev.pool.get_new_blocks(dev.pool.num_free_blocks - 4)
+    assert sorted(dev.pool.free_queue.block_ids()) == sorted(x_blocks)  # all hashed, none stored
+    [store] = t.plan_stores([])
+    assert sorted(store.src_block_ids) == sorted(x_blocks)  # not just the first two
+    settle_all(t, [store])
+    head = dev.pool.get_new_blocks(2)  # the next allocation evicts only what the host holds
+    assert host_has(t, x, [0, 1, 2, 3]) == [True] * 4
+    dev.pool.free(head + filler)
+    check(dev, t)
+
+
 def test_59_reset_with_transfers_in_flight_abandons_them():
     dev = device()
     t = tier(dev)

@@ -3,7 +3,7 @@ hits, load and store planning from settled counts, chain-aware host eviction, re
 eviction, completion and failure handling, metrics."""
 
 from kvtier.offload.host_cache import HostCache
-from kvtier.offload.tier import HostTier
+from kvtier.offload.tier import HostTier, lazy_scan_blocks_for
 from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, Transfer
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "Key",
     "LoadFailure",
     "Transfer",
+    "lazy_scan_blocks_for",
 ]

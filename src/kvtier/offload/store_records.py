@@ -44,19 +44,32 @@ class ReqState:
 
 
 def lazy_candidates(tier: HostTier, scan_blocks: int) -> list[Candidate]:
-    """Hashed device blocks among the first `scan_blocks` of the device free queue (the next to
-    be evicted there) whose content the host tier neither holds nor is storing."""
+    """Hashed device blocks near the head of the device free queue (the next to be evicted there)
+    whose content the host tier neither holds nor is storing.
+
+    The candidates planned leave the queue while their copy runs, so the blocks behind them move
+    up to the head: the scan goes on until it has passed `scan_blocks` blocks that *stay* in the
+    queue (unhashed, already on the host or being stored, or beyond the host's free room), so the
+    next `scan_blocks` blocks an allocation takes hold nothing the host tier could have kept.
+    Candidates past the host's room are returned too (the caller counts them as skipped).
+    """
     cands: list[Candidate] = []
     seen: set[Key] = set()
-    for i, db in enumerate(tier.device.pool.free_queue):
-        if i >= scan_blocks:
+    room = tier.host.num_free
+    kept = 0
+    for db in tier.device.pool.free_queue:
+        if kept >= scan_blocks:
             break
         h = db.block_hash
         if h is None:
+            kept += 1
             continue
         key = (db.group_id, h)
         if key in seen or key in tier._store_keys or tier.host.contains(key):
+            kept += 1
             continue
         seen.add(key)
         cands.append(Candidate(db.group_id, -1, db, key, None))
+        if len(cands) > room:
+            kept += 1  # no host block for it: it stays in the queue
     return cands

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from kvtier.kv.block import BlockId
 from kvtier.kv.coordinator import KVCacheCoordinator
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.specs import FullAttention, Mamba
+from kvtier.kv.specs import FullAttention, KVSpec, Mamba
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.stores import StorePlanner
@@ -25,11 +25,19 @@ from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, 
 from kvtier.sched.request import Request
 
 
+def lazy_scan_blocks_for(specs: Sequence[KVSpec], max_num_batched_tokens: int) -> int:
+    """Blocks the lazy store mode keeps free-or-stored at the device LRU head: twice what one
+    step can allocate (a step of B tokens takes at most cdiv(B, bs) + 1 blocks per group), as
+    vLLM's lazy target is twice a step's worth."""
+    return 2 * sum(-(-max_num_batched_tokens // s.block_size) + 1 for s in specs)
+
+
 class HostTier:
     """Host tier over one host `BlockPool` (same groups as the device, keyed by (group, hash)).
 
     `store_mode`: "eager" stores a request's full blocks once settled; "lazy" stores hashed
-    blocks that reach the device LRU head. `world_size`: a transfer completes when every worker
+    blocks that reach the device LRU head (the first `lazy_scan_blocks` blocks there, see
+    `lazy_scan_blocks_for`, are kept free or stored). `world_size`: a transfer completes when every worker
     reported it. `max_restores_per_step` caps re-stores after eviction (no thrash).
     `store_from_settled=False` plans stores from vLLM's optimistic "confirmed" count instead
     (protection `settled` off: reproduces the store read-after-write H1 without the event).

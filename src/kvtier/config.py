@@ -17,6 +17,7 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # block-lifetime protections (DESIGN.md §5)
+STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
@@ -161,6 +162,7 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     kv_offloading_size: float | None = None  # host tier, GiB
     num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
+    kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -175,6 +177,10 @@ class CacheConfig:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
             raise ValueError(f"--num-host-blocks must be ≥ 2, got {self.num_host_blocks}")
+        if self.kv_offload_store_mode not in STORE_MODES:
+            raise ValueError(
+                f"--kv-offload-store-mode must be eager or lazy, got {self.kv_offload_store_mode!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,10 @@ FLAG_HELP = {
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
     "kv_offloading_size": "host-memory KV tier size in GiB",
     "num_host_blocks": "host-memory KV tier size in blocks (overrides --kv-offloading-size)",
+    "kv_offload_store_mode": (
+        "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
+        "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"
+    ),
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's max positions)",

@@ -15,7 +15,7 @@ from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.kv.specs import blocks_for_requests
 from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
-from kvtier.offload import HostTier
+from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.runner import TokenLogprobs
 from kvtier.sched.batch_queue import BatchQueue
@@ -85,6 +85,10 @@ class EngineCore:
             HostTier(
                 self.kv,
                 num_host_blocks,
+                store_mode=args.cache.kv_offload_store_mode,
+                lazy_scan_blocks=lazy_scan_blocks_for(
+                    self.plan.specs, sched_cfg.max_num_batched_tokens
+                ),
                 bytes_per_block=self.plan.bytes_per_block,
                 store_from_settled="settled" in args.protect,
             )

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = ("kv", "device", "sched", "throughput", "garble", "serve")
+BENCHMARKS = ("kv", "device", "sched", "throughput", "garble", "serve", "offload")
 
 
 def save_json(result: dict[str, Any], out: str | Path) -> Path:

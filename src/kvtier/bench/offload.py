@@ -1,0 +1,571 @@
+"""Offload benchmark: does the host-memory KV tier pay? A multi-round shared-prefix workload
+whose working set exceeds the device pool, run with the host tier off and on (same engine, same
+workload, sim device), measured in modelled device time and wall time.
+
+Workload (`kvtier.bench.serve_data`'s shared-prefix conversations, as token ids): --num-prefixes
+system prompts of --prefix-len tokens, --users-per-prefix conversations on each, --rounds rounds;
+a round's prompt is the previous prompt + its answer + a new question of --question-len tokens,
+answers are --answer-len greedy tokens (ignore EOS). A closed loop keeps --concurrency requests in
+flight: a conversation's next round joins the back of the queue when its answer is complete, so
+every conversation is revisited only after all the others (reuse distance ≈ the working set).
+
+The working set is the KV every conversation's next round needs to hit its whole history (the
+full-attention blocks of each prefix once plus each conversation's own, and each window group's
+blocks at the history's end); the device pool is --device-fraction of it (never less than the
+concurrency needs), the host tier holds every block of every conversation in every group. The
+tier runs once per --store-modes entry (eager, lazy); --copy-gbps sets the sim's copy bandwidth.
+
+Per configuration: TTFT (mean / median / p99) and output tokens/s on the modelled device clock
+and on the wall clock, prompt tokens served by device hits / host hits / recompute, host loads and
+stores, preemptions, sanitizer hazards; the on/off ratios; and whether every completion has the
+same tokens as with the tier off (greedy). Prints a table, saves JSON, optionally a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.bench import save_json
+from kvtier.bench.serve_data import Conversation, Prompt
+
+if TYPE_CHECKING:
+    from kvtier.device.costs import CostModel
+    from kvtier.device.sim import SimDevice
+    from kvtier.engine.core import EngineCore
+    from kvtier.offload.types import Transfer
+    from kvtier.sched.request import Request
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="shared system prompts")
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens of each prefix")
+    parser.add_argument("--users-per-prefix", type=int, default=8, help="conversations each")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each conversation")
+    parser.add_argument("--question-len", type=int, default=64, help="new tokens per round")
+    parser.add_argument("--answer-len", type=int, default=64, help="greedy tokens per answer")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0, help="question/answer lengths vary ± this"
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--device-fraction",
+        type=float,
+        default=0.5,
+        help="device pool as a fraction of the working set (floor: what the concurrency needs)",
+    )
+    parser.add_argument(
+        "--host-blocks",
+        type=int,
+        default=None,
+        help="host tier blocks (default: every block of every conversation in every group)",
+    )
+    parser.add_argument(
+        "--store-modes",
+        default="eager,lazy",
+        help="host-tier store modes to run with the tier on, comma-separated",
+    )
+    parser.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=None,
+        help="host<->device copy bandwidth of the sim cost model in GB/s (default: the sim's); "
+        "lower it to see how slow copies may get before the tier stops paying",
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (the wall clock only; tiny models lose with more)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_offload.json")
+    parser.add_argument("--plot", default=None, help="write a PNG chart here")
+
+
+# ---- workload ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    convs: list[Conversation]  # token-id prompts
+    num_prefixes: int
+    prefix_len: int
+    rounds: int
+    max_len: int  # longest prompt + answer of any round
+
+    def final_len(self, conv: Conversation) -> int:
+        """Tokens of a conversation's last prompt + answer (its history at the end)."""
+        return len(conv.prefix) + sum(map(len, conv.questions)) + sum(conv.output_lens)
+
+
+def build_workload(args: argparse.Namespace, model_path: Path) -> Workload:
+    from kvtier.bench import serve_data
+
+    if min(args.num_prefixes, args.prefix_len, args.users_per_prefix, args.rounds) < 1:
+        raise SystemExit(
+            "--num-prefixes, --prefix-len, --users-per-prefix and --rounds must be ≥ 1"
+        )
+    if min(args.question_len, args.answer_len) < 1:
+        raise SystemExit("--question-len and --answer-len must be ≥ 1")
+    spec = argparse.Namespace(
+        dataset="shared-prefix",
+        num_prompts=args.num_prefixes * args.users_per_prefix,
+        num_rounds=args.rounds,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        input_len=args.question_len,
+        output_len=args.answer_len,
+        range_ratio=args.range_ratio,
+        request_rate=float("inf"),
+        seed=args.seed,
+    )
+    convs = serve_data.build(spec, serve_data.Tok(model_path), use_ids=True)
+    w = Workload(convs, args.num_prefixes, args.prefix_len, args.rounds, 0)
+    return Workload(convs, w.num_prefixes, w.prefix_len, w.rounds, max(map(w.final_len, convs)))
+
+
+def working_set_blocks(specs: list[Any], w: Workload) -> tuple[int, int]:
+    """(working set, every block): blocks the device must keep for every conversation's next
+    round to hit its whole history, and blocks of every token of every conversation in every
+    group (what a host tier holding everything needs). Prefix blocks count once."""
+    from kvtier.kv.specs import FullAttention, cdiv
+
+    working = every = 0
+    for spec in specs:
+        bs = spec.block_size
+        shared = (w.prefix_len // bs) * w.num_prefixes  # full prefix blocks, shared
+        own = sum(cdiv(w.final_len(c), bs) - w.prefix_len // bs for c in w.convs)
+        every += shared + own
+        if isinstance(spec, FullAttention):
+            working += shared + own
+        else:  # window groups: the blocks at each history's end, and at each prefix's end
+            working += sum(spec.steady_blocks(w.final_len(c)) for c in w.convs)
+            working += spec.steady_blocks(w.prefix_len) * w.num_prefixes
+    return working, every
+
+
+# ---- one configuration --------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One request (a conversation's round) as the client saw it."""
+
+    conv: int
+    round: int
+    prompt_tokens: int
+    sent_ns: int
+    sent_wall: float
+    first_ns: int | None = None
+    first_wall: float | None = None
+    done_ns: int | None = None
+    done_wall: float | None = None
+    output: list[int] | None = None
+    cached_tokens: int = 0  # device + host prefix hits at first admission
+    host_tokens: int = 0  # of those, loaded from the host tier
+
+    @property
+    def ttft_device_ms(self) -> float:
+        assert self.first_ns is not None, "every request yields at least one token"
+        return (self.first_ns - self.sent_ns) / 1e6
+
+    @property
+    def ttft_wall_ms(self) -> float:
+        assert self.first_wall is not None, "every request yields at least one token"
+        return (self.first_wall - self.sent_wall) * 1e3
+
+
+def sim_device(engine: EngineCore) -> SimDevice:
+    from kvtier.device.sim import SimDevice
+
+    device = engine.device
+    if not isinstance(device, SimDevice):
+        raise TypeError(f"bench offload measures on the sim device, got {type(device).__name__}")
+    return device
+
+
+def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
+    """Run the closed loop to the end; return one record per request, in completion order."""
+    from kvtier.engine import SamplingParams
+
+    device = sim_device(engine)
+    host_hits: dict[str, int] = {}
+    tier = engine.host_tier
+    if tier is not None:  # which admitted prefix hits came from the host tier (per request)
+        plan_load = tier.plan_load
+
+        def counted_plan_load(request: Request, num_external_tokens: int) -> Transfer | None:
+            transfer = plan_load(request, num_external_tokens)
+            if transfer is not None and request.num_preemptions == 0:
+                host_hits[request.request_id] = num_external_tokens
+            return transfer
+
+        tier.plan_load = counted_plan_load  # type: ignore[method-assign]
+
+    ready: deque[tuple[Conversation, int]] = deque((c, 0) for c in w.convs)
+    prompts = {c.index: ids(c.prefix) + ids(c.questions[0]) for c in w.convs}
+    inflight: dict[str, Record] = {}
+    done: list[Record] = []
+    while ready or inflight:
+        while ready and len(inflight) < concurrency:
+            conv, rnd = ready.popleft()
+            req_id = f"conv{conv.index}-round{rnd}"
+            prompt = prompts[conv.index]
+            params = SamplingParams(
+                max_tokens=conv.output_lens[rnd], temperature=0.0, ignore_eos=True
+            )
+            engine.add_request(req_id, prompt, params)
+            inflight[req_id] = Record(
+                conv.index, rnd, len(prompt), device.now_ns, time.perf_counter()
+            )
+        for out in engine.step():
+            rec = inflight.get(out.req_id)
+            if rec is None:
+                continue
+            if rec.first_ns is None and out.new_token_ids:
+                rec.first_ns, rec.first_wall = device.now_ns, time.perf_counter()
+            if not out.finished:
+                continue
+            state = engine.requests.pop(out.req_id)
+            rec.done_ns, rec.done_wall = device.now_ns, time.perf_counter()
+            rec.output = list(state.token_ids)
+            rec.cached_tokens = state.request.num_cached_tokens
+            rec.host_tokens = host_hits.pop(out.req_id, 0)
+            del inflight[out.req_id]
+            done.append(rec)
+            conv = w.convs[rec.conv]
+            if rec.round + 1 < len(conv.questions):
+                prompts[rec.conv] += rec.output + ids(conv.questions[rec.round + 1])
+                ready.append((conv, rec.round + 1))
+    engine.drain()  # stores still in flight (not counted in the measured span)
+    return done
+
+
+def ids(prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        raise TypeError("bench offload builds token-id prompts")
+    return list(prompt)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, median, p99 (linear interpolation, as numpy's default)."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    xs = sorted(values)
+
+    def pct(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": sum(xs) / len(xs), "median": pct(0.5), "p99": pct(0.99)}
+
+
+def run_config(
+    args: argparse.Namespace, w: Workload, engine_kw: dict[str, Any]
+) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
+    from kvtier.engine import LLM
+
+    llm = LLM(args.model, **engine_kw)
+    engine = llm.engine
+    device = sim_device(engine)
+    device.cost_model = cost_model(args)
+    t0_ns, t0_wall = device.now_ns, time.perf_counter()
+    records = drive(engine, w, args.concurrency)
+    # The measured span ends with the last answer (stores still in flight are not counted).
+    end_ns = max(r.done_ns or 0 for r in records)
+    wall = max(r.done_wall or 0.0 for r in records) - t0_wall
+    device_s = (end_ns - t0_ns) / 1e9
+    out_tokens = sum(len(r.output or []) for r in records)
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    host = sum(r.host_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    tier = engine.host_tier
+    m = tier.metrics if tier is not None else None
+    sanitizer = engine.device.sanitizer
+    ttft_dev = {id(r): r.ttft_device_ms for r in records}
+    by_round = []
+    for rnd in range(w.rounds):
+        rs = [r for r in records if r.round == rnd]
+        p = sum(r.prompt_tokens for r in rs)
+        by_round.append(
+            {
+                "round": rnd,
+                "requests": len(rs),
+                "ttft_device_ms_mean": sum(ttft_dev[id(r)] for r in rs) / max(1, len(rs)),
+                "device_hit": sum(r.cached_tokens - r.host_tokens for r in rs) / max(1, p),
+                "host_hit": sum(r.host_tokens for r in rs) / max(1, p),
+            }
+        )
+    row = {
+        "requests": len(records),
+        "device_blocks": engine.plan.tiers[0].num_blocks,
+        "host_blocks": tier.host.pool.num_blocks if tier is not None else 0,
+        "device_s": device_s,
+        "wall_s": wall,
+        "ttft_device_ms": percentiles(list(ttft_dev.values())),
+        "ttft_wall_ms": percentiles([r.ttft_wall_ms for r in records]),
+        "output_tokens": out_tokens,
+        "tok_s_device": out_tokens / device_s if device_s else None,
+        "tok_s_wall": out_tokens / wall,
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": {
+            "device": cached - host,
+            "host": host,
+            "recompute": prompt_tokens - cached,
+        },
+        "hit_fraction": {
+            "device": (cached - host) / prompt_tokens,
+            "host": host / prompt_tokens,
+            "recompute": (prompt_tokens - cached) / prompt_tokens,
+        },
+        "host_loads": {
+            "blocks": m.num_loaded_blocks if m else 0,
+            "bytes": m.num_loaded_bytes if m else 0,
+            "failed": m.num_failed_loads if m else 0,
+        },
+        "host_stores": {
+            "blocks": m.num_stored_blocks if m else 0,
+            "bytes": m.num_stored_bytes if m else 0,
+            "evicted": m.num_evicted_blocks if m else 0,
+        },
+        "preemptions": engine.scheduler.num_preemptions,
+        "hazards": sanitizer.num_hazards if sanitizer is not None else 0,
+        "by_round": by_round,
+    }
+    tokens = {(r.conv, r.round): r.output or [] for r in records}
+    return row, tokens
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+
+def store_modes(args: argparse.Namespace) -> list[str]:
+    from kvtier.config import STORE_MODES
+
+    modes = [m.strip() for m in args.store_modes.split(",") if m.strip()]
+    bad = sorted(set(modes) - set(STORE_MODES))
+    if bad or not modes:
+        raise SystemExit(f"--store-modes: choose from {', '.join(STORE_MODES)}, got {bad or modes}")
+    return modes
+
+
+def configurations(modes: list[str], host_blocks: int) -> list[tuple[str, dict[str, Any]]]:
+    """[(name, engine keywords beyond the common ones)]: off, then on per store mode."""
+    configs: list[tuple[str, dict[str, Any]]] = [("off", {})]
+    for mode in modes:
+        kw = {"num_host_blocks": host_blocks, "kv_offload_store_mode": mode}
+        configs.append((f"on-{mode}", kw))
+    return configs
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """The sim's default cost model, with --copy-gbps applied (1 GB/s = 1 byte/ns)."""
+    from kvtier.device.costs import CostModel
+
+    if args.copy_gbps is None:
+        return CostModel()
+    if args.copy_gbps <= 0:
+        raise SystemExit("--copy-gbps must be positive")
+    return replace(CostModel(), copy_bytes_per_ns=args.copy_gbps)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.engine.params import DEFAULT_MODEL
+    from kvtier.kv.plan import plan_kv
+    from kvtier.kv.specs import blocks_for_requests
+
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    modes = store_modes(args)
+    path = Path(args.model) if args.model else DEFAULT_MODEL
+    cfg = ModelConfig.from_pretrained(path)
+    w = build_workload(args, path)
+    max_len = w.max_len + args.block_size
+    sched = SchedulerConfig(
+        max_model_len=max_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.concurrency,
+    )
+    dtype = cfg.dtype if args.dtype == "auto" else args.dtype
+    cache = CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20, kv_cache_dtype=dtype)
+    probe = plan_kv(cfg, cache, sched)
+    specs = probe.specs
+    working, every = working_set_blocks(specs, w)
+    floor = blocks_for_requests(specs, args.concurrency, max_len, sched.max_in_flight_tokens) + 1
+    device_blocks = max(floor, int(working * args.device_fraction))
+    if args.host_blocks is None:
+        args.host_blocks = every
+    common: dict[str, Any] = {
+        "device": "sim",
+        "sanitize": "collect",
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.concurrency,
+        "num_device_blocks": device_blocks,
+        "seed": args.seed,
+    }
+    cost = cost_model(args)
+    # What one token costs to recompute (forward, all layers) vs to load (its blocks in every
+    # group: an upper bound, window groups load only their window).
+    recompute_ns = cost.forward_token_layer_ns * cfg.num_layers
+    block_bytes = probe.bytes_per_block * len(probe.groups)
+    load_ns = block_bytes / args.block_size / cost.copy_bytes_per_ns
+    n_req = len(w.convs) * w.rounds
+    print(
+        f"bench offload: {path} ({dtype}); "
+        f"{w.num_prefixes} prefixes × {args.prefix_len} tokens, {len(w.convs)} conversations × "
+        f"{w.rounds} rounds (+{args.question_len} question, {args.answer_len} answer tokens), "
+        f"concurrency {args.concurrency}; {n_req} requests"
+    )
+    print(
+        f"working set {working} blocks; device pool {device_blocks} blocks "
+        f"({device_blocks / working:.0%} of it; the concurrency needs {floor}); host tier "
+        f"{args.host_blocks} blocks"
+    )
+    print(
+        f"sim cost model: recompute {recompute_ns / 1e3:.2f} µs/token "
+        f"({cost.forward_token_layer_ns} ns × {cfg.num_layers} layers, + "
+        f"{cost.forward_layer_ns / 1e3:.0f} µs × layers per forward), load ≤ "
+        f"{load_ns / 1e3:.3f} µs/token ({block_bytes} B per {args.block_size}-token block in "
+        f"all {len(probe.groups)} groups at {cost.copy_bytes_per_ns:g} B/ns, + "
+        f"{cost.copy_latency_ns / 1e3:.0f} µs per copy; window groups load only their window): "
+        f"a load is ≥ {recompute_ns / load_ns:.0f}× cheaper than a recompute per token",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
+    for name, kw in configurations(modes, args.host_blocks):
+        row, tokens = run_config(args, w, {**common, **kw})
+        outputs[name] = tokens
+        ref = outputs["off"]
+        same = sum(tokens[k] == ref[k] for k in ref)
+        row = {"config": name, "same_tokens_as_off": same, **row}
+        rows.append(row)
+        _print_row(row, len(ref))
+    off = rows[0]
+    ratios = {}
+    for row in rows[1:]:
+        ratios[row["config"]] = {
+            "ttft_device_mean_off_over_on": _ratio(
+                off["ttft_device_ms"]["mean"], row["ttft_device_ms"]["mean"]
+            ),
+            "ttft_device_median_off_over_on": _ratio(
+                off["ttft_device_ms"]["median"], row["ttft_device_ms"]["median"]
+            ),
+            "ttft_device_p99_off_over_on": _ratio(
+                off["ttft_device_ms"]["p99"], row["ttft_device_ms"]["p99"]
+            ),
+            "tok_s_device_on_over_off": _ratio(row["tok_s_device"], off["tok_s_device"]),
+            "ttft_wall_mean_off_over_on": _ratio(
+                off["ttft_wall_ms"]["mean"], row["ttft_wall_ms"]["mean"]
+            ),
+            "tok_s_wall_on_over_off": _ratio(row["tok_s_wall"], off["tok_s_wall"]),
+        }
+        r = ratios[row["config"]]
+        print(
+            f"{row['config']} vs off: TTFT (device) mean ×{r['ttft_device_mean_off_over_on']:.2f} "
+            f"lower, median ×{r['ttft_device_median_off_over_on']:.2f}, p99 "
+            f"×{r['ttft_device_p99_off_over_on']:.2f}; output tok/s (device) "
+            f"×{r['tok_s_device_on_over_off']:.2f}; wall: TTFT ×"
+            f"{r['ttft_wall_mean_off_over_on']:.2f}, tok/s ×{r['tok_s_wall_on_over_off']:.2f}"
+        )
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "workload": {
+            "conversations": len(w.convs),
+            "requests": n_req,
+            "max_len": w.max_len,
+            "working_set_blocks": working,
+            "all_blocks": every,
+            "device_blocks": device_blocks,
+            "device_floor_blocks": floor,
+            "host_blocks": args.host_blocks,
+        },
+        "cost_model": {
+            "recompute_ns_per_token": recompute_ns,
+            "load_ns_per_token": load_ns,
+            "copy_latency_ns": cost.copy_latency_ns,
+            "forward_fixed_ns": cost.forward_layer_ns * cfg.num_layers,
+        },
+        "rows": rows,
+        "ratios": ratios,
+    }
+    print(f"saved {save_json(result, args.out)}")
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _print_row(row: dict[str, Any], total: int) -> None:
+    td, tw, hf = row["ttft_device_ms"], row["ttft_wall_ms"], row["hit_fraction"]
+    print(
+        f"{row['config']:9s} TTFT device ms mean {td['mean']:7.2f} median {td['median']:7.2f} "
+        f"p99 {td['p99']:7.2f} | wall ms mean {tw['mean']:7.1f} median {tw['median']:7.1f} "
+        f"p99 {tw['p99']:7.1f} | out tok/s device {row['tok_s_device'] or 0:8.0f} wall "
+        f"{row['tok_s_wall']:6.0f} | prompt tokens: device {hf['device']:.1%} host "
+        f"{hf['host']:.1%} recompute {hf['recompute']:.1%} | host loads "
+        f"{row['host_loads']['blocks']} blk ({row['host_loads']['bytes'] / 2**20:.1f} MiB) "
+        f"stores {row['host_stores']['blocks']} blk ({row['host_stores']['bytes'] / 2**20:.1f} MiB)"
+        f" | preempt {row['preemptions']} | hazards {row['hazards']} | same tokens as off "
+        f"{row['same_tokens_as_off']}/{total}",
+    )
+    rounds = "  ".join(
+        f"r{r['round']} {r['ttft_device_ms_mean']:.2f} ms ({r['device_hit']:.0%} device, "
+        f"{r['host_hit']:.0%} host)"
+        for r in row["by_round"]
+    )
+    print(f"{'':9s} by round, mean TTFT (device) and prompt hits: {rounds}", flush=True)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+    x = range(len(rows))
+    for i, stat in enumerate(("mean", "median", "p99")):
+        a.bar(
+            [j + (i - 1) * 0.27 for j in x],
+            [r["ttft_device_ms"][stat] for r in rows],
+            width=0.27,
+            label=stat,
+        )
+    a.set_xticks(list(x), names)
+    a.set_ylabel("TTFT, modelled device ms")
+    a.legend()
+    b.bar(names, [r["tok_s_device"] or 0 for r in rows], color="tab:green")
+    b.set_ylabel("output tokens/s, modelled device time")
+    bottom = [0.0] * len(rows)
+    for tier, color in (("device", "tab:blue"), ("host", "tab:orange"), ("recompute", "tab:gray")):
+        vals = [100 * r["hit_fraction"][tier] for r in rows]
+        c.bar(names, vals, bottom=bottom, label=tier, color=color)
+        bottom = [s + v for s, v in zip(bottom, vals, strict=True)]
+    c.set_ylabel("prompt tokens (%)")
+    c.legend()
+    fig.suptitle("kvtier offload benchmark: host tier off vs on (sim device)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")

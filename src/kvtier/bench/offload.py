@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         f"{load_ns / 1e3:.3f} µs/token ({block_bytes} B per {args.block_size}-token block in "
         f"all {len(probe.groups)} groups at {cost.copy_bytes_per_ns:g} B/ns, + "
         f"{cost.copy_latency_ns / 1e3:.0f} µs per copy; window groups load only their window): "
-        f"a load is ≥ {recompute_ns / load_ns:.0f}× cheaper than a recompute per token",
+        f"recomputing a token costs ≥ {recompute_ns / load_ns:.1f}× loading it",
         flush=True,
     )
     rows: list[dict[str, Any]] = []

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = ("kv", "device", "sched", "throughput", "garble", "serve", "offload")
+BENCHMARKS = ("kv", "device", "sched", "throughput", "garble", "serve", "offload", "compare")
 
 
 def save_json(result: dict[str, Any], out: str | Path) -> Path:

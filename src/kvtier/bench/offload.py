@@ -102,7 +102,8 @@ class Workload:
     rounds: int
     max_len: int  # longest prompt + answer of any round
 
-    def final_len(self, conv: Conversation) -> int:
+    @staticmethod
+    def final_len(conv: Conversation) -> int:
         """Tokens of a conversation's last prompt + answer (its history at the end)."""
         return len(conv.prefix) + sum(map(len, conv.questions)) + sum(conv.output_lens)
 
@@ -129,8 +130,8 @@ def build_workload(args: argparse.Namespace, model_path: Path) -> Workload:
         seed=args.seed,
     )
     convs = serve_data.build(spec, serve_data.Tok(model_path), use_ids=True)
-    w = Workload(convs, args.num_prefixes, args.prefix_len, args.rounds, 0)
-    return Workload(convs, w.num_prefixes, w.prefix_len, w.rounds, max(map(w.final_len, convs)))
+    longest = max(map(Workload.final_len, convs))
+    return Workload(convs, args.num_prefixes, args.prefix_len, args.rounds, longest)
 
 
 def working_set_blocks(specs: list[Any], w: Workload) -> tuple[int, int]:

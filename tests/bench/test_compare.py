@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import py_compile
 import subprocess
 import sys
@@ -114,11 +115,17 @@ def fake_results() -> dict[str, Any]:
     """Two rounds of every part, shaped as compare.run collects them."""
 
     def off(tok_s: float) -> dict[str, Any]:
-        return {"cold": {"output_tokens_per_s": tok_s}, "warm": {"output_tokens_per_s": 2 * tok_s}}
+        cold = {"output_tokens_per_s": tok_s, "output_tokens": 100}
+        warm = {"output_tokens_per_s": 2 * tok_s, "output_tokens": 100}
+        return {"cold": cold, "warm": warm, "cpu_s": 1000 / tok_s}
 
     def summ(ms: float) -> dict[str, Any]:
         keys = ("median_ttft_ms", "median_tpot_ms", "median_e2el_ms")
-        return {k: ms for k in keys} | {"output_throughput": 1000 / ms}
+        return {k: ms for k in keys} | {
+            "output_throughput": 1000 / ms,
+            "total_output_tokens": 64,
+            "server_cpu_s": ms / 4,
+        }
 
     def sched(spec: str, n: int, us: float) -> dict[str, Any]:
         return {"spec": spec, "num_requests": n, "decode": _phase(us), "prefill": _phase(3 * us)}
@@ -145,10 +152,13 @@ def fake_results() -> dict[str, Any]:
 def test_rows_carry_the_issue_targets_and_dump_as_json() -> None:
     rows = compare.ratio_rows(fake_results(), parse())
     by = {(r["metric"], r["setting"]): r for r in rows}
-    assert len(rows) == 2 + 2 * 4 + 2
+    assert len(rows) == 3 + 2 * 5 + 2
     cold = by[("offline output tok/s", "tiny-llama bfloat16 cold")]
     assert cold["ratio"] == pytest.approx(0.55) and cold["meets_target"] is False
     assert by[("offline output tok/s", "tiny-llama bfloat16 warm")]["target"] is None
+    per_cpu = by[("offline output tok/CPU-s", "tiny-llama bfloat16 cold+warm")]
+    assert per_cpu["ours"] == [20.0, 24.0] and per_cpu["theirs"] == [40.0, 40.0]
+    assert by[("serve output tok/server CPU-s", "tiny-llama concurrency 16")]["ratio"] == 0.5
     tpot16 = by[("serve median TPOT ms", "tiny-llama concurrency 16")]
     assert tpot16["target"] == 1.0 and tpot16["ratio"] == 2.0 and tpot16["meets_target"] is False
     assert by[("serve median TPOT ms", "tiny-llama concurrency 1")]["target"] is None
@@ -246,6 +256,30 @@ def test_server_that_exits_is_reported(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited \(4\)"):
         procs.Server(argv, procs.free_port(), {}, tmp_path / "s.log", 30)
     assert "boom" in (tmp_path / "s.log").read_text()
+
+
+SPIN = """
+import time
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+print("spun", flush=True)
+time.sleep(60)
+"""
+
+
+def test_tree_cpu_seconds_counts_descendants() -> None:
+    me = os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        assert child.pid in procs.descendants(me)
+        assert procs.cpu_seconds([child.pid]) >= 0.28
+        assert procs.tree_cpu_seconds(me) - procs.cpu_seconds([me]) >= 0.28
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.cpu_seconds([child.pid]) == 0.0  # gone: nothing counted
 
 
 def test_last_json_takes_the_last_object_of_a_kind() -> None:

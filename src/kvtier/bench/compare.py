@@ -150,8 +150,11 @@ def offline(
         def round_prompts(i: int) -> list[list[int]]:
             return prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
 
+        me, them = os.getpid(), peer.proc.pid
+
         def ours(i: int) -> dict[str, Any]:
             batch = [{"prompt_token_ids": p} for p in round_prompts(i)]
+            c0, p0 = procs.cpu_seconds([me]), procs.tree_cpu_seconds(them)
             res: dict[str, Any] = {}
             for label in ("cold", "warm"):
                 t0 = time.perf_counter()
@@ -165,10 +168,16 @@ def offline(
                     "output_tokens_per_s": num / sec,
                 }
                 res["tokens"] = toks
+            res["cpu_s"] = procs.cpu_seconds([me]) - c0  # both passes, every thread
+            res["other_cpu_s"] = procs.tree_cpu_seconds(them) - p0  # the idle peer meanwhile
             return res
 
         def theirs(i: int) -> dict[str, Any]:
-            return peer.ask({"prompts": round_prompts(i), "max_tokens": n})
+            c0, p0 = procs.tree_cpu_seconds(them), procs.cpu_seconds([me])
+            res = peer.ask({"prompts": round_prompts(i), "max_tokens": n})
+            res["cpu_s"] = procs.tree_cpu_seconds(them) - c0  # script, engine core, worker
+            res["other_cpu_s"] = procs.cpu_seconds([me]) - p0
+            return res
 
         ours(-1000), theirs(-1000)  # warm-up (first-call costs), not counted
         a, b = alternate(args.repeat, ours, theirs)
@@ -236,7 +245,10 @@ def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> d
 
             def run(i: int, srv: procs.Server, eng: str, c: int = c, n: int = n) -> dict[str, Any]:
                 out = logs / f"serve_{eng}_c{c}_r{i}.json"
-                return _bench_serve(srv.base_url, path, c, args.seed + 100 * c + i, n, args, out)
+                c0 = procs.tree_cpu_seconds(srv.proc.pid)
+                s = _bench_serve(srv.base_url, path, c, args.seed + 100 * c + i, n, args, out)
+                s["server_cpu_s"] = procs.tree_cpu_seconds(srv.proc.pid) - c0
+                return s
 
             a, b = alternate(args.repeat, lambda i: run(i, ours_srv, "kvtier"),
                              lambda i: run(i, peer, "vllm"))  # fmt: skip
@@ -274,6 +286,11 @@ def scheduler(args: argparse.Namespace, path: Path, python: Path, logs: Path) ->
     return [{"ours": x, "theirs": y} for x, y in zip(a, b)]
 
 
+def _per_cpu(r: dict[str, Any]) -> float:
+    """Output tokens of a round's two passes per CPU second its engine used for them."""
+    return float(r["cold"]["output_tokens"] + r["warm"]["output_tokens"]) / float(r["cpu_s"])
+
+
 def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The table's rows from the raw per-round results of every part that ran."""
     row = compare_report.ratio_row
@@ -286,6 +303,10 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [r[label]["output_tokens_per_s"] for r in off["theirs"]],
                 "higher", 1.0 if label == "cold" else None,
             ))  # fmt: skip
+        rows.append(row(
+            "offline output tok/CPU-s", f"{off['model']} {off['dtype']} cold+warm",
+            [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
+        ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():
         for metric in ("ttft", "tpot", "e2el"):
             target = 1.0 if metric == "tpot" and c == "16" else None
@@ -299,6 +320,12 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
             [s["output_throughput"] for s in runs["ours"]],
             [s["output_throughput"] for s in runs["theirs"]], "higher",
         ))  # fmt: skip
+        if all("server_cpu_s" in s for s in runs["ours"] + runs["theirs"]):
+            rows.append(row(
+                "serve output tok/server CPU-s", f"{args.serve_model} concurrency {c}",
+                [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["ours"]],
+                [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["theirs"]], "higher",
+            ))  # fmt: skip
     rounds = results.get("sched", [])
     if rounds:
         for j, first in enumerate(rounds[0]["ours"]):

@@ -81,16 +81,20 @@ def plot(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
         [r["ratio_max"] - r["ratio"] for r in rows],
     ]
     good = [(r["ratio"] >= 1) == (r["better"] == "higher") for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
-    ys = range(len(rows))
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
+    ys = list(range(len(rows)))
     ax.barh(ys, ratios, xerr=err, color=["tab:green" if g else "tab:red" for g in good])
+    for y, r in zip(ys, ratios):
+        ax.annotate(f"{r:.2f}", (r, y), xytext=(3, -3), textcoords="offset points", fontsize=6)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
-    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("kvtier / vLLM (green: kvtier better; whiskers: min–max over rounds)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+    fig.subplots_adjust(
+        left=0.36, right=0.97, top=1 - 0.5 / fig.get_figheight(), bottom=0.6 / fig.get_figheight()
+    )
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)

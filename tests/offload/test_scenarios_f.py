@@ -313,6 +313,30 @@ def test_58b_lazy_scan_also_covers_the_blocks_that_move_up_while_candidates_are_
     check(dev, t)
 
 
+def test_58c_lazy_stores_never_evict_a_host_entry_the_device_still_caches():
+    """Regression: with a host tier smaller than the device cache, each lazy store evicted host
+    entries whose blocks were still cached on the device, so the next scan stored those again:
+    an idle engine (no requests, draining its stores) stored and evicted the same blocks forever.
+    """
+    dev = device(16)
+    t = tier(dev, 4, store_mode="lazy", lazy_scan_blocks=16)  # 3 usable host blocks
+    x = request(dev, "X", tokens(16 * 6 + 1))
+    run(dev, x)
+    dev.free("X")  # 6 cached blocks in the device free queue, none on the host
+    head = dev.pool.free_queue.block_ids()
+    rounds = 0
+    while stores := t.plan_stores([]):
+        rounds += 1
+        assert rounds < 5, "lazy stores keep evicting what they just stored"
+        settle_all(t, stores)
+    assert rounds == 1 and t.metrics.num_evicted_blocks == 0
+    stored = [b for b in head if dev.pool.blocks[b].block_hash is not None][:3]
+    view = t.coordinator.group_hashes(x.block_hashes)[0]
+    hashes = {dev.pool.blocks[b].block_hash for b in stored}
+    assert {h for h in view if t.host.contains((0, h))} == hashes  # the next ones to be evicted
+    check(dev, t)
+
+
 def test_59_reset_with_transfers_in_flight_abandons_them():
     dev = device()
     t = tier(dev)

@@ -86,6 +86,9 @@ class StorePlanner:
                 # admission step may still be writing them (blocks are published at schedule
                 # time): nothing is final before the admission step is processed.
                 settled = 0
+            for r in records:  # a step launched with drafts unverified may write lower
+                if r.lowest_write is not None and r.lowest_write < settled:
+                    settled = r.lowest_write
         else:  # vLLM's "confirmed" count: includes steps still executing (H1 without the event)
             settled = max(0, req.num_computed_tokens - req.num_output_placeholders)
         cands: list[Candidate] = []
@@ -159,9 +162,18 @@ class StorePlanner:
         return out
 
     def _plan_lazy(self) -> list[Transfer]:
-        cands = lazy_candidates(self.tier, self.lazy_scan_blocks)
-        n = min(len(cands), self.tier.host.num_free)
-        self.tier.metrics.num_skipped_pinned_full += len(cands) - n
+        """Stores of the blocks near the device LRU head that no host entry the device still
+        caches makes room for: evicting one would only swap which of two device blocks has a
+        host copy, and the evicted one would come back to the scan — with a host smaller than
+        the device cache, an idle engine stored and evicted the same blocks forever."""
+        tier = self.tier
+        cands = lazy_candidates(tier, self.lazy_scan_blocks)
+        n = min(len(cands), tier.host.num_free)
+        for i, key in enumerate(tier.host.peek_evictions(n)):
+            if key is not None and tier.device.pool.get_cached_block(*key) is not None:
+                n = i
+                break
+        tier.metrics.num_skipped_pinned_full += len(cands) - n
         return self._launch(None, cands[:n], restore=False)
 
     def _launch(self, st: ReqState | None, cands: list[Candidate], restore: bool) -> list[Transfer]:

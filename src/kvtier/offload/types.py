@@ -94,7 +94,9 @@ class HostTierMetrics:
     num_restored_blocks: int = 0  # re-stores planned after eviction
     num_failed_loads: int = 0
     num_failed_stores: int = 0
-    num_skipped_pinned_full: int = 0  # store candidates not planned: no allocatable host block
+    # store candidates not planned: no allocatable host block (lazy: none but ones the device
+    # still caches, which a lazy store never evicts)
+    num_skipped_pinned_full: int = 0
     num_pending_loads: int = 0  # gauge: load transfers in flight
     num_pending_stores: int = 0  # gauge: store transfers in flight
 

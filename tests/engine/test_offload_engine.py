@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.config import STORE_MODES, CacheConfig
 from kvtier.device import OpMeta
-from kvtier.engine import LLM, EngineArgs, SamplingParams
+from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams
 from kvtier.engine.cli import add_engine_arguments, engine_args
 from kvtier.model.testing import ARCHITECTURES, write_tiny_model
 from kvtier.sched.output import PlannedTransfer
@@ -29,6 +29,7 @@ BASE = {
     "poison": True,
     "check_integrity": True,
 }
+SIM_CHECKED = {k: BASE[k] for k in ("device", "sanitize", "poison", "check_integrity")}
 
 
 @pytest.fixture(scope="module")
@@ -245,4 +246,39 @@ def test_offload_on_and_off_give_the_same_greedy_tokens_on_every_architecture(
     assert len(poisoned) > len(set(poisoned))  # blocks were recycled (and poisoned each time)
     assert not engine.device.hazards
     assert outs == off
+    engine.check_integrity()
+
+
+def test_requests_whose_load_completed_do_not_deadlock_the_head_of_the_queue(
+    tmp_path: Path,
+) -> None:
+    """Regression: a request whose host load completed waits (holding its blocks) until its turn;
+    a preempted request put back at the head of the queue needed those blocks, nothing ran, and
+    the engine stepped forever. The head now takes the parked blocks back (they stay cached)."""
+    path = write_tiny_model(tmp_path, "llama")
+    rng = random.Random(0)
+    heads = [[rng.randrange(3, 300) for _ in range(20)] for _ in range(2)]
+    prompts = [h + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 9))] for h in heads * 3]
+    kw = {"max_model_len": 48, "block_size": 4, "max_num_batched_tokens": 8}
+    engine = EngineCore(
+        EngineArgs.from_kwargs(
+            str(path), **SIM_CHECKED, **kw, num_device_blocks=13, num_host_blocks=200
+        )
+    )
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert steps < 500, "no progress: a parked request holds the blocks the head needs"
+    assert engine.scheduler.num_preemptions > 0
+    tier = engine.host_tier
+    assert tier is not None and tier.metrics.num_loaded_blocks > 0
+    reference = LLM(str(path), **kw, enable_prefix_caching=False, async_scheduling=False)
+    outs = reference.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [engine.requests[f"r{i}"].token_ids for i in range(len(prompts))] == [
+        o.outputs[0].token_ids for o in outs
+    ]
     engine.check_integrity()

@@ -51,6 +51,7 @@ class AdmissionMixin:
                 parked = self._try_load(request, num_hit, hits)
                 if parked is None:
                     waiting.prepend(request)  # no room for its load destinations: wait
+                    self._release_loaded_behind(request)
                     break
                 if parked:
                     skipped.append(request)  # loading, or waiting on another request's load
@@ -60,6 +61,7 @@ class AdmissionMixin:
                 n = self.long_prefill_token_threshold
             if kv.allocate_slots(request, n, *(() if loaded else (num_hit, hits))) is None:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
+                self._release_loaded_behind(request)
                 break
             request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
@@ -83,6 +85,27 @@ class AdmissionMixin:
             budget -= n
         waiting.prepend_all(skipped)
         return budget
+
+    def _release_loaded_behind(self, head: Request) -> None:
+        """`head` cannot get its blocks and nothing runs, so no block will come back by itself:
+        if requests whose host load completed wait behind it holding their blocks, nothing ever
+        moves (each waits on the other). Take those blocks back — they are published, so they
+        stay prefix hits — and let the requests look up again when their turn comes."""
+        if self.running:
+            return  # running requests finish and free blocks: the head's wait ends
+        for request in self.waiting:
+            rid = request.request_id
+            if (
+                request is head
+                or request.status is not RequestStatus.WAITING
+                or request.ledger.records
+                or not self.kv.coordinator.has_request(rid)
+            ):
+                continue
+            if self.connector is not None:  # store what is settled first, as on preemption
+                self._transfers += [t.planned() for t in self.connector.preempt_request(request)]
+            self.lifetimes.free(request)
+            request.num_computed_tokens = 0
 
     def _try_load(self, request: Request, num_hit: int, hits: GroupBlocks) -> bool | None:
         """Start loading what the connector holds beyond the device hit. True: the request is

@@ -65,6 +65,10 @@ class StepRecord:
     num_draft_tokens: int  # of which speculative drafts
     num_placeholders: int  # output positions it adds: 1 + drafts if the step samples, else 0
     stale: bool = False  # the request was preempted after this step was scheduled
+    # Lowest position the step may write, as the runner declares it at launch: below its start
+    # by the drafts still unverified then (it starts after those that are accepted). None: its
+    # start (no drafts were unverified).
+    lowest_write: int | None = None
 
 
 class StepLedger:

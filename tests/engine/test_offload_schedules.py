@@ -254,6 +254,7 @@ def test_100_seeded_sim_schedules_with_offload_are_sanitizer_clean(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_1000_seeded_sim_schedules_with_offload_soak(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -10,6 +10,7 @@ import os
 import py_compile
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -280,6 +281,37 @@ def test_tree_cpu_seconds_counts_descendants() -> None:
         child.kill()
         child.wait()
     assert procs.cpu_seconds([child.pid]) == 0.0  # gone: nothing counted
+
+
+BUSY = """
+print("up", flush=True)
+while True:
+    pass
+"""
+
+
+def test_paused_tree_uses_no_cpu_until_resumed() -> None:
+    child = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        with procs.paused(child.pid):
+            time.sleep(0.05)
+            c0 = procs.cpu_seconds([child.pid])
+            time.sleep(0.4)
+            assert procs.cpu_seconds([child.pid]) == c0
+        c1 = procs.cpu_seconds([child.pid])
+        deadline = time.monotonic() + 10
+        while procs.cpu_seconds([child.pid]) < c1 + 0.05 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs.cpu_seconds([child.pid]) >= c1 + 0.05  # runs again
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_never_pauses_itself() -> None:
+    with pytest.raises(ValueError, match="our own process"), procs.paused(os.getpid()):
+        pass
 
 
 def test_last_json_takes_the_last_object_of_a_kind() -> None:

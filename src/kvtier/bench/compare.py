@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-install", action="store_true", help="fail if the venv lacks vLLM")
     parser.add_argument("--peer-block-size", type=int, default=None, help="default: vLLM's")
     parser.add_argument("--peer-enforce-eager", action="store_true", help="vLLM without compile")
+    parser.add_argument(
+        "--no-pause", action="store_true",
+        help="leave the idle engine's processes running while the other is measured",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per peer start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_compare.json")
@@ -151,15 +155,17 @@ def offline(
             return prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
 
         me, them = os.getpid(), peer.proc.pid
+        idle = None if args.no_pause else them  # ours has no process of its own to pause
 
         def ours(i: int) -> dict[str, Any]:
             batch = [{"prompt_token_ids": p} for p in round_prompts(i)]
             c0, p0 = procs.cpu_seconds([me]), procs.tree_cpu_seconds(them)
             res: dict[str, Any] = {}
             for label in ("cold", "warm"):
-                t0 = time.perf_counter()
-                got = llm.generate(batch, params, use_tqdm=False)
-                sec = time.perf_counter() - t0
+                with procs.paused(idle):
+                    t0 = time.perf_counter()
+                    got = llm.generate(batch, params, use_tqdm=False)
+                    sec = time.perf_counter() - t0
                 toks = [list(o.outputs[0].token_ids) for o in got]
                 num = sum(len(t) for t in toks)
                 res[label] = {
@@ -243,15 +249,17 @@ def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> d
         for c in args.concurrency:
             n = max(16, args.serve_prompts * c)
 
-            def run(i: int, srv: procs.Server, eng: str, c: int = c, n: int = n) -> dict[str, Any]:
+            def run(i: int, srv: procs.Server, other: procs.Server, eng: str, c: int = c,
+                    n: int = n) -> dict[str, Any]:  # fmt: skip
                 out = logs / f"serve_{eng}_c{c}_r{i}.json"
                 c0 = procs.tree_cpu_seconds(srv.proc.pid)
-                s = _bench_serve(srv.base_url, path, c, args.seed + 100 * c + i, n, args, out)
+                with procs.paused(None if args.no_pause else other.proc.pid):
+                    s = _bench_serve(srv.base_url, path, c, args.seed + 100 * c + i, n, args, out)
                 s["server_cpu_s"] = procs.tree_cpu_seconds(srv.proc.pid) - c0
                 return s
 
-            a, b = alternate(args.repeat, lambda i: run(i, ours_srv, "kvtier"),
-                             lambda i: run(i, peer, "vllm"))  # fmt: skip
+            a, b = alternate(args.repeat, lambda i: run(i, ours_srv, peer, "kvtier"),
+                             lambda i: run(i, peer, ours_srv, "vllm"))  # fmt: skip
             result[str(c)] = {"num_prompts": n, "ours": a, "theirs": b}
     finally:
         ours_srv.close()

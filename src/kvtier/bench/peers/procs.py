@@ -4,6 +4,7 @@ ended by its own process group, never by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,6 +55,26 @@ def cpu_seconds(pids: list[int]) -> float:
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of `pid` and its live descendants (a peer engine is several processes)."""
     return cpu_seconds([pid, *descendants(pid)])
+
+
+@contextlib.contextmanager
+def paused(pid: int | None) -> Iterator[None]:
+    """SIGSTOP `pid` and its descendants for the block, SIGCONT after (None: nothing to pause).
+
+    An idle engine still polls (vLLM's processes use ~0.15 core waiting for work): paused, it
+    takes no CPU from the engine being measured."""
+    pids = [] if pid is None else [pid, *descendants(pid)]
+    if os.getpid() in pids:
+        raise ValueError(f"refusing to pause pid {pid}: our own process is in its tree")
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in reversed(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
 
 
 def free_port() -> int:

@@ -26,3 +26,42 @@ def test_garble_table_shows_each_protection(tmp_path: Path) -> None:
         assert rows[name]["garbled"] == 0 and rows[name]["hazards"] == 0, name
     assert all(r["total"] == 48 and r["host_hit_rate"] > 0 for r in rows.values())
     assert (tmp_path / "garble.png").stat().st_size > 0
+
+
+def _rows(tmp_path: Path, scenario: str, variants: str, rounds: int) -> dict[str, dict]:
+    out = tmp_path / f"{scenario}.json"
+    rc = main(
+        [
+            "bench", "garble", "--scenario", scenario, "--num-prompts", "24", "--rounds", str(rounds),
+            "--concurrency", "12", "--max-tokens", "48", "--dtype", "float32",
+            "--variants", variants, "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    return {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_finish_scenario_needs_the_quarantine(tmp_path: Path) -> None:
+    """H3: requests stop at a sentence end found while their next step is in flight; without the
+    quarantine (and without the event) a load lands in their blocks under that step."""
+    rows = _rows(tmp_path, "finish", "settled,settled+quarantine", rounds=2)  # 2: host hits
+    assert rows["settled"]["hazards"] > 0
+    assert rows["settled+quarantine"]["hazards"] == 0
+    assert rows["settled+quarantine"]["garbled"] == 0
+
+
+def test_drafts_scenario_needs_the_settled_basis(tmp_path: Path) -> None:
+    """H4: with pruning on the optimistic count, rejected drafts make the next step read window
+    blocks already handed to another request (poisoned): garbled although the quarantine and the
+    event are on; pruning on the settled count (with the quarantine) is clean."""
+    rows = _rows(tmp_path, "drafts", "event+quarantine,settled+quarantine", rounds=1)
+    assert rows["event+quarantine"]["garbled"] > 0
+    assert rows["settled+quarantine"]["garbled"] == 0
+    assert rows["settled+quarantine"]["hazards"] == 0
+
+
+def test_unknown_protection_in_a_variant_is_named(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="'quarantene'"):
+        main(["bench", "garble", "--variants", "settled+quarantene", "--out", str(tmp_path / "x")])

@@ -1,9 +1,16 @@
 """Garble benchmark: the seed-000 table on the sim device — async scheduling, sliding-window layers
-and heavy offload, with each block-lifetime protection switched on alone, all, or none.
+and heavy offload, with each block-lifetime protection switched on alone, in pairs, all, or none.
 
+Three scenarios, each aimed at hazards of DESIGN.md §5:
+  offload  H1/H2: stores of blocks still being written, loads over blocks pruned from windows
+           (every completion runs to max_tokens, so no request outlives its last scheduled step);
+  finish   H3: completions stop at a sentence end, found only when the step is processed while
+           the request's next step is already in flight — its blocks are freed under that step;
+  drafts   H4: n-gram drafts; a rejection rolls the count back below window blocks the optimistic
+           basis already pruned (the next step reads null KV).
 A completion is garbled when its tokens differ from the same prompt's reference run (synchronous,
-no offload, same dtype; float64 by default so batch shapes cannot flip ties). The sanitizer counts
-hazards instead of raising. Prints a table, saves JSON and optionally a PNG chart.
+no offload, no drafts, same dtype; float64 by default so batch shapes cannot flip ties). The
+sanitizer counts hazards instead of raising. Prints a table, saves JSON and optionally a PNG chart.
 """
 
 from __future__ import annotations
@@ -11,17 +18,54 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.bench import save_json
 
-VARIANTS = {
-    "none": "none",
-    "event": "event",
-    "quarantine": "quarantine",
-    "settled": "settled",
-    "all": "event,settled,quarantine",
+
+@dataclass(frozen=True)
+class Scenario:
+    """Default variants (each 'none', 'all' or protections joined by '+'), what it exercises,
+    and whether it runs with the host tier (the drafts scenario runs without one, prefix
+    caching off: pruned blocks are then unhashed and handed out again first, §8.4)."""
+
+    variants: str
+    hazard: str
+    offload: bool = True
+    async_depth: int = 2
+    drafts: bool = False  # n-gram drafts (--num-speculative-tokens per step)
+    # NaN-poison blocks when they are handed out (the adversarial allocator of §8.4): a block
+    # read after it was reused then always corrupts the reader, whichever slots the new owner
+    # writes (H4 reads the tail of a block a decode step reuses from its head)
+    poison: bool = False
+
+
+SCENARIOS = {
+    "offload": Scenario(
+        "none,event,quarantine,settled,all", "H1 store RAW, H2 pruned-window load WAR"
+    ),
+    # depth 3: a freed block's last reader is then often still queued, not running, when the
+    # next load lands, so the race corrupts data and not only the sanitizer's record
+    "finish": Scenario(
+        "none,settled,settled+quarantine,settled+event,all",
+        "H3 blocks freed at finish while the request's next step is in flight",
+        async_depth=3,
+    ),
+    "drafts": Scenario(
+        "none,event+quarantine,settled,settled+quarantine,all",
+        "H4 draft rollback below window blocks pruned on the optimistic count",
+        offload=False,
+        drafts=True,
+        poison=True,
+    ),
 }
+STOP_TOKENS = (".", "\n")  # the finish scenario's sentence ends
+
+
+def protect_of(variant: str) -> str:
+    """'settled+quarantine' -> 'settled,quarantine'; 'all' -> every protection."""
+    return "event,settled,quarantine" if variant == "all" else variant.replace("+", ",")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +79,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float64")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--scenario", choices=list(SCENARIOS), default="offload")
+    parser.add_argument(
+        "--async-depth",
+        type=int,
+        default=None,
+        help="unprocessed steps at once (default: the scenario's, 2; 3 for finish)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated; each 'none', 'all' or protections joined by '+' "
+        "(default: the scenario's set)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="n-gram drafts (drafts scenario)"
+    )
     parser.add_argument(
         "--device-fraction",
         type=float,
@@ -63,8 +122,20 @@ def prompts(tokenizer: Any, args: argparse.Namespace) -> list[list[int]]:
     return out
 
 
-def run_variant(args: argparse.Namespace, batch: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
-    from kvtier.engine import LLM, SamplingParams
+def sampling_params(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """Temperature 0; every completion runs to max_tokens except in the finish scenario."""
+    from kvtier.engine import SamplingParams
+
+    if args.scenario != "finish":
+        return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    stops = sorted({t for s in STOP_TOKENS for t in tokenizer.encode(s, add_special_tokens=False)})
+    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=stops)
+
+
+def run_variant(
+    args: argparse.Namespace, batch: list[dict[str, Any]], params: Any, **kw: Any
+) -> dict[str, Any]:
+    from kvtier.engine import LLM
 
     llm = LLM(
         args.model,
@@ -86,7 +157,6 @@ def run_variant(args: argparse.Namespace, batch: list[dict[str, Any]], **kw: Any
         return out
 
     engine.step = sampled_step  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     rounds = [
         [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
@@ -115,6 +185,19 @@ def run_variant(args: argparse.Namespace, batch: list[dict[str, Any]], **kw: Any
     }
 
 
+def parse_protect_checked(variant: str) -> tuple[str, ...]:
+    from kvtier.config import PROTECTIONS, parse_protect
+
+    names = parse_protect(protect_of(variant))
+    bad = [n for n in names if n not in PROTECTIONS]
+    if bad:
+        raise ValueError(
+            f"--variants {variant!r}: unknown protection {bad[0]!r}; use 'none', 'all' or "
+            f"{'+'.join(PROTECTIONS)} joined by '+'"
+        )
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
     from kvtier.engine.params import DEFAULT_MODEL
@@ -126,7 +209,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_pretrained(path)
     if "sliding" not in cfg.layer_kinds:
         raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
-    batch = [{"prompt_token_ids": p} for p in prompts(load_tokenizer(path), args)]
+    scenario = SCENARIOS[args.scenario]
+    tokenizer = load_tokenizer(path)
+    batch = [{"prompt_token_ids": p} for p in prompts(tokenizer, args)]
+    params = sampling_params(args, tokenizer)
+    variants = (args.variants or scenario.variants).split(",")
+    for v in variants:  # fail before the long reference run
+        parse_protect_checked(v)
     max_len = args.max_prompt + args.max_tokens + args.block_size
     sched = SchedulerConfig(
         max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens
@@ -135,13 +224,17 @@ def run(args: argparse.Namespace) -> int:
     needed = probe.blocks_per_request(max_len) * args.concurrency
     device_blocks = max(probe.blocks_per_request(max_len) + 2, int(needed * args.device_fraction))
     print(
+        f"scenario {args.scenario} ({scenario.hazard}): "
         f"{len(batch)} prompts × {args.rounds} rounds, concurrency {args.concurrency}, "
         f"{args.max_tokens} new tokens, {args.dtype}; device pool {device_blocks} blocks "
-        f"(the concurrency needs {needed}), host {args.host_blocks} blocks"
+        f"(the concurrency needs {needed}), "
+        + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier, no caching")
+        + (", blocks NaN-poisoned when handed out" if scenario.poison else "")
     )
     ref = run_variant(
         args,
         batch,
+        params,
         device="cpu",
         async_scheduling=False,
         max_model_len=max_len,
@@ -151,18 +244,25 @@ def run(args: argparse.Namespace) -> int:
     )
     reference = ref["rounds"][0]
     rows = []
-    for name in args.variants.split(","):
+    drafts = args.num_speculative_tokens if scenario.drafts else 0
+    depth = args.async_depth or scenario.async_depth
+    host = {"num_host_blocks": args.host_blocks} if scenario.offload else {}
+    for name in variants:
         r = run_variant(
             args,
             batch,
+            params,
             device="sim",
             sanitize="collect",
-            async_depth=2,
+            async_depth=depth,
             max_model_len=max_len,
             num_device_blocks=device_blocks,
-            num_host_blocks=args.host_blocks,
+            enable_prefix_caching=scenario.offload,
+            **host,
             max_num_seqs=args.concurrency,
-            protect=VARIANTS[name],
+            protect=protect_of(name),
+            num_speculative_tokens=drafts,
+            poison=scenario.poison,
         )
         garbled = sum(t != reference[i] for rnd in r.pop("rounds") for i, t in enumerate(rnd))
         total = len(batch) * args.rounds
@@ -175,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         }
         rows.append(row)
         print(
-            f"{name:11s} garbled {garbled:4d}/{total} ({garbled / total:6.2%})  wall {r['wall_s']:6.1f}s  "
+            f"{name:19s} garbled {garbled:4d}/{total} ({garbled / total:6.2%})  wall {r['wall_s']:6.1f}s  "
             f"device {r['device_s']:7.2f}s  tok/s {r['tok_s_wall']:7.1f} (device "
             f"{(r['tok_s_device'] or 0):8.1f})  KV {r['mean_kv_usage']:.2f}  waiting "
             f"{r['mean_waiting']:5.1f}  host hits {r['host_hit_rate']:.2%}  preempt "
@@ -190,11 +290,11 @@ def run(args: argparse.Namespace) -> int:
     }
     print(f"saved {save_json(result, args.out)}")
     if args.plot:
-        _plot(rows, args.plot)
+        _plot(rows, args.plot, args.scenario)
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
+def _plot(rows: list[dict[str, Any]], path: str, scenario: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,10 +303,12 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["variant"] for r in rows]
     a.bar(names, [100 * r["garble_rate"] for r in rows], color="tab:red")
+    a.tick_params(axis="x", labelrotation=30)
+    b.tick_params(axis="x", labelrotation=30)
     a.set_ylabel("garbled completions (%)")
     b.bar(names, [r["hazards"] for r in rows], color="tab:blue")
     b.set_ylabel("sanitizer hazards")
-    fig.suptitle("kvtier garble benchmark (sim device, async depth 2, heavy offload)")
+    fig.suptitle(f"kvtier garble benchmark, scenario {scenario} (sim, async depth 2, offload)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

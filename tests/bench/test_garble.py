@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvtier.cli import main
 
 
@@ -60,8 +62,10 @@ def test_drafts_scenario_needs_the_settled_basis(tmp_path: Path) -> None:
     assert rows["settled+quarantine"]["hazards"] == 0
 
 
-def test_unknown_protection_in_a_variant_is_named(tmp_path: Path) -> None:
-    import pytest
-
-    with pytest.raises(ValueError, match="'quarantene'"):
-        main(["bench", "garble", "--variants", "settled+quarantene", "--out", str(tmp_path / "x")])
+def test_unknown_protection_in_a_variant_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["bench", "garble", "--variants", "settled+quarantene", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "'quarantene'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

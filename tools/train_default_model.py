@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pydoc_data.topics
 import random
 import time
 from pathlib import Path
 
-import pydoc_data.topics
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -103,7 +103,7 @@ def main() -> int:
     eos = tok.token_to_id("<eos>")
     ids_list: list[int] = []
     for d in docs:
-        ids_list += tok.encode(d).ids + [eos]
+        ids_list += [*tok.encode(d).ids, eos]
     ids = torch.tensor(ids_list, dtype=torch.long)  # [num_corpus_tokens]
     print(f"corpus: {len(docs)} topics, {len(ids)} tokens, vocab {tok.get_vocab_size()}")
 

@@ -154,7 +154,12 @@ def main() -> int:
         )
         + "\n"
     )
-    meta = {"steps": args.steps, "seed": args.seed, "final_loss": loss.item(), "seconds": time.time() - t0}
+    meta = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "final_loss": loss.item(),
+        "seconds": time.time() - t0,
+    }
     (args.out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"saved {args.out} ({meta})")
     return 0

@@ -34,6 +34,7 @@ class Scenario:
     hazard: str
     offload: bool = True
     async_depth: int = 2
+    device_fraction: float = 0.5  # of what the concurrency needs at max length
     drafts: bool = False  # n-gram drafts (--num-speculative-tokens per step)
     # NaN-poison blocks when they are handed out (the adversarial allocator of §8.4): a block
     # read after it was reused then always corrupts the reader, whichever slots the new owner
@@ -51,6 +52,7 @@ SCENARIOS = {
         "none,settled,settled+quarantine,settled+event,all",
         "H3 blocks freed at finish while the request's next step is in flight",
         async_depth=3,
+        device_fraction=0.2,  # sentence-end stops use about a fifth of the max-length need
     ),
     "drafts": Scenario(
         "none,event+quarantine,settled,settled+quarantine,all",
@@ -98,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device-fraction",
         type=float,
-        default=0.5,
-        help="device pool as a fraction of what the concurrency needs",
+        default=None,
+        help="device pool as a fraction of what the concurrency needs at max length "
+        "(default: the scenario's, 0.5; 0.2 for finish)",
     )
     parser.add_argument("--host-blocks", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
@@ -222,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     )
     probe = plan_kv(cfg, CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20), sched)
     needed = probe.blocks_per_request(max_len) * args.concurrency
-    device_blocks = max(probe.blocks_per_request(max_len) + 2, int(needed * args.device_fraction))
+    fraction = args.device_fraction or scenario.device_fraction
+    device_blocks = max(probe.blocks_per_request(max_len) + 2, int(needed * fraction))
     print(
         f"scenario {args.scenario} ({scenario.hazard}): "
         f"{len(batch)} prompts × {args.rounds} rounds, concurrency {args.concurrency}, "

@@ -157,7 +157,7 @@ def test_poisson_starts_and_fallback_counts() -> None:
     serve.add_arguments(parser)
     args = parser.parse_args(["--base-url", "x", "--model", "m", "--num-prompts", "400"])
     args.request_rate = 50.0
-    convs = serve_data.build(args, None, use_ids=False)
+    convs = serve_data.build(serve_data.Dataset.from_args(args), None, use_ids=False)
     starts = [c.start_delay for c in convs]
     assert starts[0] == 0 and starts == sorted(starts)
     assert 6 < starts[-1] < 10  # 399 gaps of mean 1/50 s

@@ -118,17 +118,16 @@ def build_workload(args: argparse.Namespace, model_path: Path) -> Workload:
         )
     if min(args.question_len, args.answer_len) < 1:
         raise SystemExit("--question-len and --answer-len must be ≥ 1")
-    spec = argparse.Namespace(
-        dataset="shared-prefix",
+    spec = serve_data.Dataset(
+        "shared-prefix",
         num_prompts=args.num_prefixes * args.users_per_prefix,
-        num_rounds=args.rounds,
-        num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len,
         input_len=args.question_len,
         output_len=args.answer_len,
         range_ratio=args.range_ratio,
-        request_rate=float("inf"),
         seed=args.seed,
+        num_rounds=args.rounds,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
     )
     convs = serve_data.build(spec, serve_data.Tok(model_path), use_ids=True)
     longest = max(map(Workload.final_len, convs))

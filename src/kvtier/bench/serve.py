@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_len = next(
             (m.get("max_model_len") for m in card["data"] if m.get("id") == args.model), None
         )
-    convs = serve_data.build(args, tok, use_ids)
+    convs = serve_data.build(serve_data.Dataset.from_args(args), tok, use_ids)
     rounds = len(convs[0].questions)
     longest = (
         (args.prefix_len if args.dataset == "shared-prefix" else 0)

@@ -77,7 +77,28 @@ def _prompt(rng: random.Random, n: int, tok: Tok | None, use_ids: bool) -> Promp
     return " " + " ".join(rng.choice(_WORDS) for _ in range(n))  # ≈ 1 token a word
 
 
-def build(args: argparse.Namespace, tok: Tok | None, use_ids: bool) -> list[Conversation]:
+@dataclass(frozen=True)
+class Dataset:
+    """What `build` generates: `random` (one round) or `shared-prefix` conversations."""
+
+    dataset: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+    seed: int = 0
+    request_rate: float = float("inf")
+    num_rounds: int = 1  # shared-prefix only
+    num_prefixes: int = 1
+    prefix_len: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Dataset:
+        """The dataset `kvtier bench serve`'s flags describe."""
+        return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__ if hasattr(args, f)})
+
+
+def build(args: Dataset, tok: Tok | None, use_ids: bool) -> list[Conversation]:
     """The conversations of the workload, with Poisson start delays (all 0 for an infinite rate)."""
     rng = random.Random(args.seed)
     n, rounds = args.num_prompts, 1

@@ -21,6 +21,7 @@ def check_ledger(request: Request, sched_step_seq: int, processed_step_seq: int)
     assert led.num_in_flight_tokens == sum(r.num_scheduled_tokens for r in records), rid
     assert led.num_scheduled_tokens - led.num_processed_tokens == led.num_in_flight_tokens, rid
     assert led.num_live_in_flight_tokens == sum(r.num_scheduled_tokens for r in live), rid
+    assert led.num_draft_tokens == sum(r.num_draft_tokens for r in records), rid
     assert led.num_placeholders == sum(r.num_placeholders for r in live), rid
     assert led.num_pending_samples == sum(1 for r in live if r.num_placeholders), rid
     assert min(led.num_in_flight_tokens, led.num_live_in_flight_tokens, led.num_placeholders) >= 0

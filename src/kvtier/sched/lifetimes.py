@@ -48,7 +48,7 @@ class SettledLifetimes:
         request has drafts in flight, pruned blocks are therefore stamped with its last step
         (held by the quarantine until those steps are processed) instead of freed at once.
         """
-        if any(r.num_draft_tokens for r in request.ledger.records):
+        if request.ledger.num_draft_tokens:
             return request.num_settled_tokens, request.last_sched_seq
         return request.num_settled_tokens, processed_step_seq
 

@@ -79,6 +79,7 @@ class StepLedger:
     """
 
     __slots__ = (
+        "num_draft_tokens",
         "num_in_flight_tokens",
         "num_live_in_flight_tokens",
         "num_pending_samples",
@@ -91,6 +92,7 @@ class StepLedger:
     def __init__(self) -> None:
         self.records: deque[StepRecord] = deque()
         self.num_in_flight_tokens = 0  # all records
+        self.num_draft_tokens = 0  # all records: drafts not verified yet
         self.num_live_in_flight_tokens = 0  # records of the current incarnation
         self.num_placeholders = 0  # live output positions not yet delivered
         self.num_pending_samples = 0  # live records that will deliver ≥ 1 token
@@ -102,6 +104,7 @@ class StepLedger:
         self.records.append(record)
         n = record.num_scheduled_tokens
         self.num_in_flight_tokens += n
+        self.num_draft_tokens += record.num_draft_tokens
         self.num_live_in_flight_tokens += n
         self.num_placeholders += record.num_placeholders
         self.num_pending_samples += record.num_placeholders > 0
@@ -116,6 +119,7 @@ class StepLedger:
         record = records.popleft()
         n = record.num_scheduled_tokens
         self.num_in_flight_tokens -= n
+        self.num_draft_tokens -= record.num_draft_tokens
         self.num_processed_tokens += n
         if not record.stale:
             self.num_live_in_flight_tokens -= n

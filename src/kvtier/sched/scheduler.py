@@ -286,7 +286,7 @@ class Scheduler(AdmissionMixin):
                 return None
 
     def _record(self, request: Request, seq: int, n: int, num_drafts: int, samples: bool) -> None:
-        unverified = sum(r.num_draft_tokens for r in request.ledger.records)
+        unverified = request.ledger.num_draft_tokens
         lowest = max(0, request.num_computed_tokens - unverified) if unverified else None
         samples_n = 1 + num_drafts if samples else 0
         request.ledger.append(StepRecord(seq, n, num_drafts, samples_n, lowest_write=lowest))

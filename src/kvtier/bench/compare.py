@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -114,11 +113,6 @@ def model_path(name: str, tmp: Path) -> Path:
     return Path(name)
 
 
-def prompts(seed: int, num: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
-
-
 def _max_len(args: argparse.Namespace) -> int:
     return int(args.input_len + args.output_len + args.block_size)
 
@@ -130,6 +124,7 @@ def offline(
     --repeat rounds, each on new prompts: a cold pass, then a warm pass on the same prompts."""
     import torch
 
+    from kvtier.bench.throughput import random_prompts
     from kvtier.config import ModelConfig
     from kvtier.engine import LLM, SamplingParams
 
@@ -152,7 +147,7 @@ def offline(
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
 
         def round_prompts(i: int) -> list[list[int]]:
-            return prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
+            return random_prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
 
         me, them = os.getpid(), peer.proc.pid
         idle = None if args.no_pause else them  # ours has no process of its own to pause

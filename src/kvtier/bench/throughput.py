@@ -51,11 +51,10 @@ def _model_path(name: str, tmp: Path, default: Path) -> Path:
     return default if name == "default" else Path(name)
 
 
-def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    return [
-        [rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
-    ]
+def random_prompts(seed: int, num: int, length: int, vocab: int) -> list[list[int]]:
+    """`num` prompts of `length` random token ids (ids 0–2 are left out: special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
 
 
 def run_kvtier(
@@ -128,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         for name in args.models.split(","):
             path = _model_path(name, Path(tmp), DEFAULT_MODEL)
             cfg = ModelConfig.from_pretrained(path)
-            prompts = _prompts(args, cfg.vocab_size)
+            prompts = random_prompts(args.seed, args.num_prompts, args.input_len, cfg.vocab_size)
             for dtype in args.dtypes.split(","):
                 ours = run_kvtier(str(path), dtype, prompts, args)
                 row: dict[str, Any] = {

@@ -8,7 +8,6 @@ Every op declares the blocks and buffers it touches, for the sanitizer.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,9 +74,6 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
         self.generator = torch.Generator().manual_seed(seed)
-        # Drafts of each launched step not yet waited on: they may be rejected, so a request's
-        # next step may start up to that many tokens before the scheduler's count.
-        self._unverified: deque[tuple[int, dict[str, int]]] = deque()
         width = 1 + num_speculative_tokens
         device.alloc_buffer(TOKEN_STATE, (1,), "int64")
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
@@ -137,8 +133,6 @@ class ModelRunner:
     def wait(self, handle: StepHandle) -> RunnerOutput:
         """Block until the step's tokens are on the host; return them as a `RunnerOutput`."""
         self.device.synchronize_event(handle.event)
-        while self._unverified and self._unverified[0][0] <= handle.output.step_seq:
-            self._unverified.popleft()  # its drafts are verified now
         host = self.host_out[handle.slot]
         sampled: dict[str, list[int]] = {}
 
@@ -171,16 +165,14 @@ class ModelRunner:
             for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
                 table.extend(ids)
                 fresh += [b for b in ids if b]
-            rollback = sum(d.get(cached.req_id, 0) for _, d in self._unverified)
-            starts[cached.req_id] = max(0, cached.num_computed_tokens - rollback)
+            # drafts of earlier steps may still be rejected: it may start as low as this
+            starts[cached.req_id] = cached.lowest_start
             ends[cached.req_id] = cached.num_computed_tokens
         if fresh:
             self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
         bs = self.block_size
-        spec = output.scheduled_spec_decode_tokens
-        self._unverified.append((output.step_seq, {r: len(d) for r, d in spec.items() if d}))
         kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
             lo = starts[req_id]

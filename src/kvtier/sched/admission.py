@@ -10,7 +10,7 @@ from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.output import NewRequestData, PlannedTransfer, RunnerOutput
 from kvtier.sched.queues import RequestQueue
-from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
 
 if TYPE_CHECKING:
     from kvtier.sched.connector import KVConnector
@@ -30,7 +30,7 @@ class AdmissionMixin:
     long_prefill_token_threshold: int
     _transfers: list[PlannedTransfer]
 
-    _record: Callable[[Request, int, int, int, bool], None]  # Scheduler's ledger append
+    _record: Callable[[Request, int, int, int, bool], StepRecord]  # Scheduler's ledger append
 
     def _admit(
         self, seq: int, budget: int, num_scheduled: dict[ReqId, int], new_reqs: list[NewRequestData]

@@ -31,6 +31,8 @@ class CachedRequestData:
     req_id: ReqId
     new_block_ids: BlockIds  # ids appended to each group's table this step (0 = skipped, null)
     num_computed_tokens: int  # optimistic start position (≥ the device's, after rejections)
+    # lowest start the device may have: minus this request's drafts still unverified at launch
+    lowest_start: int
 
 
 @dataclass(slots=True)

@@ -201,13 +201,13 @@ class Scheduler(AdmissionMixin):
             if blocks is None:
                 blocked = True  # it waits or preempted itself: nothing later can fit either
                 break
-            self._record(request, seq, n, len(drafts), samples)
+            record = self._record(request, seq, n, len(drafts), samples)
             num_scheduled[request.request_id] = n
             if drafts:
                 spec_tokens[request.request_id] = drafts
-            cached.append(
-                CachedRequestData(request.request_id, blocks, request.num_computed_tokens - n)
-            )
+            start = request.num_computed_tokens - n
+            lowest = start if record.lowest_write is None else record.lowest_write
+            cached.append(CachedRequestData(request.request_id, blocks, start, lowest))
             budget -= n
             i += 1
         new_reqs: list[NewRequestData] = []
@@ -285,13 +285,17 @@ class Scheduler(AdmissionMixin):
             if victim is request:
                 return None
 
-    def _record(self, request: Request, seq: int, n: int, num_drafts: int, samples: bool) -> None:
+    def _record(
+        self, request: Request, seq: int, n: int, num_drafts: int, samples: bool
+    ) -> StepRecord:
         unverified = request.ledger.num_draft_tokens
         lowest = max(0, request.num_computed_tokens - unverified) if unverified else None
         samples_n = 1 + num_drafts if samples else 0
-        request.ledger.append(StepRecord(seq, n, num_drafts, samples_n, lowest_write=lowest))
+        record = StepRecord(seq, n, num_drafts, samples_n, lowest_write=lowest)
+        request.ledger.append(record)
         request.num_computed_tokens += n
         request.last_sched_seq = seq
+        return record
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvtier.device.base import Device, DeviceError, OpFn
 from kvtier.device.costs import Work
@@ -47,6 +49,16 @@ class _Failure:
         self.label = ""
 
 
+@dataclass(slots=True)
+class StreamTimes:
+    """Where time went on a threaded device, in seconds since it was built: each stream's worker
+    busy running ops, and the host blocked in synchronisations. With host work overlapped, a run's
+    compute busy time minus the host's wait is the host time hidden behind forwards."""
+
+    busy_s: dict[str, float] = field(default_factory=dict)  # per stream name
+    host_wait_s: float = 0.0
+
+
 def _run(items: queue.SimpleQueue[Item | None]) -> None:
     # Holds no reference to the device, so an unused device is collected and its workers stopped.
     while (item := items.get()) is not None:
@@ -76,6 +88,7 @@ class ThreadedDevice(Device):
         self._queues: dict[StreamId, queue.SimpleQueue[Item | None]] = {}
         self._threads: dict[StreamId, threading.Thread] = {}
         self._completions: dict[EventId, _Completion] = {}  # each event's latest record
+        self._times = StreamTimes()
         all_queues: list[queue.SimpleQueue[Item | None]] = []  # filled as streams appear
         self._all_queues = all_queues
         self._finalizer = weakref.finalize(self, _stop_all, all_queues)
@@ -86,6 +99,10 @@ class ThreadedDevice(Device):
     def close(self) -> None:
         """Stop the stream workers once they have run what was launched (idempotent)."""
         self._finalizer()
+
+    def times(self) -> StreamTimes:
+        """A copy of the busy and wait times so far (see `StreamTimes`)."""
+        return StreamTimes(dict(self._times.busy_s), self._times.host_wait_s)
 
     def stream_threads(self) -> list[threading.Thread]:
         """The worker thread of each stream (for tests and debugging)."""
@@ -134,17 +151,19 @@ class ThreadedDevice(Device):
         self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
     ) -> None:
         self._check_failure()
-        failure = self._failure
+        failure, busy, name = self._failure, self._times.busy_s, self.stream_name(stream)
 
         def op() -> None:
             if failure.error is not None:
                 return  # the device failed: skip, as a CUDA context would
+            t0 = time.perf_counter()
             try:
                 self._run_op(stream, fn)
             except BaseException as exc:  # reported to the host at its next device call
                 log.exception("device op %s (step %s) failed", meta.label, meta.step_seq)
                 failure.label = f"{meta.label} (op {int(op_id)}, step {meta.step_seq})"
                 failure.error = exc
+            busy[name] = busy.get(name, 0.0) + time.perf_counter() - t0  # this worker only
 
         self._queues[stream].put(op)
 
@@ -183,17 +202,19 @@ class ThreadedDevice(Device):
     def _sync_event(self, event: EventId) -> None:
         done = self._completions.get(event)
         if done is not None:
-            done.issued.wait()
-            if done.mark is not None:
-                self._mark_sync(done.mark)
+            self._block_on(done)
         self._check_failure()
 
     def _sync_stream(self, stream: StreamId) -> None:
-        done = self._put_record(stream)
+        self._block_on(self._put_record(stream))
+        self._check_failure()
+
+    def _block_on(self, done: _Completion) -> None:
+        t0 = time.perf_counter()
         done.issued.wait()
         if done.mark is not None:
             self._mark_sync(done.mark)
-        self._check_failure()
+        self._times.host_wait_s += time.perf_counter() - t0
 
     def _sync_all(self) -> None:
         for stream in list(self._queues):

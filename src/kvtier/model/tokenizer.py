@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvtier.model.loader import load_generation_defaults
+from kvtier.model.generation import load_generation_defaults
 
 
 class Tokenizer:

@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="offload")
     parser.add_argument(
+        "--device",
+        choices=["sim", "cpu"],
+        default="sim",
+        help="sim: modelled time, races replayed deterministically; cpu: streams are threads, "
+        "races are physical and vary run to run",
+    )
+    parser.add_argument(
         "--async-depth",
         type=int,
         default=None,
@@ -258,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             args,
             batch,
             params,
-            device="sim",
+            device=args.device,
             sanitize="collect",
             async_depth=depth,
             max_model_len=max_len,

@@ -135,6 +135,7 @@ class EngineCore:
             eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
             seed=args.seed,
             order_copies_after_compute="event" in args.protect,
+            logprobs_mode=args.logprobs_mode,
         )
         self.requests: dict[str, RequestState] = {}
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
+from kvtier.model.sampler import LOGPROBS_MODES
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.request import SamplingParams as StopParams
 
@@ -82,6 +83,7 @@ class EngineArgs:
     check_integrity: bool = False  # check the KV pool after every step (debug)
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
+    logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -97,6 +99,10 @@ class EngineArgs:
             raise ValueError(f"unknown protections {bad}; choose from {PROTECTIONS} (or none)")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be ≥ 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
 
     @property
     def model_path(self) -> Path:

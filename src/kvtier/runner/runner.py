@@ -60,6 +60,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         order_copies_after_compute: bool = True,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.device = device
@@ -72,6 +73,7 @@ class ModelRunner:
         self.params: dict[str, ModelSamplingParams] = {}  # host side: set before scheduling
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
         self.generator = torch.Generator().manual_seed(seed)
         width = 1 + num_speculative_tokens
@@ -244,9 +246,9 @@ class ModelRunner:
         if not index:
             return
         logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
-        _mask_before_min_tokens(logits, sampling)
         batch = SamplingBatch.from_params(row_params, positions, logits.shape[-1])
-        out = sample(logits, batch, self.generator)
+        banned = _banned_before_min_tokens(sampling)
+        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=self.logprobs_mode)
         tokens = out.token_ids.tolist()
         logprobs = self._logprobs[slot] = {}
         width = self.sampled.shape[1]
@@ -279,8 +281,8 @@ class _Planned:
     samples: bool  # the step reaches the end of the known tokens: sample after it
 
 
-def _mask_before_min_tokens(logits: torch.Tensor, sampling: list[tuple[_Planned, int]]) -> None:
-    """EOS and stop tokens cannot be sampled before a request has `min_tokens` outputs."""
+def _banned_before_min_tokens(sampling: list[tuple[_Planned, int]]) -> tuple[list[int], list[int]]:
+    """(rows, token ids): EOS and stop tokens cannot be sampled before `min_tokens` outputs."""
     rows: list[int] = []
     cols: list[int] = []
     for p, first in sampling:
@@ -291,8 +293,7 @@ def _mask_before_min_tokens(logits: torch.Tensor, sampling: list[tuple[_Planned,
         for j in range(min(len(p.drafts) + 1, st.min_tokens - num_out)):
             rows += [first + j] * len(st.eos_ids)
             cols += st.eos_ids
-    if rows:
-        logits[rows, cols] = float("-inf")
+    return rows, cols
 
 
 def _token_logprobs(out: SamplerOutput, first: int, n: int, k: int) -> list[TokenLogprobs]:

@@ -185,6 +185,7 @@ class EngineCore:
             params.skip_special_tokens,
             params.include_stop_str_in_output,
             prompt_token_ids,
+            params.min_tokens,
         )
         self.requests[req_id] = RequestState(request, params, detok)
 
@@ -229,14 +230,18 @@ class EngineCore:
             state = self.requests.get(out.req_id)
             if state is None or (state.finish_reason is not None and not out.finished):
                 continue
-            new_text = self._append(state, out.new_token_ids, logprobs.get(out.req_id, []))
+            by_token = out.finished is RequestStatus.FINISHED_STOPPED
+            kept, new_text = self._append(
+                state, out.new_token_ids, logprobs.get(out.req_id, []), by_token
+            )
             finished = out.finished is not None or state.finish_reason is not None
             if out.finished is not None and state.finish_reason is None:
                 state.finish_reason = FINISH_REASONS[out.finished]
-                last = state.token_ids[-1] if state.token_ids else None
-                if state.finish_reason == "stop" and last is not None and last != self.eos_token_id:
-                    state.stop_reason = last
-            outs.append(StepOutput(out.req_id, out.new_token_ids, new_text, finished))
+                if by_token:
+                    state.stop_reason = self._stop_token_reason(state)
+            if finished:
+                new_text += state.detok.flush()
+            outs.append(StepOutput(out.req_id, kept, new_text, finished))
             if finished:
                 self.runner.remove_request(out.req_id)
         if self.args.check_integrity:
@@ -244,20 +249,37 @@ class EngineCore:
         return outs
 
     def _append(
-        self, state: RequestState, token_ids: list[int], logprobs: list[TokenLogprobs]
-    ) -> str:
+        self,
+        state: RequestState,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        ends_with_stop_token: bool,
+    ) -> tuple[list[int], str]:
+        """Record the step's tokens up to a stop string; returns (the tokens kept, new text).
+
+        A stop token's text is left out unless include_stop_str_in_output (as vLLM)."""
         text = ""
+        num_kept = 0
         for i, tok in enumerate(token_ids):
             if state.finish_reason is not None:
                 break
             state.token_ids.append(tok)
+            num_kept += 1
             if i < len(logprobs):
                 state.logprobs.append(logprobs[i])
-            text += state.detok.push(tok)
+            stop_token = ends_with_stop_token and i == len(token_ids) - 1
+            if not stop_token or state.params.include_stop_str_in_output:
+                text += state.detok.push(tok)
             if state.detok.stop_reason is not None:  # a stop string: finish here, free blocks
                 state.finish_reason, state.stop_reason = "stop", state.detok.stop_reason
                 self.scheduler.abort(state.request.request_id)
-        return text
+        return token_ids[:num_kept], text
+
+    def _stop_token_reason(self, state: RequestState) -> int | None:
+        """vLLM's stop_reason for a stop token: None for the model's EOS (unless ignore_eos made
+        it count only as a listed stop token), else the token."""
+        last = state.token_ids[-1]
+        return None if last == self.eos_token_id and not state.params.ignore_eos else last
 
     def check_integrity(self) -> None:
         """Assert the KV pools' invariants (every device reference has a holder)."""

@@ -20,7 +20,7 @@ class DeviceRequest:
     params: ModelSamplingParams
     num_prompt_tokens: int
     min_tokens: int = 0
-    eos_ids: tuple[int, ...] = field(default_factory=tuple)  # masked until min_tokens outputs
+    eos_ids: tuple[int, ...] = field(default_factory=tuple)  # banned until min_tokens outputs
 
 
 def apply_diffs(
@@ -42,7 +42,8 @@ def apply_diffs(
             params=params[new.req_id],
             num_prompt_tokens=new.num_prompt_tokens,
             min_tokens=new.sampling.min_tokens,
-            eos_ids=() if new.sampling.ignore_eos else eos_ids + new.sampling.stop_token_ids,
+            # as vLLM's all_stop_token_ids: EOS is banned before min_tokens even with ignore_eos
+            eos_ids=eos_ids + new.sampling.stop_token_ids,
         )
     for cached in output.scheduled_cached_reqs:
         st = state[cached.req_id]

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); no cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -38,6 +39,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         self.draw_params()  # validates temperature, top_p, top_k, min_p, logprobs
         StopParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens)
+        n = self.prompt_logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer ≥ 0, got {n!r}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -67,6 +67,7 @@ class SamplingParams:
             eos_token_id=eos_token_id,
             ignore_eos=self.ignore_eos,
             use_ngram=use_ngram,
+            skip_reading_prefix_cache=self.prompt_logprobs is not None,
         )
 
 

@@ -17,7 +17,7 @@ from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
-from kvtier.runner.runner import TokenLogprobs
+from kvtier.runner.runner import PromptLogprobs, TokenLogprobs
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
@@ -41,8 +41,19 @@ class RequestState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One entry per prompt position when asked (the first stays None, as vLLM), else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Record a chunk's prompt logprobs (mutates); positions already known stay as they are
+        (a request preempted during its prefill computes them again)."""
+        known = self.prompt_logprobs
+        assert known is not None, f"{self.request.request_id} did not ask for prompt logprobs"
+        for pos, lp in enumerate(chunk.logprobs, chunk.start):
+            if known[pos] is None:
+                known[pos] = lp
 
 
 @dataclass(slots=True)
@@ -178,7 +189,7 @@ class EngineCore:
         stop = params.stop_params(self.eos_token_id, use_ngram)
         request = Request(req_id, prompt_token_ids, stop, priority=priority)
         self.scheduler.add_request(request)  # raises before anything is recorded
-        self.runner.add_request(req_id, params.draw_params())
+        self.runner.add_request(req_id, params.draw_params(), params.prompt_logprobs)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             params.stop_strings,
@@ -187,7 +198,10 @@ class EngineCore:
             prompt_token_ids,
             params.min_tokens,
         )
-        self.requests[req_id] = RequestState(request, params, detok)
+        state = RequestState(request, params, detok)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.requests[req_id] = state
 
     def abort(self, req_id: str) -> bool:
         """Stop a request now; its blocks return once no step in flight can touch them."""
@@ -225,6 +239,10 @@ class EngineCore:
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)
         logprobs = self.runner.logprobs(handle)
+        for req_id, chunk in self.runner.prompt_logprobs(handle).items():
+            state = self.requests.get(req_id)
+            if state is not None and state.finish_reason is None:
+                state.add_prompt_logprobs(chunk)
         outs: list[StepOutput] = []
         for out in self.scheduler.update(output, result):
             state = self.requests.get(out.req_id)

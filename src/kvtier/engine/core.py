@@ -17,7 +17,7 @@ from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
-from kvtier.runner.runner import PromptLogprobs, TokenLogprobs
+from kvtier.runner.logprobs import PromptLogprobs, TokenLogprobs
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams
-from kvtier.runner.runner import TokenLogprobs
+from kvtier.runner.logprobs import TokenLogprobs
 
 PromptType = str | dict[str, Any]
 

@@ -18,6 +18,7 @@ from kvtier.model.attention import AttentionMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.model.transformer import CausalLM
+from kvtier.runner.logprobs import LogprobRows, PromptLogprobs, TokenLogprobs
 from kvtier.runner.state import DeviceRequest, apply_diffs
 from kvtier.runner.transfers import TransferEngine
 from kvtier.sched.ngram import NgramProposer
@@ -26,46 +27,6 @@ from kvtier.sched.output import RunnerOutput, SchedulerOutput
 TOKEN_STATE = "token_state"  # the device-side request state (tokens, positions)
 SAMPLED = "sampled_tokens"  # [max_num_seqs, 1 + k] device buffer the forward writes
 LOGPROBS = "logprobs_{}"  # per ring slot: the logprob tensors a forward leaves for the host
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of a token (sampled, or of the prompt) and the top candidates at its position."""
-
-    logprob: float
-    top: dict[int, float]
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    """Logprobs of the prompt tokens at positions start, start + 1, ... (one step's chunk)."""
-
-    start: int  # ≥ 1: the first prompt token has no logprob
-    logprobs: list[TokenLogprobs]
-
-
-@dataclass(slots=True)
-class _LogprobRows:
-    """Logprob tensors of one forward, read on the host once the step's event completed."""
-
-    token: torch.Tensor  # [rows] float32: the logprob of each row's token
-    top_values: torch.Tensor  # [rows, k] float32, k = the largest request's
-    top_ids: torch.Tensor  # [rows, k] int64
-    spans: list[tuple[str, int, int, int, int]]  # req, first row, rows, its k, first position
-
-    def read(self) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """Per request: (first position, its rows as TokenLogprobs). Host reads: after the event."""
-        token, values, ids = self.token.tolist(), self.top_values.tolist(), self.top_ids.tolist()
-        return {
-            req_id: (
-                pos,
-                [
-                    TokenLogprobs(token[r], dict(zip(ids[r][:k], values[r][:k], strict=True)))
-                    for r in range(first, first + n)
-                ],
-            )
-            for req_id, first, n, k, pos in self.spans
-        }
 
 
 @dataclass(slots=True)
@@ -123,7 +84,7 @@ class ModelRunner:
         for i in range(self.ring):
             device.alloc_buffer(LOGPROBS.format(i), (1,), "int64")  # names what _rows holds
         # Per slot, written inside the forward op: (sampled rows, prompt rows).
-        self._rows: list[tuple[_LogprobRows | None, _LogprobRows | None]] = [
+        self._rows: list[tuple[LogprobRows | None, LogprobRows | None]] = [
             (None, None) for _ in range(self.ring)
         ]
         self._logprobs: list[dict[str, list[TokenLogprobs]]] = [{} for _ in range(self.ring)]
@@ -303,7 +264,7 @@ class ModelRunner:
 
     def _prompt_logprob_rows(
         self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
-    ) -> _LogprobRows | None:
+    ) -> LogprobRows | None:
         """Raw logprobs of the prompt tokens this step's chunks predict (the query at position
         q predicts the token at q + 1), for requests that asked; None if none did."""
         index: list[int] = []  # hidden-state rows
@@ -323,7 +284,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         wanted = torch.tensor(targets, device=logprobs.device)
-        return _LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
+        return LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
 
     def _sample(
         self,
@@ -331,7 +292,7 @@ class ModelRunner:
         meta: AttentionMetadata,
         hidden: torch.Tensor,
         rows: list[str],
-    ) -> _LogprobRows | None:
+    ) -> LogprobRows | None:
         """Sample every request whose step reaches its last known token, accept drafts and write
         the tokens to the sampled buffer; returns the logprob rows of requests that asked."""
         index: list[int] = []  # hidden-state row of every sampled position
@@ -375,7 +336,7 @@ class ModelRunner:
             return None
         assert out.sampled_logprobs is not None and out.top_logprobs is not None
         assert out.top_token_ids is not None
-        return _LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
+        return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
 
 
 @dataclass(slots=True)

@@ -133,7 +133,11 @@ class _Mode(TorchFunctionMode):
         self.audit = audit
 
     def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return self.audit.call(func, args, kwargs or {})
 

@@ -12,7 +12,7 @@ and buffers it touches, for the sanitizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -276,9 +276,7 @@ class ModelRunner:
         if not plan:
             return
         if draft_ids:
-            state.tokens.index_put_(
-                self._index(draft_rows, draft_pos), self._index(draft_ids)[0]
-            )
+            state.tokens.index_put_(self._index(draft_rows, draft_pos), self._index(draft_ids)[0])
         meta = AttentionMetadata.build(
             [p.start for p in plan],
             [p.num_real + len(p.drafts) for p in plan],
@@ -405,7 +403,7 @@ class ModelRunner:
             counts.append(len(new))
             new_rows.append(i)
             new_ids.append(new + [-1] * (self.sampled.shape[1] - len(new)))
-        out_rows, = self._index(new_rows)
+        (out_rows,) = self._index(new_rows)
         values = torch.tensor(new_ids, dtype=torch.int64).to(self.torch_device, non_blocking=True)
         self.sampled.index_copy_(0, out_rows, values)
         buf = [(p.state.row, p.state.num_tokens - n, n) for (p, _, _), n in zip(sampling, counts)]

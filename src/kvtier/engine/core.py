@@ -135,12 +135,14 @@ class EngineCore:
             poison=args.poison,
             seed=args.seed,
         )
+        self.model.to(self.device.torch_device)  # weights and rope tables where the KV lives
         self.eos_token_id = self.tokenizer.eos_token_id
         self.runner = ModelRunner(
             self.model,
             self.device,
             block_size=self.plan.block_size,
             max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=self.plan.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
             max_async_depth=sched_cfg.depth,
             eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),

@@ -58,7 +58,7 @@ class GroupPlan:
 
     def to(self, device: torch.device) -> GroupPlan:
         """The plan with its index tensors on `device` (plans are built on the host)."""
-        if device.type == "cpu":
+        if device == torch.device("cpu"):
             return self
         batched = self.batched
         if batched is not None:

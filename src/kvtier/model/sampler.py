@@ -116,7 +116,9 @@ def sample(
     elif wanted and logprobs_mode == "raw_logits":
         report = logits
     if banned is not None and banned[0]:
-        where = (torch.tensor(banned[0]), torch.tensor(banned[1]))
+        where = tuple(
+            torch.tensor(b, dtype=torch.int64).to(logits.device, non_blocking=True) for b in banned
+        )
         logits = logits.index_put(where, torch.tensor(float("-inf")))  # out of place
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)

@@ -33,6 +33,15 @@ class LogprobRows:
     top_ids: torch.Tensor  # [rows, k] int64
     spans: list[tuple[str, int, int, int, int]]  # req, first row, rows, its k, first position
 
+    def to_host(self) -> LogprobRows:
+        """The rows with their tensors copied to host memory (queued on the current stream)."""
+        return LogprobRows(
+            self.token.to("cpu", non_blocking=True),
+            self.top_values.to("cpu", non_blocking=True),
+            self.top_ids.to("cpu", non_blocking=True),
+            self.spans,
+        )
+
     def read(self) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Per request: (first position, its rows as TokenLogprobs). Host reads: after the event."""
         token, values, ids = self.token.tolist(), self.top_values.tolist(), self.top_ids.tolist()

@@ -2,14 +2,17 @@
 
 The host prepares nothing the device computes: input ids, positions and slot mappings are built
 inside the forward op from the device-side state (`state.py`), so step k+1 reads step k's sampled
-tokens on the device, with no host round trip, even with speculative drafts rolled back.
-Every op declares the blocks and buffers it touches, for the sanitizer.
+tokens on the device, with no host round trip, even with speculative drafts rolled back. Every
+tensor an op uses lives on `device.torch_device`; the op never waits for the device to read a
+value back (n-gram drafts excepted: they are proposed on the device's tokens in Python). The host
+reads results only after the step's event, through declared host ops. Every op declares the blocks
+and buffers it touches, for the sanitizer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +22,7 @@ from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.model.transformer import CausalLM
 from kvtier.runner.logprobs import LogprobRows, PromptLogprobs, TokenLogprobs
-from kvtier.runner.state import DeviceRequest, apply_diffs
+from kvtier.runner.state import DeviceRequest, DeviceState
 from kvtier.runner.transfers import TransferEngine
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import RunnerOutput, SchedulerOutput
@@ -36,7 +39,11 @@ class StepHandle:
     output: SchedulerOutput
     slot: int  # ring slot of its host buffer and completion event
     event: EventId
-    rows: list[str] = field(default_factory=list)  # request of each sampled row, in order
+
+    @property
+    def rows(self) -> list[str]:
+        """The request of each row of the sampled buffer: the step's requests, in order."""
+        return list(self.output.num_scheduled_tokens)
 
 
 class ModelRunner:
@@ -49,6 +56,7 @@ class ModelRunner:
         *,
         block_size: int,
         max_num_seqs: int,
+        max_model_len: int,
         num_speculative_tokens: int = 0,
         max_async_depth: int = 3,
         eos_token_ids: Sequence[int] = (),
@@ -63,14 +71,18 @@ class ModelRunner:
         pool = device.kv("device")
         self.kv_caches = [pool[s] for s in model.layer_slots()]
         self.num_groups = len(model.kv_groups)
-        self.state: dict[str, DeviceRequest] = {}  # device side: touched only inside ops
+        self.torch_device = device.torch_device
+        # device side, touched only inside ops; one spare row: see DeviceState.apply_diffs
+        self.state = DeviceState(
+            max_num_seqs + 1, max_model_len, self.torch_device, num_speculative_tokens > 0
+        )
         self.params: dict[str, ModelSamplingParams] = {}  # host side: set before scheduling
         self.num_prompt_logprobs: dict[str, int] = {}  # host side: requests that ask for them
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
         self.eos_token_ids = tuple(eos_token_ids)
         self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         width = 1 + num_speculative_tokens
         device.alloc_buffer(TOKEN_STATE, (1,), "int64")
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
@@ -114,7 +126,6 @@ class ModelRunner:
         slot = output.step_seq % self.ring
         reads, writes = self._host_bookkeeping(output)
         meta = OpMeta("forward", output.step_seq, tuple(output.num_scheduled_tokens))
-        rows: list[str] = []
         access = AccessSet.of(
             reads={"device": sorted(reads - writes)},
             writes={
@@ -135,7 +146,7 @@ class ModelRunner:
         self.transfers.launch_loads(output.planned_transfers, output.step_seq)
         self.device.launch(
             COMPUTE,
-            lambda: self._forward(output, params, prompt_k, slot, rows),
+            lambda: self._forward(output, params, prompt_k, slot),
             access,
             meta,
             work,
@@ -152,7 +163,7 @@ class ModelRunner:
             Work.copy(host.numel() * 8),
         )
         self.device.record(COMPUTE, self.events[slot])
-        return StepHandle(output, slot, self.events[slot], rows)
+        return StepHandle(output, slot, self.events[slot])
 
     def wait(self, handle: StepHandle) -> RunnerOutput:
         """Block until the step's tokens are on the host; return them as a `RunnerOutput`."""
@@ -161,8 +172,11 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
 
         def read() -> None:
-            for i, req_id in enumerate(handle.rows):
-                sampled[req_id] = [t for t in host[i].tolist() if t >= 0]
+            req_ids = handle.rows
+            for req_id, row in zip(req_ids, host[: len(req_ids)].tolist(), strict=True):
+                tokens = [t for t in row if t >= 0]
+                if tokens:
+                    sampled[req_id] = tokens
             sampled_rows, prompt_rows = self._rows[handle.slot]
             self._rows[handle.slot] = (None, None)
             got = sampled_rows.read() if sampled_rows is not None else {}
@@ -231,36 +245,61 @@ class ModelRunner:
         params: dict[str, ModelSamplingParams],
         prompt_k: dict[str, int],
         slot: int,
-        rows: list[str],
     ) -> None:
-        apply_diffs(self.state, output, params, self.eos_token_ids, prompt_k)
+        state = self.state
+        state.apply_diffs(output, params, self.eos_token_ids, prompt_k)
         self._rows[slot] = (None, None)
         spec = output.scheduled_spec_decode_tokens
         plan: list[_Planned] = []
-        input_ids: list[int] = []
+        row_idx: list[int] = []  # token buffer (row, position) of every input token
+        pos_idx: list[int] = []
+        draft_rows: list[int] = []  # drafts are written to the buffer, then read like the rest
+        draft_pos: list[int] = []
+        draft_ids: list[int] = []
         for req_id, n in output.num_scheduled_tokens.items():
-            st = self.state[req_id]
+            st = state[req_id]
             drafts = list(spec.get(req_id, ()))
             if drafts and drafts[0] == -1:  # async: propose on the device's tokens
+                assert st.token_ids is not None, "drafts need track_tokens"
                 proposed = self.proposer.propose(st.token_ids, len(drafts))
                 drafts = proposed + [st.token_ids[-1]] * (len(drafts) - len(proposed))
             start, num_real = st.position, n - len(drafts)
-            input_ids += st.token_ids[start : start + num_real] + drafts
-            samples = start + num_real >= len(st.token_ids)
+            row_idx += [st.row] * n
+            pos_idx += range(start, start + n)
+            if drafts:
+                draft_rows += [st.row] * len(drafts)
+                draft_pos += range(start + num_real, start + n)
+                draft_ids += drafts
+            samples = start + num_real >= st.num_tokens
             plan.append(_Planned(req_id, st, start, num_real, drafts, samples))
         self.sampled.fill_(-1)
         if not plan:
             return
+        if draft_ids:
+            state.tokens.index_put_(self._index(draft_rows, draft_pos), self._index(draft_ids)[0])
         meta = AttentionMetadata.build(
             [p.start for p in plan],
             [p.num_real + len(p.drafts) for p in plan],
             [[p.state.tables[g] for p in plan] for g in range(self.num_groups)],
             self.block_size,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long)  # [num_tokens]
-        hidden = self.model(ids, meta.query_positions(), self.kv_caches, meta)
+        ids = state.gather(row_idx, pos_idx)  # [num_tokens]
+        positions = meta.query_positions().to(self.torch_device, non_blocking=True)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
-        self._rows[slot] = (self._sample(plan, meta, hidden, rows), prompt_rows)
+        sampled_rows = self._sample(plan, meta, hidden)
+        # queued copies to host memory; the host reads them once the step's event completed
+        self._rows[slot] = (
+            None if sampled_rows is None else sampled_rows.to_host(),
+            None if prompt_rows is None else prompt_rows.to_host(),
+        )
+
+    def _index(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """Host-built int64 index tensors on the device (no wait: the host knows them)."""
+        return tuple(
+            torch.tensor(v, dtype=torch.int64).to(self.torch_device, non_blocking=True)
+            for v in lists
+        )
 
     def _prompt_logprob_rows(
         self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
@@ -278,65 +317,102 @@ class ModelRunner:
             first_row = end - p.num_real - len(p.drafts)
             spans.append((p.req_id, len(index), last - p.start, k, p.start + 1))
             index += range(first_row, first_row + last - p.start)
-            targets += p.state.token_ids[p.start + 1 : last + 1]
+            targets += p.state.known_ids[p.start + 1 : last + 1]
         if not index:
             return None
-        logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
+        rows_t, wanted = self._index(index, targets)
+        logits = self.model.compute_logits(hidden, rows_t)  # [rows, vocab]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        wanted = torch.tensor(targets, device=logprobs.device)
         return LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
 
     def _sample(
-        self,
-        plan: list[_Planned],
-        meta: AttentionMetadata,
-        hidden: torch.Tensor,
-        rows: list[str],
+        self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
     ) -> LogprobRows | None:
         """Sample every request whose step reaches its last known token, accept drafts and write
-        the tokens to the sampled buffer; returns the logprob rows of requests that asked."""
+        the tokens to the sampled buffer (row i: the step's i-th request) and the token buffer;
+        returns the logprob rows of requests that asked."""
         index: list[int] = []  # hidden-state row of every sampled position
         row_params: list[ModelSamplingParams] = []
         positions: list[int] = []
-        sampling: list[tuple[_Planned, int]] = []  # request and its first row
-        for p, end in zip(plan, meta.query_start_loc[1:], strict=True):
+        sampling: list[tuple[_Planned, int, int]] = []  # request, its first row, its output row
+        for i, (p, end) in enumerate(zip(plan, meta.query_start_loc[1:], strict=True)):
             if not p.samples:  # a prefill chunk that does not reach the end of the prompt
                 p.state.position = p.start + p.num_real
                 continue
-            sampling.append((p, len(index)))
+            sampling.append((p, len(index), i))
             for j in range(len(p.drafts) + 1):
                 index.append(end - len(p.drafts) - 1 + j)
                 row_params.append(p.state.params)
                 positions.append(p.start + p.num_real + j)
         if not index:
             return None
-        logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
-        batch = SamplingBatch.from_params(row_params, positions, logits.shape[-1])
+        logits = self.model.compute_logits(hidden, self._index(index)[0])  # [rows, vocab]
+        batch = SamplingBatch.from_params(
+            row_params, positions, logits.shape[-1], device=self.torch_device
+        )
         banned = _banned_before_min_tokens(sampling)
         out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=self.logprobs_mode)
-        tokens = out.token_ids.tolist()
-        spans: list[tuple[str, int, int, int, int]] = []  # rows of requests asking for logprobs
-        width = self.sampled.shape[1]
-        sampled_rows: list[list[int]] = []
-        for p, first in sampling:
+        if self.state.track_tokens:
+            counts = self._accept_drafts(sampling, out.token_ids)
+        else:  # one token per sampling request, left on the device
+            counts = [1] * len(sampling)
+            out_rows, buf_rows, buf_pos = self._index(
+                [i for _, _, i in sampling],
+                [p.state.row for p, _, _ in sampling],
+                [p.state.num_tokens for p, _, _ in sampling],
+            )
+            self.sampled[:, 0].index_copy_(0, out_rows, out.token_ids)
+            self.state.tokens.index_put_((buf_rows, buf_pos), out.token_ids)
+            for p, _, _ in sampling:
+                p.state.num_tokens += 1
+                p.state.position = p.state.num_tokens - 1
+        spans = [  # rows of requests asking for logprobs
+            (p.req_id, first, n, p.state.params.logprobs, 0)
+            for (p, first, _), n in zip(sampling, counts, strict=True)
+            if p.state.params.logprobs is not None
+        ]
+        if not spans:
+            return None
+        assert out.sampled_logprobs is not None and out.top_logprobs is not None
+        assert out.top_token_ids is not None
+        return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
+
+    def _accept_drafts(
+        self, sampling: list[tuple[_Planned, int, int]], token_ids: torch.Tensor
+    ) -> list[int]:
+        """Accept each request's drafts while the target agrees, plus one token; returns how
+        many tokens each request gained. Reads the sampled tokens back to the host: the next
+        drafts are proposed on them (the one wait inside an op, only with drafts on)."""
+        tokens = token_ids.tolist()
+        counts: list[int] = []
+        new_rows: list[int] = []
+        new_ids: list[list[int]] = []
+        for p, first, i in sampling:
             accepted = 0  # drafts are deterministic: accept while the target agrees
             while accepted < len(p.drafts) and tokens[first + accepted] == p.drafts[accepted]:
                 accepted += 1
             new = tokens[first : first + accepted + 1]
             self.num_draft_tokens += len(p.drafts)
             self.num_accepted_tokens += accepted
-            p.state.token_ids.extend(new)
-            p.state.position = len(p.state.token_ids) - 1
-            sampled_rows.append(new + [-1] * (width - len(new)))
-            rows.append(p.req_id)
-            if p.state.params.logprobs is not None:
-                spans.append((p.req_id, first, len(new), p.state.params.logprobs, 0))
-        self.sampled[: len(sampled_rows)] = torch.tensor(sampled_rows, dtype=torch.int64)
-        if not spans:
-            return None
-        assert out.sampled_logprobs is not None and out.top_logprobs is not None
-        assert out.top_token_ids is not None
-        return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
+            st = p.state
+            assert st.token_ids is not None
+            del st.token_ids[st.num_tokens :]
+            st.token_ids.extend(new)
+            st.num_tokens = len(st.token_ids)
+            st.position = st.num_tokens - 1
+            counts.append(len(new))
+            new_rows.append(i)
+            new_ids.append(new + [-1] * (self.sampled.shape[1] - len(new)))
+        (out_rows,) = self._index(new_rows)
+        values = torch.tensor(new_ids, dtype=torch.int64).to(self.torch_device, non_blocking=True)
+        self.sampled.index_copy_(0, out_rows, values)
+        buf = [(p.state.row, p.state.num_tokens - n, n) for (p, _, _), n in zip(sampling, counts)]
+        rows = [r for r, _, n in buf for _ in range(n)]
+        pos = [q for _, q0, n in buf for q in range(q0, q0 + n)]
+        flat = [t for seq, (_, _, n) in zip(new_ids, buf, strict=True) for t in seq[:n]]
+        where = self._index(rows, pos)
+        self.state.tokens.index_put_(where, self._index(flat)[0])
+        return counts
 
 
 @dataclass(slots=True)
@@ -351,13 +427,15 @@ class _Planned:
     samples: bool  # the step reaches the end of the known tokens: sample after it
 
 
-def _banned_before_min_tokens(sampling: list[tuple[_Planned, int]]) -> tuple[list[int], list[int]]:
+def _banned_before_min_tokens(
+    sampling: list[tuple[_Planned, int, int]],
+) -> tuple[list[int], list[int]]:
     """(rows, token ids): EOS and stop tokens cannot be sampled before `min_tokens` outputs."""
     rows: list[int] = []
     cols: list[int] = []
-    for p, first in sampling:
+    for p, first, _ in sampling:
         st = p.state
-        num_out = len(st.token_ids) - st.num_prompt_tokens
+        num_out = st.num_tokens - st.num_prompt_tokens
         if not st.eos_ids or num_out >= st.min_tokens:
             continue
         for j in range(min(len(p.drafts) + 1, st.min_tokens - num_out)):

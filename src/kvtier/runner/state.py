@@ -1,12 +1,17 @@
-"""Device-side request state of the runner: tokens the device knows, its position, block tables.
+"""Device-side request state of the runner: what the device knows of each request — its row in
+the token buffer, how many tokens it holds, its position, block tables — and the token buffer.
 
 Mutated only inside ops on the compute stream (declared as the `token_state` buffer), so under
-async scheduling it runs ahead of the host exactly as the device does.
+async scheduling it runs ahead of the host exactly as the device does. The Python half holds
+counts and ids the host already knew; token values the device sampled stay in the buffer, so no
+op waits for the device to read them (except n-gram drafts, see `DeviceState.track_tokens`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.sched.output import SchedulerOutput
@@ -14,46 +19,97 @@ from kvtier.sched.output import SchedulerOutput
 
 @dataclass(slots=True)
 class DeviceRequest:
-    token_ids: list[int]  # prompt + every token sampled on the device so far
+    row: int  # its row of the token buffer
+    num_tokens: int  # tokens the device holds: prompt + every token sampled so far
     position: int  # tokens whose KV is written: the next query position
     tables: list[list[int]]  # block ids per KV-cache group (0 = null block)
     params: ModelSamplingParams
+    known_ids: list[int]  # the tokens the host sent (prompt, and outputs when it resumed)
     num_prompt_tokens: int
     min_tokens: int = 0
     eos_ids: tuple[int, ...] = field(default_factory=tuple)  # banned until min_tokens outputs
     num_prompt_logprobs: int | None = None  # top candidates per prompt token; None: not asked
+    token_ids: list[int] | None = None  # every token, kept only when drafts are proposed on them
 
 
-def apply_diffs(
-    state: dict[str, DeviceRequest],
-    output: SchedulerOutput,
-    params: dict[str, ModelSamplingParams],
-    eos_ids: tuple[int, ...],
-    prompt_logprobs: dict[str, int],
-) -> None:
-    """Bring `state` to the tables of step `output` (drops, new requests, appended blocks).
+class DeviceState:
+    """Every request the device knows, and their tokens in `tokens` [rows, max_model_len]."""
 
-    `prompt_logprobs` names the new requests that want them: not again when a request resumes
-    with outputs (its prompt logprobs were delivered with its first output)."""
-    for req_id in output.preempted_req_ids:
-        state.pop(req_id, None)
-    for req_id in output.finished_req_ids:
-        state.pop(req_id, None)
-    for new in output.scheduled_new_reqs:
-        state[new.req_id] = DeviceRequest(
-            token_ids=list(new.token_ids),
-            position=new.num_computed_tokens,
-            tables=[list(ids) for ids in new.block_ids],
-            params=params[new.req_id],
-            num_prompt_tokens=new.num_prompt_tokens,
-            min_tokens=new.sampling.min_tokens,
-            # as vLLM's all_stop_token_ids: EOS is banned before min_tokens even with ignore_eos
-            eos_ids=eos_ids + new.sampling.stop_token_ids,
-            num_prompt_logprobs=prompt_logprobs.get(new.req_id)
-            if len(new.token_ids) == new.num_prompt_tokens
-            else None,
-        )
-    for cached in output.scheduled_cached_reqs:
-        st = state[cached.req_id]
-        for table, ids in zip(st.tables, cached.new_block_ids, strict=True):
-            table.extend(ids)
+    def __init__(
+        self, num_rows: int, max_model_len: int, device: torch.device, track_tokens: bool
+    ) -> None:
+        self.requests: dict[str, DeviceRequest] = {}
+        self.tokens = torch.zeros(num_rows, max_model_len, dtype=torch.int64, device=device)
+        self.device = device
+        # n-gram drafts are proposed on the device's own tokens, in Python: only then does the
+        # forward read what it sampled back to the host (a wait on the compute stream's worker)
+        self.track_tokens = track_tokens
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def __getitem__(self, req_id: str) -> DeviceRequest:
+        return self.requests[req_id]
+
+    def apply_diffs(
+        self,
+        output: SchedulerOutput,
+        params: dict[str, ModelSamplingParams],
+        eos_ids: tuple[int, ...],
+        prompt_logprobs: dict[str, int],
+    ) -> None:
+        """Bring the state to the tables of step `output` (drops, new requests, appended blocks).
+
+        `prompt_logprobs` names the new requests that want them: not again when a request
+        resumes with outputs (its prompt logprobs were delivered with its first output)."""
+        for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
+            gone = self.requests.pop(req_id, None)
+            if gone is not None:
+                self._free_rows.append(gone.row)
+        new_rows: list[int] = []
+        new_ids: list[list[int]] = []
+        for new in output.scheduled_new_reqs:
+            old = self.requests.pop(new.req_id, None)  # resumed before its drop was applied
+            row = old.row if old is not None else self._free_rows.pop()
+            ids = list(new.token_ids)
+            self.requests[new.req_id] = DeviceRequest(
+                row=row,
+                num_tokens=len(ids),
+                position=new.num_computed_tokens,
+                tables=[list(t) for t in new.block_ids],
+                params=params[new.req_id],
+                known_ids=ids,
+                num_prompt_tokens=new.num_prompt_tokens,
+                min_tokens=new.sampling.min_tokens,
+                # as vLLM's all_stop_token_ids: EOS is banned before min_tokens even with ignore_eos
+                eos_ids=eos_ids + new.sampling.stop_token_ids,
+                num_prompt_logprobs=prompt_logprobs.get(new.req_id)
+                if len(ids) == new.num_prompt_tokens
+                else None,
+                token_ids=list(ids) if self.track_tokens else None,
+            )
+            new_rows.append(row)
+            new_ids.append(ids)
+        if new_rows:
+            self.write_known(new_rows, new_ids)
+        for cached in output.scheduled_cached_reqs:
+            st = self.requests[cached.req_id]
+            for table, ids in zip(st.tables, cached.new_block_ids, strict=True):
+                table.extend(ids)
+
+    def write_known(self, rows: list[int], ids: list[list[int]]) -> None:
+        """Copy host-known token ids into the buffer from position 0 of each row."""
+        flat = [t for seq in ids for t in seq]
+        row_idx = [r for r, seq in zip(rows, ids, strict=True) for _ in seq]
+        pos_idx = [p for seq in ids for p in range(len(seq))]
+        where = _index(self.device, row_idx, pos_idx)
+        self.tokens.index_put_(where, _index(self.device, flat)[0])
+
+    def gather(self, row_idx: list[int], pos_idx: list[int]) -> torch.Tensor:
+        """[n] int64 token ids at (row, position) pairs, on the device."""
+        return self.tokens[_index(self.device, row_idx, pos_idx)]
+
+
+def _index(device: torch.device, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+    """Host-built int64 index tensors, copied to `device` (no wait: the host knows them)."""
+    return tuple(
+        torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True) for values in lists
+    )

@@ -101,9 +101,10 @@ def run_transformers(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    device = getattr(args, "device", "cpu")
+    device: str = getattr(args, "device", "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model = model.to(device).eval()  # type: ignore[no-untyped-call]
+    model = model.eval()  # type: ignore[no-untyped-call]
+    model.to(torch.device(device))
     ids = torch.tensor(prompts, device=device)  # [num_prompts, input_len]; no padding
     with torch.inference_mode():
         if device == "cuda":

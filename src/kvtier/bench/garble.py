@@ -86,10 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="offload")
     parser.add_argument(
         "--device",
-        choices=["sim", "cpu"],
+        choices=["sim", "cpu", "cuda"],
         default="sim",
-        help="sim: modelled time, races replayed deterministically; cpu: streams are threads, "
-        "races are physical and vary run to run",
+        help="sim: modelled time, races replayed deterministically; cpu, cuda: streams are "
+        "threads (and CUDA streams), races are physical and vary run to run",
     )
     parser.add_argument(
         "--async-depth",
@@ -244,11 +244,11 @@ def run(args: argparse.Namespace) -> int:
         + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier, no caching")
         + (", blocks NaN-poisoned when handed out" if scenario.poison else "")
     )
-    ref = run_variant(
+    ref = run_variant(  # on the variants' hardware: kernels differ between CPU and GPU
         args,
         batch,
         params,
-        device="cpu",
+        device="cuda" if args.device == "cuda" else "cpu",
         async_scheduling=False,
         max_model_len=max_len,
         num_device_blocks=needed + 1,

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="kvtier's backend (transformers runs on the same device)",
+    )
+    parser.add_argument(
         "--sim",
         action="store_true",
         help="also run kvtier on the sim device with the race sanitizer (its overhead vs cpu)",
@@ -95,10 +101,14 @@ def run_transformers(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    device: str = getattr(args, "device", "cpu")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model = model.eval()  # type: ignore[no-untyped-call]
-    ids = torch.tensor(prompts)  # [num_prompts, input_len]; equal lengths, no padding
+    model.to(torch.device(device))
+    ids = torch.tensor(prompts, device=device)  # [num_prompts, input_len]; no padding
     with torch.inference_mode():
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate(
             ids,
@@ -108,6 +118,8 @@ def run_transformers(
             do_sample=False,
             pad_token_id=0,
         )
+        if device == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
     tokens = out[:, ids.shape[1] :].tolist()
     n = sum(len(t) for t in tokens)
@@ -130,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = ModelConfig.from_pretrained(path)
             prompts = random_prompts(args.seed, args.num_prompts, args.input_len, cfg.vocab_size)
             for dtype in args.dtypes.split(","):
-                ours = run_kvtier(str(path), dtype, prompts, args)
+                ours = run_kvtier(str(path), dtype, prompts, args, device=args.device)
                 row: dict[str, Any] = {
                     "model": name,
                     "architecture": cfg.architecture,

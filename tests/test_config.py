@@ -146,6 +146,6 @@ def test_numpy_scalars_are_stored_as_python_numbers() -> None:
 def test_host_tier_needs_prefix_caching(host: dict[str, object]) -> None:
     """The host tier stores and restores prefix-cached blocks: without the prefix cache it was
     accepted and stored nothing. Refused, naming both flags."""
-    with pytest.raises(ValueError, match="--no-enable-prefix-caching.*enable prefix caching"):
+    with pytest.raises(ValueError, match=r"--no-enable-prefix-caching.*enable prefix caching"):
         CacheConfig(enable_prefix_caching=False, **host)  # type: ignore[arg-type]
     assert CacheConfig(**host).enable_prefix_caching  # type: ignore[arg-type]

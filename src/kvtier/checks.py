@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping
+from typing import TypeGuard
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -24,7 +25,7 @@ def show(value: object) -> str:
     return text if isinstance(value, (int, float, str)) else f"{text} ({type(value).__name__})"
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[numbers.Integral]:
     """True for int and numpy integers; False for bool (True is not a token id or a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -36,7 +37,7 @@ def check_int(
     what = f"an integer{_range(lo, hi)}{hint}"
     if not is_int(value):
         raise TypeError(f"{name} must be {what}, got {show(value)}")
-    n = int(value)  # type: ignore[call-overload]
+    n = int(value)
     if not lo <= n <= hi:
         fits = " that fits 64 bits" if n > hi == INT64_MAX or n < lo == INT64_MIN else ""
         raise ValueError(f"{name} must be {what}{fits}, got {show(n)}")
@@ -83,9 +84,9 @@ def check_ints(name: str, value: object, lo: int = 0, hi: int = INT64_MAX) -> tu
     bad_type = [v for v in items if not is_int(v)]
     if bad_type:
         raise TypeError(
-            f"{name} must be a list of integers{_range(lo, hi)}, got {show(bad_type[0])} in it"
+            f"{name} must be a list of integers{_range(lo, hi)}, but it holds {show(bad_type[0])}"
         )
-    ints = tuple(int(v) for v in items)  # type: ignore[call-overload]
+    ints = tuple(int(v) for v in items if is_int(v))
     bad = [n for n in ints if not lo <= n <= hi]
     if bad:
         raise ValueError(
@@ -99,12 +100,14 @@ def check_strs(name: str, value: object, allow_empty: bool = False) -> tuple[str
     if value is None:
         return ()
     items = (value,) if isinstance(value, str) else _items(name, value, "strings")
+    strs: list[str] = []
     for s in items:
         if not isinstance(s, str):
-            raise TypeError(f"{name} must be a string or a list of strings, got {show(s)} in it")
+            raise TypeError(f"{name} must be a string or a list of strings, but it holds {show(s)}")
         if not s and not allow_empty:
             raise ValueError(f"{name} must not contain an empty string; drop it")
-    return items  # type: ignore[return-value]
+        strs.append(s)
+    return tuple(strs)
 
 
 def _items(name: str, value: object, of: str) -> tuple[object, ...]:

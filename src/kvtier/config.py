@@ -303,8 +303,10 @@ FLAG_HELP = {
     "kv_cache_dtype": "KV dtype (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
-    "kv_offloading_size": "host-memory KV tier size in GiB",
-    "num_host_blocks": "host-memory KV tier size in blocks (overrides --kv-offloading-size)",
+    "kv_offloading_size": "host-memory KV tier size in GiB (needs prefix caching)",
+    "num_host_blocks": (
+        "host-memory KV tier size in blocks (overrides --kv-offloading-size; needs prefix caching)"
+    ),
     "kv_offload_store_mode": (
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
         "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"

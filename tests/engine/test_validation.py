@@ -263,6 +263,8 @@ def assert_llm_clean(llm: LLM) -> None:
         ([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": []}], "empty"),
         ([{"prompt_token_ids": PROMPT}, 42], "prompt"),
         ([{"prompt_token_ids": PROMPT}, {"text": "x"}], "prompt"),
+        ([{"prompt_token_ids": PROMPT}, "a\ud800"], r"prompts\[1\].*surrogate"),
+        ([{"prompt_token_ids": PROMPT}, {"prompt": "\udfff"}], r"prompts\[1\].*surrogate"),
     ],
 )
 def test_a_refused_prompt_leaves_nothing_of_its_batch(
@@ -313,3 +315,18 @@ def test_host_tier_without_prefix_caching_is_refused(llama: Path) -> None:
         engine(llama, num_host_blocks=64, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="enable-prefix-caching"):
         engine(llama, kv_offloading_size=0.01, enable_prefix_caching=False)
+
+
+def test_max_logprobs_flag_reaches_the_engine_args() -> None:
+    import argparse
+
+    from kvtier.engine.cli import add_engine_arguments, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_args(parser.parse_args(["--max-logprobs", "5"])).max_logprobs == 5
+    assert engine_args(parser.parse_args([])).max_logprobs == 20
+
+
+def test_model_may_be_a_path(llama: Path) -> None:
+    assert EngineArgs.from_kwargs(llama).model == str(llama)  # type: ignore[arg-type]

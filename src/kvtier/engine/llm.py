@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtier.checks import show
 from kvtier.engine.core import EngineCore
-from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.runner.runner import TokenLogprobs
 
 PromptType = str | dict[str, Any]
@@ -57,13 +57,17 @@ class LLM:
         The batch is accepted or refused as a whole: every prompt is checked before any is
         queued, and if queueing one still fails, those queued by this call are aborted (the
         error, a TypeError or ValueError, names the field)."""
-        items = _as_list(prompts, "prompts", (str, dict))
+        items = _as_list(prompts, "prompts", (str, dict), "a string or a dict")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = _as_list(sampling_params, "sampling_params", (SamplingParams,))
+        params = _as_list(sampling_params, "sampling_params", SamplingParams, "a SamplingParams")
         if isinstance(sampling_params, SamplingParams):
             params *= len(items)
-        priorities = [0] * len(items) if priority is None else _as_list(priority, "priority", ())
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(
+                f"priority must be a list of integers, one per prompt, got {show(priority)}"
+            )
+        priorities = [0] * len(items) if priority is None else list(priority)
         for name, values in (("sampling_params", params), ("priority", priorities)):
             if len(values) != len(items):
                 raise ValueError(f"{len(values)} {name} for {len(items)} prompts; give one each")
@@ -71,9 +75,17 @@ class LLM:
         batch: list[tuple[str, str | None, list[int], SamplingParams, int]] = []
         for i, (item, p, prio) in enumerate(zip(items, params, priorities, strict=True)):
             text, tokens = self._tokens(item, i)
-            req_id = f"gen-{self._counter + i}"
-            tokens = engine.check_request(req_id, tokens, p, prio)
-            batch.append((req_id, text, tokens, p, prio))
+            try:
+                tokens = check_request(
+                    tokens,
+                    p,
+                    prio,
+                    vocab_size=engine.model_config.vocab_size,
+                    max_logprobs=engine.args.max_logprobs,
+                )
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+            batch.append((f"gen-{self._counter + i}", text, tokens, p, prio))
         self._counter += len(batch)
         added: list[str] = []
         try:
@@ -102,18 +114,28 @@ class LLM:
 
     def _tokens(self, item: PromptType, index: int) -> tuple[str | None, list[int]]:
         if isinstance(item, str):
-            return item, self.engine.tokenizer.encode(item)
+            return item, self._encode(item, f"prompts[{index}]")
         if isinstance(item, dict) and "prompt_token_ids" in item:
             text = item.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"prompts[{index}]['prompt'] must be a string, got {show(text)}")
             return text, item["prompt_token_ids"]
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            return item["prompt"], self.engine.tokenizer.encode(item["prompt"])
+            return item["prompt"], self._encode(item["prompt"], f"prompts[{index}]['prompt']")
         raise TypeError(
             f"prompts[{index}] must be a string or a dict with 'prompt' (a string) or "
             f"'prompt_token_ids', got {show(item)}"
         )
+
+    def _encode(self, text: str, name: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{name} is not valid Unicode: a lone surrogate at character {exc.start}; "
+                "pair or drop it"
+            ) from None
+        return self.engine.tokenizer.encode(text)
 
     def _output(self, req_id: str, prompt: str | None, tokens: list[int]) -> RequestOutput:
         state = self.engine.requests.pop(req_id)
@@ -140,16 +162,13 @@ def _progress(total: int) -> Any:
     return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
 
 
-def _as_list(value: Any, name: str, one: tuple[type, ...]) -> list[Any]:
-    """A single item (an instance of `one`) or a list / tuple of items as a list."""
-    if one and isinstance(value, one):
+def _as_list(value: Any, name: str, kind: Any, what: str) -> list[Any]:
+    """One `kind` or a list / tuple of them as a list; TypeError naming `name` otherwise."""
+    if isinstance(value, kind):
         return [value]
     if not isinstance(value, (list, tuple)):
-        kinds = " or ".join(t.__name__ for t in one) or "integer"
-        raise TypeError(f"{name} must be a {kinds} or a list of them, got {show(value)}")
-    if one:
-        for i, item in enumerate(value):
-            if not isinstance(item, one):
-                kinds = " or ".join(t.__name__ for t in one)
-                raise TypeError(f"{name}[{i}] must be a {kinds}, got {show(item)}")
+        raise TypeError(f"{name} must be {what} or a list of them, got {show(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, kind):
+            raise TypeError(f"{name}[{i}] must be {what}, got {show(item)}")
     return list(value)

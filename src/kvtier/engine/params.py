@@ -18,7 +18,6 @@ from kvtier.config import (
     flag,
     parse_protect,
 )
-from kvtier.model.loader import DTYPES
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.queues import POLICIES
 from kvtier.sched.request import SamplingParams as StopParams
@@ -113,8 +112,6 @@ class EngineArgs:
         if isinstance(self.model, PathLike):
             object.__setattr__(self, "model", str(Path(self.model)))
         check_field_types(self)
-        if self.dtype not in DTYPES and self.dtype != "auto":
-            raise ValueError(f"--dtype must be auto or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "sim", "cuda"):
             raise ValueError(f"--device must be cpu, sim or cuda, got {self.device!r}")
         if self.sanitize not in (None, True, False, "raise", "collect"):

@@ -39,7 +39,8 @@ def check_int(
         raise TypeError(f"{name} must be {what}, got {show(value)}")
     n = int(value)
     if not lo <= n <= hi:
-        fits = " that fits 64 bits" if n > hi == INT64_MAX or n < lo == INT64_MIN else ""
+        unsaid = hi == INT64_MAX and (n > hi or n < lo == INT64_MIN)  # bounds _range omits
+        fits = " that fits 64 bits" if unsaid else ""
         raise ValueError(f"{name} must be {what}{fits}, got {show(n)}")
     return n
 
@@ -76,17 +77,20 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_ints(name: str, value: object, lo: int = 0, hi: int = INT64_MAX) -> tuple[int, ...]:
-    """A list / tuple / array of integers in [lo, hi] as a tuple (None → ())."""
+def check_ints(
+    name: str, value: object, lo: int | None = 0, hi: int = INT64_MAX
+) -> tuple[int, ...]:
+    """A list / tuple / array of integers in [lo, hi] (lo None: any integer, for callers that
+    check the range themselves) as a tuple (None → ())."""
     if value is None:
         return ()
     items = _items(name, value, "integers")
     bad_type = [v for v in items if not is_int(v)]
     if bad_type:
-        raise TypeError(
-            f"{name} must be a list of integers{_range(lo, hi)}, but it holds {show(bad_type[0])}"
-        )
+        raise TypeError(f"{name} must be a list of integers, but it holds {show(bad_type[0])}")
     ints = tuple(int(v) for v in items if is_int(v))
+    if lo is None:
+        return ints
     bad = [n for n in ints if not lo <= n <= hi]
     if bad:
         raise ValueError(
@@ -119,4 +123,4 @@ def _items(name: str, value: object, of: str) -> tuple[object, ...]:
 def _range(lo: int, hi: int) -> str:
     if hi == INT64_MAX:
         return "" if lo == INT64_MIN else f" ≥ {lo}"
-    return f" ≤ {hi}" if lo == INT64_MIN else f" in [{lo}, {hi}]"
+    return f" in [{lo}, {hi}]"

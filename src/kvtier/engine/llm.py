@@ -105,11 +105,9 @@ class LLM:
         return [self._output(req_id, text, tokens) for req_id, text, tokens, _, _ in batch]
 
     def _discard(self, req_ids: list[str]) -> None:
-        """Abort requests this call queued and forget them; step until their blocks are free."""
+        """Abort requests this call queued (still waiting: they hold no blocks) and forget them."""
         for req_id in req_ids:
             self.engine.abort(req_id)
-        self.engine.drain()
-        for req_id in req_ids:
             self.engine.requests.pop(req_id, None)
 
     def _tokens(self, item: PromptType, index: int) -> tuple[str | None, list[int]]:

@@ -8,7 +8,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kvtier.checks import INT64_MIN, check_bool, check_int, check_ints, check_strs
+from kvtier.checks import check_bool, check_int, check_ints, check_strs, show
 from kvtier.config import (
     PROTECTIONS,
     CacheConfig,
@@ -177,13 +177,13 @@ def check_request(
 ) -> list[int]:
     """The checks of a request that need the engine's limits, before anything is recorded:
     returns the prompt as a list of ints; TypeError / ValueError naming the field otherwise."""
-    tokens = list(check_ints("prompt_token_ids", prompt_token_ids, lo=INT64_MIN))
+    tokens = list(check_ints("prompt_token_ids", prompt_token_ids, lo=None))
     if not tokens:
         raise ValueError("prompt_token_ids is empty; send at least one token")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size}); "
+            f"prompt_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
             "tokenize with this model's tokenizer"
         )
     if not isinstance(params, SamplingParams):
@@ -193,7 +193,7 @@ def check_request(
     bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size}); "
+            f"stop_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
             "drop them or use this model's token ids"
         )
     if params.logprobs is not None and params.logprobs > max_logprobs:
@@ -203,3 +203,7 @@ def check_request(
         )
     check_int("priority", priority, hint=" (lower runs first under the priority policy)")
     return tokens
+
+
+def _ids(ids: list[int]) -> str:
+    return "[" + ", ".join(map(show, ids[:5])) + (", …]" if len(ids) > 5 else "]")

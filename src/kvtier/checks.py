@@ -93,9 +93,9 @@ def check_ints(
         return ints
     bad = [n for n in ints if not lo <= n <= hi]
     if bad:
-        raise ValueError(
-            f"{name} must be a list of integers{_range(lo, hi)}, got {', '.join(map(show, bad[:5]))}"
-        )
+        fits = " that fit 64 bits" if hi == INT64_MAX and max(bad) > hi else ""
+        shown = ", ".join(map(show, bad[:5]))
+        raise ValueError(f"{name} must be a list of integers{_range(lo, hi)}{fits}, got {shown}")
     return ints
 
 

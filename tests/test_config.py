@@ -101,6 +101,7 @@ def test_bad_json_is_reported(tmp_path: Path) -> None:
         (lambda: ServerConfig(max_waiting_requests=-1), "--max-waiting-requests"),
         (lambda: ServerConfig(log_level="loud"), "--log-level"),
         (lambda: CacheConfig(num_host_blocks=1), "--num-host-blocks"),
+        (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "--prefix-caching-hash-algo"),
     ],
 )
 def test_validation_names_the_flag(make: object, flag: str) -> None:
@@ -149,3 +150,10 @@ def test_host_tier_needs_prefix_caching(host: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=r"--no-enable-prefix-caching.*enable prefix caching"):
         CacheConfig(enable_prefix_caching=False, **host)  # type: ignore[arg-type]
     assert CacheConfig(**host).enable_prefix_caching  # type: ignore[arg-type]
+
+
+def test_hash_names_match_the_hash_functions() -> None:
+    from kvtier.config import HASH_ALGOS
+    from kvtier.kv.hashing import HASH_FUNCTIONS
+
+    assert sorted(HASH_ALGOS) == sorted(HASH_FUNCTIONS)

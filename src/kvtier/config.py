@@ -23,6 +23,7 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # block-lifetime protections (DESIGN.md §5)
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
+HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
@@ -225,6 +226,11 @@ class CacheConfig:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
             raise ValueError(f"--num-host-blocks must be ≥ 2, got {self.num_host_blocks}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
         if self.kv_offload_store_mode not in STORE_MODES:
             raise ValueError(
                 f"--kv-offload-store-mode must be eager or lazy, got {self.kv_offload_store_mode!r}"

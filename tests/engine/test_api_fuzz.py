@@ -27,6 +27,9 @@ MAX_LEN = 48
 ARGS = {"max_model_len": MAX_LEN, "block_size": 4, "max_num_batched_tokens": 32}
 NORMAL_PROMPT = [5, 6, 7, 8, 9]
 NORMAL = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# Tests that run the engine take a share of the profile's examples (ci 200: 80 and 40; soak 5000:
+# 2000 and 1000).
+SCALE = settings.default.max_examples / 200
 
 # ---- hostile values ------------------------------------------------------------------------------
 
@@ -71,11 +74,15 @@ def mostly(good: st.SearchStrategy[Any], bad: st.SearchStrategy[Any]) -> st.Sear
     return st.integers(0, 4).flatmap(lambda i: bad if i == 0 else good)
 
 
-def kwargs_of(plausible: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
-    """A few of the fields, each mostly plausible, sometimes hostile."""
+def kwargs_of(
+    plausible: dict[str, st.SearchStrategy[Any]], hostile: st.SearchStrategy[Any] | None = HOSTILE
+) -> st.SearchStrategy[dict[str, Any]]:
+    """A few of the fields, each mostly plausible, sometimes `hostile` (None: never)."""
 
     def values(names: list[str]) -> st.SearchStrategy[dict[str, Any]]:
-        return st.fixed_dictionaries({n: mostly(plausible[n], HOSTILE) for n in names})
+        if hostile is None:
+            return st.fixed_dictionaries({n: plausible[n] for n in names})
+        return st.fixed_dictionaries({n: mostly(plausible[n], hostile) for n in names})
 
     return st.lists(st.sampled_from(sorted(plausible)), unique=True, max_size=5).flatmap(values)
 
@@ -180,7 +187,7 @@ def params_or_junk(kwargs: dict[str, Any]) -> Any:
 
 PARAMS = kwargs_of(PLAUSIBLE).map(params_or_junk)
 VALID_PARAMS = (
-    kwargs_of(PLAUSIBLE).map(params_or_junk).filter(lambda p: isinstance(p, SamplingParams))
+    kwargs_of(PLAUSIBLE, None).map(params_or_junk).filter(lambda p: isinstance(p, SamplingParams))
 )
 GOOD_PROMPTS = st.one_of(GOOD_TOKENS.map(lambda t: {"prompt_token_ids": t}), st.text(max_size=12))
 
@@ -206,7 +213,7 @@ def batch_of(n: int) -> st.SearchStrategy[tuple[list[Any], Any, Any]]:
 BATCHES = st.integers(1, 4).flatmap(batch_of)
 
 
-@settings(max_examples=40)
+@settings(max_examples=int(80 * SCALE))
 @given(batch=BATCHES)
 def test_generate_refuses_a_batch_whole_or_runs_it(
     llm: LLM, llama: Path, batch: tuple[list[Any], Any, Any]
@@ -293,7 +300,7 @@ TYPE_HOSTILE = st.one_of(
 )
 
 
-@settings(max_examples=25)
+@settings(max_examples=int(40 * SCALE))
 @given(kwargs=engine_kwargs(TYPE_HOSTILE))
 def test_engine_builds_and_answers_or_names_the_field(llama: Path, kwargs: dict[str, Any]) -> None:
     kwargs = {"num_device_blocks": 64, "max_model_len": 64, **kwargs}

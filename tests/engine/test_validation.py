@@ -219,6 +219,15 @@ def test_bad_priority_is_refused_and_leaves_no_zombie_id(llama: Path, priority: 
     assert_idle(eng)
 
 
+def test_params_of_the_wrong_kind_and_odd_ids_are_refused(llama: Path) -> None:
+    eng = engine(llama)
+    with pytest.raises(TypeError, match="sampling_params"):
+        eng.add_request("r", PROMPT, {"temperature": 0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request id"):
+        eng.add_request(7, PROMPT, GOOD)  # type: ignore[arg-type]
+    assert eng.requests == {} and not eng.has_unfinished_requests()
+
+
 def test_numpy_integers_are_accepted_as_python_ints(llama: Path) -> None:
     np = pytest.importorskip("numpy")
     params = SamplingParams(
@@ -308,6 +317,15 @@ def test_max_model_len_beyond_the_models_positions_is_refused(llama: Path) -> No
     with pytest.raises(ValueError, match=r"max_model_len.*max_position_embeddings=1024"):
         engine(llama, max_model_len=1025)
     assert engine(llama, max_model_len=1024).plan.max_model_len == 1024
+
+
+def test_drafts_beyond_max_model_len_are_refused(llama: Path) -> None:
+    """They sized a [max_num_seqs, 1 + k] buffer: 10**9 tried to allocate 2 TB at startup."""
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine(llama, num_speculative_tokens=10**9)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine(llama, num_speculative_tokens=64)  # max_model_len 64: no request has room
+    assert engine(llama, num_speculative_tokens=63).args.num_speculative_tokens == 63
 
 
 def test_host_tier_without_prefix_caching_is_refused(llama: Path) -> None:

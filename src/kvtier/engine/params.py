@@ -188,7 +188,7 @@ def check_request(
         )
     if not isinstance(params, SamplingParams):
         raise TypeError(
-            f"sampling params must be a kvtier SamplingParams, got {type(params).__name__}"
+            f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
         )
     bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:

@@ -62,6 +62,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), max_size=3)),
     "ignore_eos": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(0, 25)),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 25)),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
 }
@@ -114,6 +115,7 @@ def test_sampling_params_accept_or_name_the_field(kwargs: dict[str, Any]) -> Non
         assert type(getattr(p, name)) is int
     assert p.seed is None or type(p.seed) is int
     assert p.logprobs is None or type(p.logprobs) is int
+    assert p.prompt_logprobs is None or type(p.prompt_logprobs) is int
     assert all(is_finite(getattr(p, n)) for n in ("temperature", "top_p", "min_p"))
     assert p.stop is None or isinstance(p.stop, (str, tuple))
     assert all(isinstance(s, str) and s for s in p.stop_strings)
@@ -247,6 +249,7 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "policy": st.sampled_from(["fcfs", "priority"]),
     "long_prefill_token_threshold": st.integers(0, 8),
     "max_logprobs": st.integers(0, 30),
+    "logprobs_mode": st.sampled_from(["raw_logprobs", "processed_logprobs", "raw_logits"]),
     "block_size": st.sampled_from([1, 2, 4, 16]),
     "num_device_blocks": st.integers(24, 200),
     "kv_cache_dtype": st.sampled_from([None, "float32"]),

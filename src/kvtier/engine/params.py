@@ -18,6 +18,7 @@ from kvtier.config import (
     flag,
     parse_protect,
 )
+from kvtier.model.sampler import LOGPROBS_MODES
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.queues import POLICIES
 from kvtier.sched.request import SamplingParams as StopParams
@@ -30,7 +31,8 @@ class SamplingParams:
     """How to sample and when to stop, as vLLM spells it. Checked at construction: a wrong type
     is a TypeError, a value out of range a ValueError, each naming the field; lists are stored as
     tuples and numpy scalars as int / float. Limits that depend on the engine (token ids below
-    the vocabulary size, logprobs ≤ max_logprobs) are checked by `EngineCore.add_request`."""
+    the vocabulary size, logprobs and prompt_logprobs ≤ max_logprobs) are checked by
+    `EngineCore.add_request`."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -43,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); no cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -61,6 +64,9 @@ class SamplingParams:
             put(self, "stop", self.stop if isinstance(self.stop, str) else strs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))
+        if self.prompt_logprobs is not None:
+            n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
+            put(self, "prompt_logprobs", n)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -84,6 +90,7 @@ class SamplingParams:
             eos_token_id=eos_token_id,
             ignore_eos=self.ignore_eos,
             use_ngram=use_ngram,
+            skip_reading_prefix_cache=self.prompt_logprobs is not None,
         )
 
 
@@ -105,6 +112,7 @@ class EngineArgs:
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
     max_logprobs: int = 20  # most logprobs a request may ask for (as vLLM's default)
+    logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -126,6 +134,10 @@ class EngineArgs:
         for name in ("num_speculative_tokens", "long_prefill_token_threshold", "max_logprobs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({flag(name)}) must be ≥ 0, got {getattr(self, name)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its
@@ -196,11 +208,13 @@ def check_request(
             f"stop_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
             "drop them or use this model's token ids"
         )
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise ValueError(
-            f"logprobs={params.logprobs} exceeds this engine's max_logprobs={max_logprobs}; "
-            "ask for fewer or start the engine with a larger max_logprobs"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(params, name)
+        if n is not None and n > max_logprobs:
+            raise ValueError(
+                f"{name}={n} exceeds this engine's max_logprobs={max_logprobs}; ask for fewer "
+                "or start the engine with a larger max_logprobs"
+            )
     check_int("priority", priority, hint=" (lower runs first under the priority policy)")
     return tokens
 

@@ -47,6 +47,7 @@ class SamplingParams:
     eos_token_id: int | None = None
     ignore_eos: bool = False
     use_ngram: bool = False  # propose draft tokens by prompt lookup (needs a scheduler with k > 0)
+    skip_reading_prefix_cache: bool = False  # compute every prompt position (prompt logprobs)
 
     def __post_init__(self) -> None:
         """Type and range checks naming the field; lists become tuples, numpy ints ints."""
@@ -59,6 +60,7 @@ class SamplingParams:
             put(self, "eos_token_id", check_int("eos_token_id", self.eos_token_id, lo=0))
         check_bool("ignore_eos", self.ignore_eos)
         check_bool("use_ngram", self.use_ngram)
+        check_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
 
 
 @dataclass(slots=True)

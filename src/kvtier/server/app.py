@@ -80,19 +80,34 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
         check_model(body.model)
         body.check_unsupported()
-        check_max_tokens(body.max_tokens, "max_tokens")
+        # vLLM: echo with max_tokens=0 returns the prompt (one token is computed, not shown),
+        # and echo asks for the prompt's logprobs too.
+        echo_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens
+        check_max_tokens(max_tokens, "max_tokens")
         prompts: list[Prompt] = list(body.prompts())
         gen = Generation(engine, "cmpl", len(prompts))
-        await gen.start(prompts, _submitter(engine, body.max_tokens, body.num_logprobs(), body))
+        prompt_logprobs = body.logprobs if body.echo else None
+        submit = _submitter(engine, max_tokens, body.num_logprobs(), body, prompt_logprobs)
+        await gen.start(prompts, submit)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
         head["model"] = body.model
         offsets = [0] * len(prompts)
 
         def choice(
-            i: int, prefix: str, text: str, lps: list[TokenLogprob] | None, reason: str | None
+            i: int,
+            prefix: str,
+            text: str,
+            lps: list[TokenLogprob] | None,
+            reason: str | None,
+            prompt_lps: list[TokenLogprob] | None = None,
         ) -> dict[str, Any]:
             logprobs = None
-            if body.logprobs is not None:
+            if echo_only:
+                text, lps = "", []
+            if body.logprobs is not None and prompt_lps is not None:  # with the echoed prefix
+                logprobs = _completion_logprobs(prompt_lps + (lps or []), offsets[i])
+            elif body.logprobs is not None:
                 logprobs = _completion_logprobs(lps or [], offsets[i] + len(prefix))
             offsets[i] += len(prefix) + len(text)
             reason = _finish_reason(reason)
@@ -107,16 +122,20 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
             echoed: set[int] = set()
 
             def chunk(i: int, d: Delta) -> dict[str, Any]:
-                prefix = gen.prompt_texts[i] if body.echo and i not in echoed else ""
+                first = body.echo and i not in echoed
+                prefix = gen.prompt_texts[i] if first else ""
                 echoed.add(i)
-                return head | {"choices": [choice(i, prefix, d.text, d.logprobs, d.finish_reason)]}
+                prompt_lps = d.prompt_logprobs if first else None
+                c = choice(i, prefix, d.text, d.logprobs, d.finish_reason, prompt_lps)
+                return head | {"choices": [c]}
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
         choices = []
         for i, text in enumerate(gen.texts):
             prefix = gen.prompt_texts[i] if body.echo else ""
-            c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i])
+            prompt_lps = gen.prompt_logprobs[i] if body.echo else None
+            c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i], prompt_lps)
             choices.append(c | {"stop_reason": gen.stop_reasons[i]})
         return head | {"choices": choices, "usage": gen.usage_body()}
 
@@ -165,6 +184,7 @@ def _submitter(
     max_tokens: int | None,
     num_logprobs: int | None,
     body: CompletionRequest | ChatCompletionRequest,
+    prompt_logprobs: int | None = None,
 ) -> Callable[[str, Prompt, Sink], None]:
     gen_prompt = getattr(body, "add_generation_prompt", True)
 
@@ -174,7 +194,7 @@ def _submitter(
                 req_id,
                 prompt,
                 max_tokens,
-                lambda n: body.sampling_params(n, num_logprobs),
+                lambda n: body.sampling_params(n, num_logprobs, prompt_logprobs),
                 sink,
                 add_generation_prompt=gen_prompt,
                 priority=body.priority,
@@ -192,13 +212,13 @@ def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]
     return {
         "tokens": [lp.token for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [dict(lp.top) for lp in lps],
+        "top_logprobs": [None if lp.logprob is None else dict(lp.top) for lp in lps],
         "text_offset": offsets,
     }
 
 
 def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     content = [

@@ -77,7 +77,9 @@ class _Sampling(_Body):
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises APIError (400) for values `SamplingParams` rejects."""
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -87,6 +89,7 @@ class _Sampling(_Body):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }

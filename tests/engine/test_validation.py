@@ -151,6 +151,8 @@ def test_integers_out_of_bounds_are_refused(llama: Path, field: str, make: Any) 
 def test_logprobs_above_max_logprobs_are_refused_by_the_engine(llama: Path) -> None:
     refusal = refused_beside_good(llama, lambda: SamplingParams(max_tokens=2, logprobs=21))
     assert_names(refusal, "logprobs", "max_logprobs")
+    refusal = refused_beside_good(llama, lambda: SamplingParams(max_tokens=2, prompt_logprobs=21))
+    assert_names(refusal, "prompt_logprobs", "max_logprobs")
     eng = engine(llama, max_logprobs=40)
     eng.add_request("r", PROMPT, SamplingParams(max_tokens=2, temperature=0, logprobs=40))
     eng.drain()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,7 @@ def test_bad_json_is_reported(tmp_path: Path) -> None:
         (lambda: ServerConfig(max_waiting_requests=-1), "--max-waiting-requests"),
         (lambda: ServerConfig(log_level="loud"), "--log-level"),
         (lambda: CacheConfig(num_host_blocks=1), "--num-host-blocks"),
+        (lambda: CacheConfig(prefix_caching_hash_algo="md5"), "--prefix-caching-hash-algo"),
     ],
 )
 def test_validation_names_the_flag(make: object, flag: str) -> None:
@@ -112,3 +114,46 @@ def test_in_flight_bound_follows_depth() -> None:
     assert SchedulerConfig(max_num_batched_tokens=512, async_depth=3).max_in_flight_tokens == 1536
     sync = SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False, async_depth=3)
     assert sync.max_in_flight_tokens == 512
+
+
+@pytest.mark.parametrize(
+    ("make", "flag", "error"),
+    [
+        (lambda: CacheConfig(block_size="16"), "--block-size", TypeError),
+        (lambda: CacheConfig(block_size=True), "--block-size", TypeError),
+        (lambda: CacheConfig(block_size=4.0), "--block-size", TypeError),
+        (lambda: CacheConfig(enable_prefix_caching="no"), "--enable-prefix-caching", TypeError),
+        (lambda: CacheConfig(kv_offloading_size=math.nan), "--kv-offloading-size", ValueError),
+        (lambda: CacheConfig(kv_offloading_size="1"), "--kv-offloading-size", TypeError),
+        (lambda: CacheConfig(kv_cache_dtype=16), "--kv-cache-dtype", TypeError),
+        (lambda: SchedulerConfig(max_num_seqs=2.5), "--max-num-seqs", TypeError),
+        (lambda: SchedulerConfig(max_model_len=10**30), "--max-model-len", ValueError),
+        (lambda: SchedulerConfig(async_scheduling=1), "--async-scheduling", TypeError),
+        (lambda: ServerConfig(port="80"), "--port", TypeError),
+    ],
+)
+def test_wrong_types_name_the_flag(make: object, flag: str, error: type[Exception]) -> None:
+    with pytest.raises(error, match=flag):
+        make()  # type: ignore[operator]
+
+
+def test_numpy_scalars_are_stored_as_python_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    cache = CacheConfig(block_size=np.int64(8), kv_offloading_size=np.float32(0.5))
+    assert type(cache.block_size) is int and type(cache.kv_offloading_size) is float
+
+
+@pytest.mark.parametrize("host", [{"num_host_blocks": 64}, {"kv_offloading_size": 1.0}])
+def test_host_tier_needs_prefix_caching(host: dict[str, object]) -> None:
+    """The host tier stores and restores prefix-cached blocks: without the prefix cache it was
+    accepted and stored nothing. Refused, naming both flags."""
+    with pytest.raises(ValueError, match=r"--no-enable-prefix-caching.*enable prefix caching"):
+        CacheConfig(enable_prefix_caching=False, **host)  # type: ignore[arg-type]
+    assert CacheConfig(**host).enable_prefix_caching  # type: ignore[arg-type]
+
+
+def test_hash_names_match_the_hash_functions() -> None:
+    from kvtier.config import HASH_ALGOS
+    from kvtier.kv.hashing import HASH_FUNCTIONS
+
+    assert sorted(HASH_ALGOS) == sorted(HASH_FUNCTIONS)

@@ -205,6 +205,7 @@ def test_the_layer_table_orders_every_package() -> None:
     assert list(dict.fromkeys(sorted(LAYERS, key=LAYERS.__getitem__))) == [
         "config",
         "cli_args",
+        "checks",
         "kv",
         "sched",
         "offload",

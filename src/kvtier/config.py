@@ -6,10 +6,15 @@ Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvtier.checks import check_float, check_int, check_strs, is_int, show
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -18,11 +23,54 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
+HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
     """'event,settled' → ('event', 'settled'); 'none' → (). Unknown names are left to validation."""
     return () if text == "none" else tuple(p for p in text.split(",") if p)
+
+
+def flag(name: str) -> str:
+    """The CLI spelling of a field: block_size → --block-size."""
+    return "--" + name.replace("_", "-")
+
+
+def check_field_types(obj: Any) -> None:
+    """TypeError naming the flag of a field whose value is not of its declared type (bool is not
+    an int, NaN and ±inf are not numbers); ints beyond 64 bits are a ValueError. Stores numpy
+    scalars as int / float and lists of strings as tuples on `obj` (a frozen dataclass)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, kinds = getattr(obj, f.name), _kinds(hints[f.name])
+        name = f"{f.name} ({flag(f.name)})"
+        if value is None and type(None) in kinds:
+            continue
+        if isinstance(value, bool):
+            if bool not in kinds:
+                raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
+            continue
+        if int in kinds and is_int(value):
+            object.__setattr__(obj, f.name, check_int(name, value))
+        elif float in kinds and not isinstance(value, (str, bytes)):
+            object.__setattr__(obj, f.name, check_float(name, value))
+        elif tuple in kinds and not isinstance(value, str):
+            object.__setattr__(obj, f.name, check_strs(name, value, allow_empty=True))
+        elif not any(isinstance(value, k) for k in kinds if k not in (int, float, tuple)):
+            raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
+
+
+def _kinds(annotation: Any) -> tuple[type, ...]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(k for a in typing.get_args(annotation) for k in _kinds(a))
+    origin = typing.get_origin(annotation)
+    return (origin,) if origin is not None else (annotation,)
+
+
+def _describe(kinds: tuple[type, ...]) -> str:
+    words = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+    words |= {tuple: "a list of strings", type(None): "None"}
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
 
 
 _HF_LAYER_TYPES = {
@@ -165,6 +213,7 @@ class CacheConfig:
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.num_device_blocks is not None and self.num_device_blocks < 2:
@@ -177,9 +226,21 @@ class CacheConfig:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
             raise ValueError(f"--num-host-blocks must be ≥ 2, got {self.num_host_blocks}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
         if self.kv_offload_store_mode not in STORE_MODES:
             raise ValueError(
                 f"--kv-offload-store-mode must be eager or lazy, got {self.kv_offload_store_mode!r}"
+            )
+        host = self.num_host_blocks is not None or self.kv_offloading_size is not None
+        if host and not self.enable_prefix_caching:
+            raise ValueError(
+                "a host KV tier (--num-host-blocks / --kv-offloading-size) holds prefix-cached "
+                "blocks, so with --no-enable-prefix-caching it would store nothing; enable prefix "
+                "caching or drop the host tier"
             )
 
 
@@ -194,6 +255,7 @@ class SchedulerConfig:
     async_depth: int = 2  # unprocessed steps allowed at once when async_scheduling is on
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -226,6 +288,7 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_waiting_requests < 0:
@@ -246,8 +309,10 @@ FLAG_HELP = {
     "kv_cache_dtype": "KV dtype (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
-    "kv_offloading_size": "host-memory KV tier size in GiB",
-    "num_host_blocks": "host-memory KV tier size in blocks (overrides --kv-offloading-size)",
+    "kv_offloading_size": "host-memory KV tier size in GiB (needs prefix caching)",
+    "num_host_blocks": (
+        "host-memory KV tier size in blocks (overrides --kv-offloading-size; needs prefix caching)"
+    ),
     "kv_offload_store_mode": (
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
         "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"

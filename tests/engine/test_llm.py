@@ -197,8 +197,8 @@ def test_bad_requests_are_refused_and_lose_nothing(gemma3: Path) -> None:
     llm = LLM(str(gemma3), **SMALL)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="prompt_logprobs"):
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 99999]}, GREEDY, use_tqdm=False)

@@ -181,3 +181,37 @@ def test_rows_without_filters_keep_every_token_beside_filtered_rows():
     processed = processed_logits(logits, SamplingBatch.from_params(params, [0, 0], VOCAB))
     assert torch.isfinite(processed[0]).all()
     assert torch.isfinite(processed[1]).sum() < VOCAB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"temperature": float("nan")}, ValueError),
+        ({"temperature": float("inf")}, ValueError),
+        ({"temperature": "1"}, TypeError),
+        ({"top_p": float("nan")}, ValueError),
+        ({"min_p": float("nan")}, ValueError),
+        ({"top_k": 2.5}, TypeError),
+        ({"top_k": True}, TypeError),
+        ({"top_k": 10**30}, ValueError),
+        ({"seed": "x"}, TypeError),
+        ({"seed": 1.5}, TypeError),
+        ({"seed": 2**64}, ValueError),
+        ({"logprobs": 1.0}, TypeError),
+    ],
+)
+def test_wrong_types_and_non_finite_values_raise(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_at_or_beyond_the_vocabulary_is_clamped_to_no_filter():
+    """Any object with the attributes may reach the batch: a top_k past int64 beside an
+    ordinary one used to overflow building the top_k tensor."""
+    from types import SimpleNamespace
+
+    huge = SimpleNamespace(**{**vars(SamplingParams()).copy(), "top_k": 10**30})
+    batch = SamplingBatch.from_params([huge, SamplingParams(top_k=3)], [0, 0], VOCAB)
+    assert batch.top_k is not None and batch.top_k.tolist() == [VOCAB, 3]
+    alone = SamplingBatch.from_params([SamplingParams(top_k=2**62)], [0], VOCAB)
+    assert alone.top_k is None  # no row filters: no tensor at all

@@ -22,6 +22,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument(
+        "--max-logprobs", type=int, default=20, help="most logprobs a request may ask for"
+    )
+    parser.add_argument(
         "--protect",
         default=",".join(PROTECTIONS),
         help="block-lifetime protections: any of event,settled,quarantine, or none",
@@ -39,6 +42,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         device=args.device,
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
+        max_logprobs=args.max_logprobs,
         protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),

@@ -9,7 +9,7 @@ import torch
 
 from kvtier.config import DTYPE_BYTES, ModelConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
-from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.kv.specs import blocks_for_requests
@@ -73,6 +73,7 @@ class EngineCore:
         self.args = args
         path = args.model_path
         self.model_config = ModelConfig.from_pretrained(path)
+        args.check_model(self.model_config)
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
@@ -175,21 +176,35 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def check_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[int]:
+        """What `add_request` checks before recording anything, without side effects: returns
+        the prompt as a list of ints; TypeError / ValueError naming the field otherwise. (Limits
+        of the scheduler, such as max_model_len, are checked only by `add_request`.)"""
+        if not isinstance(req_id, str):
+            raise TypeError(f"request id must be a string, got {type(req_id).__name__}")
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        try:
+            return check_request(
+                prompt_token_ids,
+                params,
+                priority,
+                vocab_size=self.model_config.vocab_size,
+                max_logprobs=self.args.max_logprobs,
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"request {req_id!r}: {exc}") from None
+
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queue a request; ValueError (nothing queued) if it can never run here."""
-        if req_id in self.requests:
-            raise ValueError(f"request id {req_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"request {req_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})"
-            )
+        """Queue a request; TypeError / ValueError (nothing queued) if it can never run here."""
+        prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
         use_ngram = self.args.num_speculative_tokens > 0
         stop = params.stop_params(self.eos_token_id, use_ngram)
-        request = Request(req_id, prompt_token_ids, stop, priority=priority)
+        request = Request(req_id, prompt_token_ids, stop, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
         self.runner.add_request(req_id, params.draw_params(), params.prompt_logprobs)
         detok = IncrementalDetokenizer(

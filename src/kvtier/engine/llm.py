@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.checks import show
 from kvtier.engine.core import EngineCore
-from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.runner.logprobs import TokenLogprobs
 
 PromptType = str | dict[str, Any]
@@ -52,50 +53,90 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs keep order."""
-        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        """Generate for every prompt (text, or {"prompt_token_ids": [...]}); outputs keep order.
+
+        The batch is accepted or refused as a whole: every prompt is checked before any is
+        queued, and if queueing one still fails, those queued by this call are aborted (the
+        error, a TypeError or ValueError, names the field)."""
+        items = _as_list(prompts, "prompts", (str, dict), "a string or a dict")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(items)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(items):
-            raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        params = _as_list(sampling_params, "sampling_params", SamplingParams, "a SamplingParams")
+        if isinstance(sampling_params, SamplingParams):
+            params *= len(items)
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(
+                f"priority must be a list of integers, one per prompt, got {show(priority)}"
+            )
+        priorities = [0] * len(items) if priority is None else list(priority)
+        for name, values in (("sampling_params", params), ("priority", priorities)):
+            if len(values) != len(items):
+                raise ValueError(f"{len(values)} {name} for {len(items)} prompts; give one each")
         engine = self.engine
-        ids: list[str] = []
-        texts: list[str | None] = []
-        token_lists: list[list[int]] = []
-        for item, p in zip(items, params, strict=True):
-            text, tokens = self._tokens(item)
-            req_id = f"gen-{self._counter}"
-            self._counter += 1
-            engine.add_request(req_id, tokens, p)
-            ids.append(req_id)
-            texts.append(text)
-            token_lists.append(tokens)
-        bar = _progress(len(ids)) if use_tqdm else None
-        done = 0
+        batch: list[tuple[str, str | None, list[int], SamplingParams, int]] = []
+        for i, (item, p, prio) in enumerate(zip(items, params, priorities, strict=True)):
+            text, tokens = self._tokens(item, i)
+            try:
+                tokens = check_request(
+                    tokens,
+                    p,
+                    prio,
+                    vocab_size=engine.model_config.vocab_size,
+                    max_logprobs=engine.args.max_logprobs,
+                )
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+            batch.append((f"gen-{self._counter + i}", text, tokens, p, prio))
+        self._counter += len(batch)
+        added: list[str] = []
+        try:
+            for req_id, _, tokens, p, prio in batch:
+                engine.add_request(req_id, tokens, p, prio)
+                added.append(req_id)
+        except BaseException:
+            self._discard(added)
+            raise
+        bar = _progress(len(batch)) if use_tqdm else None
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
-                    done += 1
-                    if bar is not None:
-                        bar.update(1)
+                if out.finished and bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
-        return [self._output(r, t, tok) for r, t, tok in zip(ids, texts, token_lists, strict=True)]
+        return [self._output(req_id, text, tokens) for req_id, text, tokens, _, _ in batch]
 
-    def _tokens(self, item: PromptType) -> tuple[str | None, list[int]]:
+    def _discard(self, req_ids: list[str]) -> None:
+        """Abort requests this call queued (still waiting: they hold no blocks) and forget them."""
+        for req_id in req_ids:
+            self.engine.abort(req_id)
+            self.engine.requests.pop(req_id, None)
+
+    def _tokens(self, item: PromptType, index: int) -> tuple[str | None, list[int]]:
         if isinstance(item, str):
-            return item, self.engine.tokenizer.encode(item)
+            return item, self._encode(item, f"prompts[{index}]")
         if isinstance(item, dict) and "prompt_token_ids" in item:
-            return item.get("prompt"), [int(t) for t in item["prompt_token_ids"]]
-        if isinstance(item, dict) and "prompt" in item:
-            return item["prompt"], self.engine.tokenizer.encode(item["prompt"])
-        raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+            text = item.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompts[{index}]['prompt'] must be a string, got {show(text)}")
+            return text, item["prompt_token_ids"]
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            return item["prompt"], self._encode(item["prompt"], f"prompts[{index}]['prompt']")
+        raise TypeError(
+            f"prompts[{index}] must be a string or a dict with 'prompt' (a string) or "
+            f"'prompt_token_ids', got {show(item)}"
+        )
+
+    def _encode(self, text: str, name: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{name} is not valid Unicode: a lone surrogate at character {exc.start}; "
+                "pair or drop it"
+            ) from None
+        return self.engine.tokenizer.encode(text)
 
     def _output(self, req_id: str, prompt: str | None, tokens: list[int]) -> RequestOutput:
         state = self.engine.requests.pop(req_id)
@@ -138,3 +179,15 @@ def _progress(total: int) -> Any:
     except ImportError:  # pragma: no cover - tqdm ships with the dependencies
         return None
     return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+def _as_list(value: Any, name: str, kind: Any, what: str) -> list[Any]:
+    """One `kind` or a list / tuple of them as a list; TypeError naming `name` otherwise."""
+    if isinstance(value, kind):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be {what} or a list of them, got {show(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, kind):
+            raise TypeError(f"{name}[{i}] must be {what}, got {show(item)}")
+    return list(value)

@@ -4,12 +4,23 @@ parameter sets of the scheduler (stop conditions) and the sampler (how to draw).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
+from kvtier.checks import check_bool, check_int, check_ints, check_strs, show
+from kvtier.config import (
+    PROTECTIONS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    check_field_types,
+    flag,
+    parse_protect,
+)
 from kvtier.model.sampler import LOGPROBS_MODES
 from kvtier.model.sampler import SamplingParams as DrawParams
+from kvtier.sched.queues import POLICIES
 from kvtier.sched.request import SamplingParams as StopParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
@@ -17,7 +28,11 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample and when to stop, as vLLM spells it."""
+    """How to sample and when to stop, as vLLM spells it. Checked at construction: a wrong type
+    is a TypeError, a value out of range a ValueError, each naming the field; lists are stored as
+    tuples and numpy scalars as int / float. Limits that depend on the engine (token ids below
+    the vocabulary size, logprobs and prompt_logprobs ≤ max_logprobs) are checked by
+    `EngineCore.add_request`."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -35,19 +50,27 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        self.draw_params()  # validates temperature, top_p, top_k, min_p, logprobs
-        StopParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens)
-        n = self.prompt_logprobs
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-            raise ValueError(f"prompt_logprobs must be None or an integer ≥ 0, got {n!r}")
+        put = object.__setattr__
+        if self.stop_token_ids is not None:
+            put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids))
+        stop = self.stop_params(None, False)  # checks max_tokens, min_tokens
+        draw = self.draw_params()  # checks temperature, top_p, top_k, min_p, seed, logprobs
+        for name in ("max_tokens", "min_tokens"):
+            put(self, name, getattr(stop, name))
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+            put(self, name, getattr(draw, name))
+        if self.stop is not None:
+            strs = check_strs("stop", self.stop)
+            put(self, "stop", self.stop if isinstance(self.stop, str) else strs)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+        if self.prompt_logprobs is not None:
+            n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
+            put(self, "prompt_logprobs", n)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return check_strs("stop", self.stop)
 
     def draw_params(self) -> DrawParams:
         return DrawParams(
@@ -88,13 +111,17 @@ class EngineArgs:
     check_integrity: bool = False  # check the KV pool after every step (debug)
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
+    max_logprobs: int = 20  # most logprobs a request may ask for (as vLLM's default)
     logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, PathLike):
+            object.__setattr__(self, "model", str(Path(self.model)))
+        check_field_types(self)
         if self.device not in ("cpu", "sim", "cuda"):
-            raise ValueError(f"device must be cpu, sim or cuda, got {self.device!r}")
+            raise ValueError(f"--device must be cpu, sim or cuda, got {self.device!r}")
         if self.sanitize not in (None, True, False, "raise", "collect"):
             raise ValueError(
                 f"sanitize must be True, False, 'raise' or 'collect', got {self.sanitize!r}"
@@ -102,11 +129,33 @@ class EngineArgs:
         bad = sorted(set(self.protect) - set(PROTECTIONS))
         if bad:
             raise ValueError(f"unknown protections {bad}; choose from {PROTECTIONS} (or none)")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be ≥ 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("num_speculative_tokens", "long_prefill_token_threshold", "max_logprobs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({flag(name)}) must be ≥ 0, got {getattr(self, name)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+
+    def check_model(self, model: ModelConfig) -> None:
+        """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its
+        max_position_embeddings (positions it was never trained on: vLLM refuses these too), or
+        more drafts per step than a request could ever use."""
+        limit = model.max_position_embeddings
+        max_len = self.scheduler.max_model_len
+        if max_len is not None and max_len > limit:
+            raise ValueError(
+                f"max_model_len (--max-model-len) {max_len} exceeds the model's "
+                f"max_position_embeddings={limit} ({model.source}): positions past it were never "
+                f"trained and give wrong output; set --max-model-len ≤ {limit} or leave it unset"
+            )
+        k = self.num_speculative_tokens
+        if k >= (max_len or limit):
+            raise ValueError(
+                f"num_speculative_tokens (--num-speculative-tokens) {k} must be below "
+                f"max_model_len={max_len or limit}; a request never has room for more drafts"
             )
 
     @property
@@ -128,3 +177,47 @@ class EngineArgs:
         if isinstance(rest.get("protect"), str):
             rest["protect"] = parse_protect(rest["protect"])
         return cls(model=model, cache=cache, scheduler=sched, **rest)
+
+
+def check_request(
+    prompt_token_ids: object,
+    params: object,
+    priority: object,
+    *,
+    vocab_size: int,
+    max_logprobs: int,
+) -> list[int]:
+    """The checks of a request that need the engine's limits, before anything is recorded:
+    returns the prompt as a list of ints; TypeError / ValueError naming the field otherwise."""
+    tokens = list(check_ints("prompt_token_ids", prompt_token_ids, lo=None))
+    if not tokens:
+        raise ValueError("prompt_token_ids is empty; send at least one token")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+            "tokenize with this model's tokenizer"
+        )
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
+        )
+    bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"stop_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+            "drop them or use this model's token ids"
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(params, name)
+        if n is not None and n > max_logprobs:
+            raise ValueError(
+                f"{name}={n} exceeds this engine's max_logprobs={max_logprobs}; ask for fewer "
+                "or start the engine with a larger max_logprobs"
+            )
+    check_int("priority", priority, hint=" (lower runs first under the priority policy)")
+    return tokens
+
+
+def _ids(ids: list[int]) -> str:
+    return "[" + ", ".join(map(show, ids[:5])) + (", …]" if len(ids) > 5 else "]")

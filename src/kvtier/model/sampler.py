@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.checks import check_float, check_int
+
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+TEMP = " (0 = greedy)"
+SEED = " (None = unseeded)"
 # What logprobs report, as vLLM's `logprobs_mode`: raw = the model's logits before any ban,
 # temperature or filter (vLLM's default); processed = after them (filtered tokens are -inf).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -30,16 +35,16 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs to return; 0 = only the sampled token's
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be ≥ 0, got {self.logprobs}")
+        """Type and range checks naming the field; numpy scalars are stored as int / float."""
+        put = object.__setattr__
+        put(self, "temperature", check_float("temperature", self.temperature, lo=0.0, hint=TEMP))
+        put(self, "top_k", check_int("top_k", self.top_k, lo=-1, hint=" (0 or -1 disables it)"))
+        put(self, "top_p", check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
+        put(self, "min_p", check_float("min_p", self.min_p, lo=0.0, hi=1.0))
+        if self.seed is not None:
+            put(self, "seed", check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, hint=SEED))
+        if self.logprobs is not None:
+            put(self, "logprobs", check_int("logprobs", self.logprobs, lo=0))
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,11 @@ class SamplingBatch:
     ) -> SamplingBatch:
         greedy = [p.temperature < GREEDY_EPS for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        ks = [p.top_k if p.top_k > 0 and not g else vocab_size for p, g in zip(params, greedy)]
+        # top_k ≥ vocab keeps every token: clamp, so any integer fits the int64 tensor
+        ks = [
+            min(p.top_k, vocab_size) if p.top_k > 0 and not g else vocab_size
+            for p, g in zip(params, greedy)
+        ]
         ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         mins = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         return cls(

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtier.checks import check_bool, check_int, check_ints
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
 
@@ -49,12 +50,17 @@ class SamplingParams:
     skip_reading_prefix_cache: bool = False  # compute every prompt position (prompt logprobs)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be ≥ 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+        """Type and range checks naming the field; lists become tuples, numpy ints ints."""
+        put = object.__setattr__
+        put(self, "max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+        hint = f" (at most max_tokens={self.max_tokens})"
+        put(self, "min_tokens", check_int("min_tokens", self.min_tokens, 0, self.max_tokens, hint))
+        put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids, lo=0))
+        if self.eos_token_id is not None:
+            put(self, "eos_token_id", check_int("eos_token_id", self.eos_token_id, lo=0))
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("use_ngram", self.use_ngram)
+        check_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
 
 
 @dataclass(slots=True)

@@ -67,7 +67,9 @@ def start_server(max_waiting_requests: int = 64, **engine_kwargs: Any) -> Server
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # log_config=None: uvicorn's records reach the root logger, so tests can assert on them
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     handle = ServerHandle(engine, server, thread, port)

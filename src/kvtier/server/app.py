@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from kvtier.server.engine_loop import Delta, EngineLoop, Sink, Submission, TokenLogprob
-from kvtier.server.generation import Generation, Prompt, collect, stream
+from kvtier.server.generation import ClientDisconnected, Generation, Prompt, collect, stream
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,6 +34,10 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -106,6 +106,10 @@ class Generation:
         }
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its whole answer was ready (the app answers it with nothing)."""
+
+
 async def until_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
@@ -120,13 +124,16 @@ async def collect(gen: Generation, raw: Request) -> None:
 
     work = asyncio.ensure_future(drain())
     watch = asyncio.ensure_future(until_disconnect(raw))
+    done: set[asyncio.Future[None]] = set()
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not work.done():
             work.cancel()
             gen.abort_unfinished()
+    if work not in done:
+        raise ClientDisconnected  # nobody to answer; the cancelled drain ends quietly
     work.result()  # re-raises an engine failure
 
 

@@ -104,13 +104,22 @@ class EngineLoop:
     """Owns an `EngineCore` on a daemon thread; `start()` builds it there and waits until ready."""
 
     def __init__(
-        self, args: EngineArgs, max_waiting_requests: int, torch_threads: int | None = None
+        self,
+        args: EngineArgs,
+        max_waiting_requests: int,
+        torch_threads: int | None = None,
+        fail_at_step: int | None = None,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
         self.torch_threads = torch_threads
+        # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
+        # (1-based), exactly where a real step failure would surface.
+        self.fail_at_step = fail_at_step
+        self.num_steps = 0
         self.metrics = EngineMetrics()
         self.error: BaseException | None = None
+        self._on_failure: list[Callable[[BaseException], None]] = []
         # Read-only facts about the engine, set once before `start()` returns.
         self.max_model_len = 0
         self.layout_summary = ""
@@ -131,6 +140,15 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+
+    def on_failure(self, fn: Callable[[BaseException], None]) -> None:
+        """Call `fn(error)` once the engine thread has failed and answered every request in
+        flight (at once if it already has). `fn` runs on the engine thread: keep it short."""
+        with self._failure_lock:
+            if self.error is None:
+                self._on_failure.append(fn)
+                return
+        fn(self.error)
 
     @property
     def is_alive(self) -> bool:
@@ -175,10 +193,13 @@ class EngineLoop:
             log.exception("engine loop failed; failing every request in flight")
             with self._failure_lock:
                 self.error = exc
+                callbacks, self._on_failure = self._on_failure, []
             for live in self._live.values():
                 live.sub.sink.put(Failed(_engine_failed(exc)))
             self._live.clear()
             self._fail_pending(exc)
+            for fn in callbacks:
+                fn(exc)
 
     def _fail_pending(self, exc: BaseException) -> None:
         """Answer commands that raced with a failure (later ones are refused by `submit`)."""
@@ -208,6 +229,9 @@ class EngineLoop:
                 except queue.Empty:
                     cmd = None
             if engine.has_unfinished_requests():
+                self.num_steps += 1
+                if self.num_steps == self.fail_at_step:
+                    raise RuntimeError(f"injected fault at engine step {self.num_steps}")
                 self._dispatch(engine, engine.step())
             self.metrics.update(engine)
 

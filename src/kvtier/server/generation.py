@@ -162,8 +162,9 @@ def stream(
             if usage_head is not None:
                 yield sse(usage_head | {"choices": [], "usage": gen.usage_body()})
             yield "data: [DONE]\n\n"
-        except APIError as exc:
+        except APIError as exc:  # headers are out: the error is an event, then [DONE] (as vLLM)
             yield sse(exc.body())
+            yield "data: [DONE]\n\n"
         finally:
             watch.cancel()
             gen.abort_unfinished()

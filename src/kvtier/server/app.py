@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -18,8 +19,13 @@ from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    JSONBody,
+    check_text,
+    finite_logprob,
     validation_error,
 )
+
+log = logging.getLogger("kvtier.server")
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -28,26 +34,30 @@ def _finish_reason(reason: str | None) -> str | None:
 
 def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
     """The HTTP app over a started `EngineLoop`; `served_model_name` is the only model id."""
-    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.engine = engine
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        # a bug of ours, logged with its traceback; the client still gets an OpenAI-shaped body
+        log.error("unhandled error in a request handler", exc_info=exc)
+        return APIError(f"internal error: {exc}", 500, kind="server_error").response()
 
     @app.exception_handler(ClientDisconnected)
     async def gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        err = APIError(str(exc.detail), exc.status_code)
-        return JSONResponse(err.body(), status_code=exc.status_code)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return APIError(str(exc.detail), exc.status_code, headers=exc.headers).response()
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -82,6 +92,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
+        check_text(body.model_dump(exclude_unset=True), "")
         check_model(body.model)
         body.check_unsupported()
         check_max_tokens(body.max_tokens, "max_tokens")
@@ -97,7 +108,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         ) -> dict[str, Any]:
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _completion_logprobs(lps or [], offsets[i] + len(prefix))
+                logprobs = completion_logprobs(lps or [], offsets[i] + len(prefix))
             offsets[i] += len(prefix) + len(text)
             reason = _finish_reason(reason)
             return {
@@ -126,6 +137,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:
+        check_text(body.model_dump(exclude_unset=True), "")
         check_model(body.model)
         body.check_unsupported()
         max_tokens = body.requested_max_tokens()
@@ -137,7 +149,7 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}
 
         def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-            return None if num_logprobs is None else _chat_logprobs(lps or [])
+            return None if num_logprobs is None else chat_logprobs(lps or [])
 
         if body.stream:
             first = [True]
@@ -188,22 +200,26 @@ def _submitter(
     return submit
 
 
-def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The `logprobs` object of a completion choice (legacy shape); -inf becomes -9999.0."""
     offsets = []
     for lp in lps:
         offsets.append(offset)
         offset += len(lp.token)
     return {
         "tokens": [lp.token for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [dict(lp.top) for lp in lps],
+        "token_logprobs": [finite_logprob(lp.logprob) for lp in lps],
+        "top_logprobs": [{t: finite_logprob(v) for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
 
-def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    """The `logprobs` object of a chat choice; -inf becomes -9999.0."""
+
     def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        value = finite_logprob(logprob)
+        return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
     content = [
         entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}

@@ -5,7 +5,6 @@ sub-requests when the client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +22,7 @@ from kvtier.server.engine_loop import (
     Started,
     TokenLogprob,
 )
-from kvtier.server.protocol import APIError
+from kvtier.server.protocol import APIError, dumps
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -138,7 +137,7 @@ async def collect(gen: Generation, raw: Request) -> None:
 
 
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 def stream(

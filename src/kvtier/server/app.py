@@ -57,7 +57,8 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
-        return APIError(str(exc.detail), exc.status_code, headers=exc.headers).response()
+        headers = dict(exc.headers) if exc.headers else None
+        return APIError(str(exc.detail), exc.status_code, headers=headers).response()
 
     def check_model(name: str) -> None:
         if name != served_model_name:

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,8 +13,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from kvtier.server.engine_loop import Delta, EngineLoop, Sink, Submission, TokenLogprob
-from kvtier.server.generation import ClientDisconnected, Generation, Prompt, collect, stream
+from kvtier.engine.params import SamplingParams
+from kvtier.server.body_limit import BodyLimit
+from kvtier.server.engine_loop import Delta, EngineLoop, TokenLogprob
+from kvtier.server.generation import ClientDisconnected, Generation, collect, stream
+from kvtier.server.prompts import Encoded, Prompt, encode, resolve_max_tokens
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -32,10 +35,14 @@ def _finish_reason(reason: str | None) -> str | None:
     return None if reason is None else "stop" if reason == "abort" else reason
 
 
-def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
-    """The HTTP app over a started `EngineLoop`; `served_model_name` is the only model id."""
+def build_app(
+    engine: EngineLoop, served_model_name: str, max_request_body_bytes: int = 4 << 20
+) -> FastAPI:
+    """The HTTP app over a started `EngineLoop`; `served_model_name` is the only model id, bodies
+    over `max_request_body_bytes` get a 413."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
@@ -91,6 +98,27 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    async def encode_all(prompts: list[Prompt], add_generation_prompt: bool) -> list[Encoded]:
+        """Token ids of every prompt, computed in a worker thread (never the engine's)."""
+        tok, vocab = engine.tokenizer, engine.vocab_size
+        assert tok is not None, "the engine loop is started before the app serves"
+        return await asyncio.to_thread(
+            lambda: [encode(tok, p, vocab, add_generation_prompt) for p in prompts]
+        )
+
+    def requests(
+        encoded: list[Encoded],
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        params: tuple[str, str],
+        num_logprobs: int | None,
+    ) -> list[tuple[list[int], SamplingParams]]:
+        out = []
+        for e in encoded:
+            limit = resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
+            out.append((e.token_ids, body.sampling_params(limit, num_logprobs)))
+        return out
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
         check_text(body.model_dump(exclude_unset=True), "")
@@ -98,8 +126,10 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         body.check_unsupported()
         check_max_tokens(body.max_tokens, "max_tokens")
         prompts: list[Prompt] = list(body.prompts())
-        gen = Generation(engine, "cmpl", len(prompts))
-        await gen.start(prompts, _submitter(engine, body.max_tokens, body.num_logprobs(), body))
+        encoded = await encode_all(prompts, True)
+        todo = requests(encoded, body, body.max_tokens, ("prompt", "max_tokens"), body.logprobs)
+        gen = Generation(engine, "cmpl", [e.text for e in encoded])
+        await gen.start(todo, body.priority)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
         head["model"] = body.model
         offsets = [0] * len(prompts)
@@ -142,10 +172,13 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         check_model(body.model)
         body.check_unsupported()
         max_tokens = body.requested_max_tokens()
-        check_max_tokens(max_tokens, "max_completion_tokens")
+        max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        check_max_tokens(max_tokens, max_param)
         num_logprobs = body.num_logprobs()
-        gen = Generation(engine, "chatcmpl", 1)
-        await gen.start([body.dict_messages()], _submitter(engine, max_tokens, num_logprobs, body))
+        encoded = await encode_all([body.dict_messages()], body.add_generation_prompt)
+        todo = requests(encoded, body, max_tokens, ("messages", max_param), num_logprobs)
+        gen = Generation(engine, "chatcmpl", [e.text for e in encoded])
+        await gen.start(todo, body.priority)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}
 
@@ -175,30 +208,6 @@ def build_app(engine: EngineLoop, served_model_name: str) -> FastAPI:
         return head | {"choices": [choice], "usage": gen.usage_body()}
 
     return app
-
-
-def _submitter(
-    engine: EngineLoop,
-    max_tokens: int | None,
-    num_logprobs: int | None,
-    body: CompletionRequest | ChatCompletionRequest,
-) -> Callable[[str, Prompt, Sink], None]:
-    gen_prompt = getattr(body, "add_generation_prompt", True)
-
-    def submit(req_id: str, prompt: Prompt, sink: Sink) -> None:
-        engine.submit(
-            Submission(
-                req_id,
-                prompt,
-                max_tokens,
-                lambda n: body.sampling_params(n, num_logprobs),
-                sink,
-                add_generation_prompt=gen_prompt,
-                priority=body.priority,
-            )
-        )
-
-    return submit
 
 
 def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     loop.start()
     log.info(loop.layout_summary)
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = build_app(loop, name)
+    app = build_app(loop, name, cfg.max_request_body_bytes)
     log.info("serving %r on http://%s:%d/v1", name, cfg.host, cfg.port)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     server = make_server(loop, app, config)

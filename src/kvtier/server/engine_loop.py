@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 from kvtier.engine.core import EngineCore, RequestState
 from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.metrics import EngineMetrics
-from kvtier.server.protocol import APIError, render_default_chat
+from kvtier.server.protocol import APIError
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -32,7 +33,6 @@ class Usage:
 
 @dataclass(slots=True)
 class Started:
-    prompt_text: str
     num_prompt_tokens: int
 
 
@@ -78,15 +78,13 @@ class Sink:
 
 @dataclass(slots=True)
 class Submission:
-    """A request as the HTTP layer hands it over; tokenizing and admission happen on the engine
-    thread. `make_params(max_tokens)` raises APIError for bad parameters."""
+    """A request as the HTTP layer hands it over: tokenized, its parameters built and its length
+    checked there; the engine thread only admits it (or refuses it: queue full, engine error)."""
 
     req_id: str
-    prompt: str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
-    max_tokens: int | None  # None: up to max_model_len
-    make_params: Callable[[int], SamplingParams]
+    token_ids: list[int]
+    params: SamplingParams
     sink: Sink
-    add_generation_prompt: bool = True
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
 
@@ -120,8 +118,11 @@ class EngineLoop:
         self.metrics = EngineMetrics()
         self.error: BaseException | None = None
         self._on_failure: list[Callable[[BaseException], None]] = []
-        # Read-only facts about the engine, set once before `start()` returns.
+        # Read-only facts about the engine, set once before `start()` returns. The tokenizer is
+        # shared with the engine thread: encode/decode are safe from any thread.
         self.max_model_len = 0
+        self.vocab_size = 0
+        self.tokenizer: Tokenizer | None = None
         self.layout_summary = ""
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -180,6 +181,8 @@ class EngineLoop:
                 torch.set_num_threads(self.torch_threads)
             engine = EngineCore(self.args)
             self.max_model_len = engine.plan.max_model_len
+            self.vocab_size = engine.model_config.vocab_size
+            self.tokenizer = engine.tokenizer
             self.layout_summary = layout_summary(engine)
             self.metrics.set_layout(engine)
         except BaseException as exc:
@@ -264,25 +267,7 @@ class EngineLoop:
                 fut.set_exception(exc)
 
     def _admit(self, engine: EngineCore, sub: Submission) -> None:
-        prompt_text, token_ids = self._tokens(engine, sub)
-        n, limit = len(token_ids), engine.plan.max_model_len
-        if n >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"has {n} tokens, leaving no room for output. Please shorten your prompt.",
-                param="prompt" if not isinstance(sub.prompt, list) else "messages",
-                code="context_length_exceeded",
-            )
-        max_tokens = limit - n if sub.max_tokens is None else sub.max_tokens
-        if max_tokens > limit - n:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        params = sub.make_params(max_tokens)
+        n = len(sub.token_ids)
         if len(engine.scheduler.waiting) >= self.max_waiting_requests:
             raise APIError(
                 f"the server's waiting queue is full ({self.max_waiting_requests} requests); "
@@ -292,37 +277,12 @@ class EngineLoop:
                 code="rate_limit_exceeded",
             )
         try:
-            engine.add_request(sub.req_id, token_ids, params, sub.priority)
+            engine.add_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
         except ValueError as exc:
             raise APIError(str(exc)) from None
         self._live[sub.req_id] = _Live(sub, n)
         self.metrics.admitted(n)
-        sub.sink.put(Started(prompt_text, n))
-
-    @staticmethod
-    def _tokens(engine: EngineCore, sub: Submission) -> tuple[str, list[int]]:
-        tok = engine.tokenizer
-        prompt = sub.prompt
-        if isinstance(prompt, str):
-            return prompt, tok.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            messages: list[dict[str, Any]] = prompt
-            try:
-                if tok.chat_template:
-                    text = tok.apply_chat_template(messages, sub.add_generation_prompt)
-                else:
-                    text = render_default_chat(messages, sub.add_generation_prompt)
-            except Exception as exc:  # template errors are the request's fault
-                raise APIError(f"chat template: {exc}", param="messages") from None
-            # a template writes its own special tokens; the plain one gets the tokenizer's (bos)
-            return text, tok.encode(text, add_special_tokens=not tok.chat_template)
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-        if not ids:
-            raise APIError("prompt must not be empty", param="prompt")
-        vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return tok.decode(ids), ids
+        sub.sink.put(Started(n))
 
     def _dispatch(self, engine: EngineCore, outs: list[Any]) -> None:
         now = time.monotonic()

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvtier.engine.params import SamplingParams
 from kvtier.server.engine_loop import (
     Delta,
     EngineLoop,
@@ -20,23 +21,23 @@ from kvtier.server.engine_loop import (
     Failed,
     Sink,
     Started,
+    Submission,
     TokenLogprob,
 )
 from kvtier.server.protocol import APIError, dumps
 
-Prompt = str | list[int] | list[dict[str, Any]]
-
 
 class Generation:
-    """The sub-requests of one HTTP request (one per prompt) and their merged event queue."""
+    """The sub-requests of one HTTP request (one per choice) and their merged event queue."""
 
-    def __init__(self, engine: EngineLoop, prefix: str, num: int) -> None:
+    def __init__(self, engine: EngineLoop, prefix: str, prompt_texts: list[str]) -> None:
+        num = len(prompt_texts)
         self.engine = engine
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.req_ids = [f"{self.id}-{i}" for i in range(num)]
-        self.prompt_texts = [""] * num
+        self.prompt_texts = prompt_texts
         self.texts = [""] * num
         self.finish: list[str | None] = [None] * num
         self.stop_reasons: list[str | int | None] = [None] * num
@@ -53,22 +54,21 @@ class Generation:
             if fin is None:
                 self.engine.abort(rid)
 
-    async def start(
-        self, prompts: list[Prompt], submit: Callable[[str, Prompt, Sink], None]
-    ) -> None:
-        """Submit every prompt; return once all are admitted, or raise the first refusal."""
+    async def start(self, requests: list[tuple[list[int], SamplingParams]], priority: int) -> None:
+        """Submit one engine request per choice (token ids, parameters); return once all are
+        admitted, or raise the first refusal (aborting the others)."""
         loop = asyncio.get_running_loop()
-        for i, (rid, prompt) in enumerate(zip(self.req_ids, prompts)):
-            submit(rid, prompt, Sink(loop, self.queue, i))
+        for i, (rid, (token_ids, params)) in enumerate(zip(self.req_ids, requests, strict=True)):
+            sink = Sink(loop, self.queue, i)
+            self.engine.submit(Submission(rid, token_ids, params, sink, priority))
         started = 0
-        while started < len(prompts):
+        while started < len(requests):
             i, ev = await self.queue.get()
             if isinstance(ev, Failed):
                 self.finish[i] = "error"
                 self.abort_unfinished()
                 raise ev.error
             if isinstance(ev, Started):
-                self.prompt_texts[i] = ev.prompt_text
                 started += 1
             else:
                 self.early.append((i, ev))

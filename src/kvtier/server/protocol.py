@@ -97,8 +97,17 @@ class APIError(Exception):
         return JSONBody(self.body(), status_code=self.status, headers=self.headers)
 
 
+# Bounds on what one request may ask of the engine (each refused with a 400 naming the field).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+INT64 = 2**63
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # JSON's NaN / Infinity literals (Python's parser accepts them) are refused in every field
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -115,7 +124,7 @@ class _Sampling(_Body):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -125,12 +134,19 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
 
     def check_unsupported(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters long", param="stop"
+            )
         if self.n != 1:
             raise APIError("only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -169,7 +185,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -223,7 +239,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True  # vLLM extension
 

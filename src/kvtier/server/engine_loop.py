@@ -268,13 +268,14 @@ class EngineLoop:
 
     def _admit(self, engine: EngineCore, sub: Submission) -> None:
         n = len(sub.token_ids)
-        if len(engine.scheduler.waiting) >= self.max_waiting_requests:
+        if self._backlog(engine) >= self.max_waiting_requests:
             raise APIError(
-                f"the server's waiting queue is full ({self.max_waiting_requests} requests); "
-                "retry later",
+                f"the server is busy: {self.max_waiting_requests} requests already wait beyond "
+                "its free running slots (--max-waiting-requests); retry later",
                 429,
                 kind="rate_limit_exceeded",
                 code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
             )
         try:
             engine.add_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
@@ -283,6 +284,14 @@ class EngineLoop:
         self._live[sub.req_id] = _Live(sub, n)
         self.metrics.admitted(n)
         sub.sink.put(Started(n))
+
+    @staticmethod
+    def _backlog(engine: EngineCore) -> int:
+        """Waiting requests beyond the free running slots (negative: room to start more now).
+        Slots only: a request held back by KV blocks still counts as able to run."""
+        sched = engine.scheduler  # TODO(stats): the engine's public stats() once it lands
+        free = engine.args.scheduler.max_num_seqs - len(sched.running)
+        return len(sched.waiting) - free
 
     def _dispatch(self, engine: EngineCore, outs: list[Any]) -> None:
         now = time.monotonic()

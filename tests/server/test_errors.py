@@ -34,7 +34,7 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         ("/v1/completions", {"temperature": "hot"}, "temperature"),
         ("/v1/completions", {"temperature": -1.0}, None),
         ("/v1/completions", {"top_p": 0.0}, None),
-        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"prompt": [5, 999_999]}, "prompt"),
         ("/v1/completions", {"frobnicate": True}, "frobnicate"),
         ("/v1/completions", {"prompt": None}, "prompt"),

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+import kvtier
 from kvtier.engine.params import SamplingParams
 from kvtier.server.body_limit import BodyLimit
 from kvtier.server.engine_loop import Delta, EngineLoop, TokenLogprob
@@ -22,9 +23,12 @@ from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     JSONBody,
+    TokenizeRequest,
     check_text,
     finite_logprob,
+    message_dicts,
     validation_error,
 )
 
@@ -87,16 +91,22 @@ def build_app(
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    card = {
+        "id": served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvtier",
+        "max_model_len": engine.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvtier",
-            "max_model_len": engine.max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return card
 
     async def encode_all(prompts: list[Prompt], add_generation_prompt: bool) -> list[Encoded]:
         """Token ids of every prompt, computed in a worker thread (never the engine's)."""
@@ -113,10 +123,12 @@ def build_app(
         params: tuple[str, str],
         num_logprobs: int | None,
     ) -> list[tuple[list[int], SamplingParams]]:
+        """One (token ids, parameters) per choice: `body.n` per prompt, in choice order."""
         out = []
         for e in encoded:
             limit = resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
-            out.append((e.token_ids, body.sampling_params(limit, num_logprobs)))
+            for i in range(body.n):
+                out.append((e.token_ids, body.sampling_params(limit, num_logprobs, i)))
         return out
 
     @app.post("/v1/completions", response_model=None)
@@ -128,11 +140,11 @@ def build_app(
         prompts: list[Prompt] = list(body.prompts())
         encoded = await encode_all(prompts, True)
         todo = requests(encoded, body, body.max_tokens, ("prompt", "max_tokens"), body.logprobs)
-        gen = Generation(engine, "cmpl", [e.text for e in encoded])
+        gen = Generation(engine, "cmpl", [e.text for e in encoded], body.n)
         await gen.start(todo, body.priority)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
         head["model"] = body.model
-        offsets = [0] * len(prompts)
+        offsets = [0] * len(gen.texts)
 
         def choice(
             i: int, prefix: str, text: str, lps: list[TokenLogprob] | None, reason: str | None
@@ -177,7 +189,7 @@ def build_app(
         num_logprobs = body.num_logprobs()
         encoded = await encode_all([body.dict_messages()], body.add_generation_prompt)
         todo = requests(encoded, body, max_tokens, ("messages", max_param), num_logprobs)
-        gen = Generation(engine, "chatcmpl", [e.text for e in encoded])
+        gen = Generation(engine, "chatcmpl", [e.text for e in encoded], body.n)
         await gen.start(todo, body.priority)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}
@@ -186,26 +198,74 @@ def build_app(
             return None if num_logprobs is None else chat_logprobs(lps or [])
 
         if body.stream:
-            first = [True]
+            greeted: set[int] = set()
 
             def chunk(i: int, d: Delta) -> dict[str, Any]:
                 delta: dict[str, Any] = {"content": d.text}
-                if first[0]:
-                    first[0] = False
+                if i not in greeted:  # each choice's first delta carries the role
+                    greeted.add(i)
                     delta["role"] = "assistant"
                 c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
                 return head | {"choices": [c | {"finish_reason": _finish_reason(d.finish_reason)}]}
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": gen.texts[0]},
-            "logprobs": logprobs(gen.logprobs[0]),
-            "finish_reason": _finish_reason(gen.finish[0]),
-            "stop_reason": gen.stop_reasons[0],
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs(gen.logprobs[i]),
+                "finish_reason": _finish_reason(gen.finish[i]),
+                "stop_reason": gen.stop_reasons[i],
+            }
+            for i, text in enumerate(gen.texts)
+        ]
+        return head | {"choices": choices, "usage": gen.usage_body()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_text(body.model_dump(exclude_unset=True), "")
+        if body.model is not None:
+            check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send exactly one of `prompt` and `messages`")
+        prompt: Prompt = (
+            body.prompt if body.prompt is not None else message_dicts(body.messages or [])
+        )
+        tok = engine.tokenizer
+        assert tok is not None
+        ids = (
+            await asyncio.to_thread(
+                encode,
+                tok,
+                prompt,
+                engine.vocab_size,
+                body.add_generation_prompt,
+                body.add_special_tokens,
+            )
+        ).token_ids
+        strs = [tok.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
         }
-        return head | {"choices": [choice], "usage": gen.usage_body()}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model)
+        if any(not 0 <= t < engine.vocab_size for t in body.tokens):
+            raise APIError(f"token ids must lie in [0, {engine.vocab_size})", param="tokens")
+        tok = engine.tokenizer
+        assert tok is not None
+        text = await asyncio.to_thread(tok.decode, body.tokens, False)  # specials kept (vLLM)
+        return {"prompt": text}
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": kvtier.__version__}
 
     return app
 

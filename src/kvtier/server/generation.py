@@ -28,16 +28,20 @@ from kvtier.server.protocol import APIError, dumps
 
 
 class Generation:
-    """The sub-requests of one HTTP request (one per choice) and their merged event queue."""
+    """The sub-requests of one HTTP request and their merged event queue: `n` choices per
+    prompt, choice `prompt_index * n + i` (OpenAI's indexing)."""
 
-    def __init__(self, engine: EngineLoop, prefix: str, prompt_texts: list[str]) -> None:
-        num = len(prompt_texts)
+    def __init__(
+        self, engine: EngineLoop, prefix: str, prompt_texts: list[str], n: int = 1
+    ) -> None:
+        num = len(prompt_texts) * n
         self.engine = engine
+        self.n = n
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.req_ids = [f"{self.id}-{i}" for i in range(num)]
-        self.prompt_texts = prompt_texts
+        self.prompt_texts = [text for text in prompt_texts for _ in range(n)]  # per choice
         self.texts = [""] * num
         self.finish: list[str | None] = [None] * num
         self.stop_reasons: list[str | int | None] = [None] * num
@@ -90,9 +94,10 @@ class Generation:
         if d.finish_reason is not None:
             self.finish[i], self.stop_reasons[i] = d.finish_reason, d.stop_reason
         if d.usage is not None:
-            self.usage["prompt_tokens"] += d.usage.prompt_tokens
+            if i % self.n == 0:  # a prompt counts once, however many choices (as vLLM)
+                self.usage["prompt_tokens"] += d.usage.prompt_tokens
+                self.usage["cached_tokens"] += d.usage.cached_tokens
             self.usage["completion_tokens"] += d.usage.completion_tokens
-            self.usage["cached_tokens"] += d.usage.cached_tokens
         return i, d
 
     def usage_body(self) -> dict[str, Any]:

@@ -102,6 +102,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 32  # choices per prompt
 INT64 = 2**63
 
 
@@ -118,7 +119,7 @@ class _Sampling(_Body):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extensions (sent via extra_body)."""
 
     model: str
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -147,20 +148,26 @@ class _Sampling(_Body):
             raise APIError(
                 f"stop strings must be at most {MAX_STOP_CHARS} characters long", param="stop"
             )
-        if self.n != 1:
-            raise APIError("only n=1 is supported", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options can only be given with stream=true", param="stream_options"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise APIError(f"{name} is not supported by this server; omit it", param=name)
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises APIError (400) for values `SamplingParams` rejects."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, index: int = 0
+    ) -> SamplingParams:
+        """Parameters of choice `index` of a prompt (a seeded request's choice i draws with
+        seed + i, as vLLM's parallel sampling). Raises APIError (400) for values
+        `SamplingParams` rejects."""
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + index,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
@@ -258,7 +265,29 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
     def dict_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and the content's text."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: as /v1/completions and /v1/chat/completions would tokenize the prompt
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # Used when the tokenizer config has no chat template: one "role: text" line per message.

@@ -117,6 +117,7 @@ def test_serve_cli_lists_the_vllm_style_flags() -> None:
         "--port",
         "--served-model-name",
         "--max-waiting-requests",
+        "--max-request-body-bytes",
         "--max-model-len",
         "--max-num-seqs",
         "--block-size",

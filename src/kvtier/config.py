@@ -16,7 +16,7 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
-PROTECTIONS = ("event", "settled", "quarantine")  # block-lifetime protections (DESIGN.md §5)
+PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 
 

@@ -1,5 +1,6 @@
-"""The cuda backend on a real GPU (marked `gpu`): the store and load races of reference scenarios
-62 and 63 corrupt without the compute-done wait and never with it, as on the sim."""
+"""The cuda backend on a real GPU (marked `gpu`): the store and load races of scenarios 62 and 63
+(architecture.md §Scenarios) corrupt without the compute-done wait and never with it, as on the
+sim."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The sim backend: its timing model, its real data corruption in racy orders (reference
-scenarios 62 and 63) and Trio-style determinism (same seed same trace, other seeds differ)."""
+"""The sim backend: its timing model, its real data corruption in racy orders (scenarios 62 and 63
+of architecture.md §Scenarios) and Trio-style determinism (same seed same trace, other seeds
+differ)."""
 
 from __future__ import annotations
 

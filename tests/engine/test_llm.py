@@ -165,16 +165,49 @@ def test_logprobs_are_returned(llama: Path) -> None:
         assert len(lp.top) == 3 and tok in lp.top and lp.logprob <= 0.0
 
 
+def test_logprobs_are_those_of_the_model_whatever_the_filters(llama: Path) -> None:
+    """vLLM's default logprobs_mode (raw_logprobs): log_softmax of the model's logits, before
+    temperature, top-k/top-p/min-p and the min_tokens ban: finite, and equal to transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llama, attn_implementation="eager").eval()
+    llm = LLM(str(llama), **SMALL)
+    prompt = [5, 17, 40, 41, 99, 3]
+    filters = [{"top_k": 2}, {"top_p": 0.1}, {"min_p": 0.5}]
+    for i, f in enumerate(filters):
+        params = SamplingParams(
+            max_tokens=6, min_tokens=4, temperature=0.8, seed=i, logprobs=5, **f
+        )
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)  # [outputs, vocab]
+        for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(float(expected[j, tok]), abs=1e-4)
+            top = expected[j].topk(5)
+            assert list(lp.top) == top.indices.tolist()
+            assert list(lp.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+        # the filters keep one or two tokens per step: the other candidates are finite too
+        assert all(len(lp.top) == 5 for lp in out.logprobs)
+        assert all(v > float("-inf") for lp in out.logprobs for v in lp.top.values())
+
+
 def test_bad_requests_are_refused_and_lose_nothing(gemma3: Path) -> None:
     llm = LLM(str(gemma3), **SMALL)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 99999]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 300}, GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="unknown engine arguments"):
         LLM(str(gemma3), block_sise=4)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        LLM(str(gemma3), logprobs_mode="processed")
     ok = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 24
 

@@ -1,8 +1,8 @@
-"""BlockPool and the full-attention prefix cache: reference §6 group A (scenarios 1-11), the
+"""BlockPool and the full-attention prefix cache: architecture.md §Scenarios group A (1-11), the
 quarantine, events, eviction and the integrity check.
 
 Scenarios drive the pool through the `KVCacheManager` facade with one full-attention group of
-block size 16, as the reference's harness does; pool-only behaviour is tested on `BlockPool`.
+block size 16, as the scenarios' harness does; pool-only behaviour is tested on `BlockPool`.
 """
 
 from __future__ import annotations

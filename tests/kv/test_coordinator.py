@@ -1,5 +1,5 @@
-"""Hybrid coordinator: one hit length every group can serve (reference §6 group E, 44-46), mixed
-block sizes, and every operation applied to every group."""
+"""Hybrid coordinator: one hit length every group can serve (architecture.md §Scenarios group E,
+44-46), mixed block sizes, and every operation applied to every group."""
 
 from __future__ import annotations
 

@@ -435,7 +435,7 @@ def test_admission_charge_steady_per_request_plus_one_shared_reserve(
         vllm = cdiv(min(spec.window - 1 + max_in_flight, max_model_len), BS) + 1
     else:
         vllm = cdiv(min(spec.chunk + max_in_flight, max_model_len), BS)
-    assert vllm == vllm_cap  # the reference's numbers, from vLLM's formula
+    assert vllm == vllm_cap  # the scenario's numbers, from vLLM's formula
     m = KVCacheManager(
         [spec], 10_001, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight
     )
@@ -447,9 +447,9 @@ def test_admission_charge_steady_per_request_plus_one_shared_reserve(
 
 
 def test_max_length_requests_admitted_on_a_gemma_like_hybrid_vs_vllm():
-    """§7.2: 1 full + 5 SWA groups (W 1024, bs 16), B 8192 at async depth 2, max_model_len 16384.
-    vLLM (post-#47728) charges 1024 + 5 × 1025 blocks per request; we charge 1024 + 5 × 65 per
-    request plus 5 × (1024 + requests) once."""
+    """architecture.md §Admission: 1 full + 5 SWA groups (W 1024, bs 16), B 8192 at async depth 2,
+    max_model_len 16384. vLLM (post-#47728) charges 1024 + 5 × 1025 blocks per request; we charge
+    1024 + 5 × 65 per request plus 5 × (1024 + requests) once."""
     specs = [FullAttention(BS)] + [SlidingWindow(BS, 1024)] * 5
     m = KVCacheManager(specs, 100_001, max_model_len=16384, max_in_flight_tokens=16384)
     vllm_per_request = 1024 + 5 * (cdiv(min(1023 + 16384, 16384), BS) + 1)

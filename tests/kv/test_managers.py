@@ -1,5 +1,5 @@
 """Single-type managers: window / chunked / mamba arithmetic, pruning and cache-hit search
-(reference §6 group B, scenarios 12-17; 18-19 are admission and live in test_manager.py)."""
+(architecture.md §Scenarios group B, 12-17; 18-19 are admission and live in test_manager.py)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ _ARBITRARY = [T, F, T, T, F, F, T, F]
 )
 def test_chunked_local_hit_looks_up_only_the_current_chunk(pattern, tail, expected_blocks):
     """Scenario 16 (C=4, bs=2). We assert the exact null prefix (every block left of the current
-    chunk), which is stronger than the reference's lower bound (expected − 1) // 2."""
+    chunk), which is stronger than the scenario's lower bound (expected − 1) // 2."""
     mgr, _ = single(ChunkedLocal(block_size=2, chunk=4))
     hashes, blocks = cache_pattern(mgr, pattern)
     max_length = 2 * len(pattern) + tail

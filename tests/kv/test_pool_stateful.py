@@ -302,7 +302,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.processed < self.sched_seq)
     @rule()
     def update(self) -> None:
-        """DESIGN §4 update(k): process one step, prune every request on its settled count."""
+        """update(k) (architecture.md §Walks): process one step, prune every request on its settled
+        count."""
         self.processed += 1
         for req_id in sorted(self.reqs):
             last = self.history[req_id][-1][0]

@@ -3,6 +3,8 @@ follows the softmax; seeds are deterministic per (seed, position) and batch-inde
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -99,14 +101,50 @@ def test_unseeded_rows_follow_the_generator():
     )
 
 
-def test_logprobs_of_the_processed_distribution():
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=2), SamplingParams(top_p=0.1), SamplingParams(min_p=0.5)],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_logprobs_are_of_the_raw_distribution_whatever_the_filters(params):
+    """As vLLM's default `raw_logprobs`: log_softmax of the model's logits, before temperature and
+    filters, so a filtered request still gets finite logprobs for tokens it could not sample."""
+    logits = logits_rows(64, seed=9)
+    params = replace(params, temperature=0.7, logprobs=5)
+    out = draw(logits, [params] * 64)
+    raw = torch.log_softmax(logits, -1)
+    assert out.sampled_logprobs is not None and out.top_logprobs is not None
+    assert out.top_token_ids is not None
+    assert torch.isfinite(out.sampled_logprobs).all() and torch.isfinite(out.top_logprobs).all()
+    torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    top = raw.topk(5, dim=-1)
+    torch.testing.assert_close(out.top_logprobs, top.values)
+    assert out.top_token_ids.tolist() == top.indices.tolist()
+    batch = SamplingBatch.from_params([params], [0], VOCAB)
+    kept = set(torch.nonzero(torch.isfinite(processed_logits(logits[:1], batch)[0])).tolist()[0])
+    assert set(out.top_token_ids[0].tolist()) - kept  # candidates the filter removed are listed
+
+
+def test_raw_logprobs_ignore_banned_tokens_the_draw_cannot_pick():
+    logits = logits_rows(4, seed=2)
+    best = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 4
+    batch = SamplingBatch.from_params(params, [0] * 4, VOCAB)
+    out = sample(logits, batch, banned=(list(range(4)), best.tolist()))
+    assert (out.token_ids != best).all()  # banned (e.g. EOS before min_tokens) never drawn
+    assert out.top_token_ids is not None and out.top_token_ids[:, 0].tolist() == best.tolist()
+
+
+def test_logprobs_modes_as_vllm():
     logits = logits_rows(3, seed=9)
     params = [
         SamplingParams(temperature=0.0, logprobs=VOCAB),
         SamplingParams(top_k=4, logprobs=2),
         SamplingParams(temperature=0.5, logprobs=0),
     ]
-    out = draw(logits, params)
+    batch = SamplingBatch.from_params(params, [0] * 3, VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    out = sample(logits, batch, gen, logprobs_mode="processed_logprobs")
     assert out.top_logprobs is not None and out.top_token_ids is not None
     assert out.top_logprobs.shape == (3, VOCAB) and out.top_token_ids.shape == (3, VOCAB)
     torch.testing.assert_close(out.top_logprobs[0].exp().sum(), torch.tensor(1.0))
@@ -116,6 +154,16 @@ def test_logprobs_of_the_processed_distribution():
     torch.testing.assert_close(out.top_logprobs[1, :4].exp().sum(), torch.tensor(1.0))
     expected = torch.log_softmax(logits[2] / 0.5, -1)[out.token_ids[2]]
     torch.testing.assert_close(out.sampled_logprobs[2], expected)
+    gen.manual_seed(0)
+    same = sample(logits, batch, gen, logprobs_mode="processed_logits")
+    assert same.token_ids.tolist() == out.token_ids.tolist()
+    assert same.top_logprobs is not None
+    torch.testing.assert_close(same.top_logprobs[2], (logits[2] / 0.5).sort(descending=True)[0])
+    raw_logits = sample(logits, batch, logprobs_mode="raw_logits")
+    assert raw_logits.top_logprobs is not None
+    torch.testing.assert_close(raw_logits.top_logprobs[1, :2], logits[1].topk(2).values)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sample(logits, batch, logprobs_mode="processed")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Reference §6 group F (scenarios 47–61) adapted to `HostTier`: device Pool(16), host pool of 8
+"""architecture.md §Scenarios group F (47–61) adapted to `HostTier`: device Pool(16), host pool of 8
 blocks (7 usable) unless stated, block size 16, requests of k full blocks + 1 token.
 
 Where kvtier differs from vLLM on purpose the test says so: stores planned from settled counts
@@ -99,7 +99,8 @@ def test_49_duplicate_store_is_skipped_and_the_cursor_advances():
 
 def test_50_host_lru_evicts_the_oldest_request_tail_first():
     """Same victim as vLLM (A, the least recently stored), but the chain's tail goes first:
-    BlockRemoved lists a1 before a0 (deliberate: chain-aware insertion, reference §8.5a)."""
+    BlockRemoved lists a1 before a0 (deliberate: chain-aware insertion, architecture.md
+    §Eviction)."""
     dev = device()
     t = tier(dev, 5, enable_kv_events=True)
     a, b, c = (request(dev, n, tokens(33)) for n in "ABC")

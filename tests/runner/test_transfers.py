@@ -1,7 +1,7 @@
-"""The worker half of the host tier on the sim device, reference §6 group G (scenarios 62–66):
-copies ordered after the forward by the compute-done event really are (data and sanitizer agree)
-and without it they really race; one event per step orders both directions; a flush waits for
-every transfer while polling never blocks; completions are reported once, as they land.
+"""The worker half of the host tier on the sim device, architecture.md §Scenarios group G (62–66):
+copies ordered after the forward by the compute-done event really are (data and sanitizer agree) and
+without it they really race; one event per step orders both directions; a flush waits for every
+transfer while polling never blocks; completions are reported once, as they land.
 
 Scenario 67 (the end-to-end garble guard) is `kvtier bench garble` (tests/bench/test_garble.py).
 """

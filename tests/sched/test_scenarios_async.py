@@ -1,4 +1,5 @@
-"""Reference §6 group C: async counters, the settled basis, placeholders, stale outputs."""
+"""architecture.md §Scenarios group C: async counters, the settled basis, placeholders, stale
+outputs."""
 
 from __future__ import annotations
 

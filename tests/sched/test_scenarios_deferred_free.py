@@ -1,4 +1,5 @@
-"""Reference §6 group D: request-level frees wait in the quarantine for their fence step."""
+"""architecture.md §Scenarios group D: request-level frees wait in the quarantine for their fence
+step."""
 
 from __future__ import annotations
 

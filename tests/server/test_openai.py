@@ -7,6 +7,8 @@ import http.client
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from kvtier import LLM, SamplingParams
 from tests.server.conftest import MODEL, ServerHandle
 
@@ -202,3 +204,70 @@ def test_streaming_several_prompts_with_echo_and_usage(server: ServerHandle) -> 
     assert texts == [c.text for c in whole.choices]
     assert texts[0].startswith(prompts[0]) and texts[1].startswith(prompts[1])
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(server: ServerHandle) -> None:
+    """vLLM's echo without generation: the prompt text and its tokens' logprobs (legacy format:
+    null for the first token), equal to the offline engine's prompt_logprobs."""
+    client = server.client()
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.text == PROMPT
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    llm = LLM(max_model_len=512)
+    offline = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    ids, expected = offline[0].prompt_token_ids, offline[0].prompt_logprobs
+    assert expected is not None
+    tok = llm.get_tokenizer()
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for t, value, top, want in zip(
+        ids[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], expected[1:], strict=True
+    ):
+        assert want is not None and value == pytest.approx(want[t], abs=1e-5)
+        assert 2 <= len(top) <= 3  # the top 2 and the prompt token
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert choice.finish_reason == "length"
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert tokens == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_puts_the_prompts_before_the_completions(server: ServerHandle) -> None:
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "logprobs": 1, "temperature": 0}
+    alone = client.completions.create(**kwargs).choices[0]
+    response = client.completions.create(**kwargs, echo=True)
+    echoed = response.choices[0]
+    assert echoed.text == PROMPT + alone.text
+    a, e = alone.logprobs, echoed.logprobs
+    assert a is not None and e is not None and a.tokens is not None and e.tokens is not None
+    assert e.token_logprobs is not None and a.token_logprobs is not None
+    assert e.text_offset is not None and a.text_offset is not None
+    n = len(e.tokens) - len(a.tokens)
+    assert response.usage is not None and n == response.usage.prompt_tokens
+    assert e.tokens[n:] == a.tokens  # prefix-cached or not: equal up to rounding
+    assert e.token_logprobs[n:] == pytest.approx(a.token_logprobs, abs=1e-5)
+    assert e.token_logprobs[0] is None and all(v is not None for v in e.token_logprobs[1:])
+    assert "".join(e.tokens[:n]) == "<bos>" + PROMPT  # token texts, special ones too (as vLLM)
+    assert e.text_offset == [sum(map(len, e.tokens[:i])) for i in range(len(e.tokens))]
+    streamed = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == echoed.text
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert tokens == e.tokens
+
+
+def test_max_tokens_0_needs_echo(server: ServerHandle) -> None:
+    status, body = server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"

@@ -1,7 +1,8 @@
-"""Garble benchmark: the seed-000 table on the sim device — async scheduling, sliding-window layers
-and heavy offload, with each block-lifetime protection switched on alone, in pairs, all, or none.
+"""Garble benchmark: the public garble reproduction's table (architecture.md §History) on the sim
+device — async scheduling, sliding-window layers and heavy offload, with each block-lifetime
+protection switched on alone, in pairs, all, or none.
 
-Three scenarios, each aimed at hazards of DESIGN.md §5:
+Three scenarios, each aimed at hazards of architecture.md §Hazards:
   offload  H1/H2: stores of blocks still being written, loads over blocks pruned from windows
            (every completion runs to max_tokens, so no request outlives its last scheduled step);
   finish   H3: completions stop at a sentence end, found only when the step is processed while
@@ -28,7 +29,8 @@ from kvtier.bench import save_json
 class Scenario:
     """Default variants (each 'none', 'all' or protections joined by '+'), what it exercises,
     and whether it runs with the host tier (the drafts scenario runs without one, prefix
-    caching off: pruned blocks are then unhashed and handed out again first, §8.4)."""
+    caching off: pruned blocks are then unhashed and handed out again first, architecture.md
+    §Block)."""
 
     variants: str
     hazard: str
@@ -36,7 +38,7 @@ class Scenario:
     async_depth: int = 2
     device_fraction: float = 0.5  # of what the concurrency needs at max length
     drafts: bool = False  # n-gram drafts (--num-speculative-tokens per step)
-    # NaN-poison blocks when they are handed out (the adversarial allocator of §8.4): a block
+    # NaN-poison blocks when they are handed out (architecture.md §Poison): a block
     # read after it was reused then always corrupts the reader, whichever slots the new owner
     # writes (H4 reads the tail of a block a decode step reuses from its head)
     poison: bool = False
@@ -82,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="offload")
+    parser.add_argument(
+        "--device",
+        choices=["sim", "cpu"],
+        default="sim",
+        help="sim: modelled time, races replayed deterministically; cpu: streams are threads, "
+        "races are physical and vary run to run",
+    )
     parser.add_argument(
         "--async-depth",
         type=int,
@@ -256,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             args,
             batch,
             params,
-            device="sim",
+            device=args.device,
             sanitize="collect",
             async_depth=depth,
             max_model_len=max_len,

@@ -95,7 +95,8 @@ def run_transformers(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.eval()  # type: ignore[no-untyped-call]
     ids = torch.tensor(prompts)  # [num_prompts, input_len]; equal lengths, no padding
     with torch.inference_mode():
         t0 = time.perf_counter()

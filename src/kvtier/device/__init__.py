@@ -29,7 +29,7 @@ from kvtier.device.types import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.device.base import Device, OpFn
+    from kvtier.device.base import Device, DeviceError, OpFn
 
 Backend = Literal["sim", "cpu", "cuda"]
 BACKENDS: tuple[Backend, ...] = ("sim", "cpu", "cuda")
@@ -75,7 +75,7 @@ def make_device(
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Device", "OpFn"):
+    if name in ("Device", "DeviceError", "OpFn"):
         from kvtier.device import base
 
         return getattr(base, name)
@@ -95,6 +95,7 @@ __all__ = [
     "BlockId",
     "CostModel",
     "Device",
+    "DeviceError",
     "EventId",
     "Hazard",
     "KVLayout",

@@ -27,6 +27,11 @@ from kvtier.device.types import (
 OpFn = Callable[[], object]  # the return value, if any, is ignored
 
 
+class DeviceError(RuntimeError):
+    """An op failed on a device stream. The device is unusable afterwards (sticky, as a CUDA
+    error): every later launch, query or synchronisation raises it again."""
+
+
 class Device(ABC):
     """What the runner talks to: KV tiers, named buffers, streams, events, ops with access sets.
 
@@ -57,6 +62,9 @@ class Device(ABC):
         self._buffers = Buffers(layout, num_device_blocks, num_host_blocks, self._alloc)
         for sid, name in DEFAULT_STREAMS.items():
             self._add_stream(sid, name)
+
+    def close(self) -> None:  # noqa: B027 (a hook with a default: most backends hold nothing)
+        """Release what the backend holds beyond memory (worker threads); idempotent."""
 
     # -- buffers ---------------------------------------------------------------------------
 

@@ -1,56 +1,23 @@
-"""The cpu backend: eager and synchronous, the fast path for serving on a CPU.
+"""The cpu backend: tensors in host memory, each stream a worker thread (`threaded.py`), so at
+async depth 2–3 the host schedules step k+1 and processes step k−1 while step k's forward runs
+(PyTorch releases the GIL inside kernels), and copies on the load and store streams run beside it.
 
-Every op runs to completion inside `launch`, so events are always complete and waits cost
-nothing; the sanitizer still sees every call, so ordering bugs show up here too."""
+An op has finished when its worker moves on, so a record is complete once its worker reaches it.
+Nothing orders streams but events: a copy that does not wait on the compute-done event really
+races the forward here, as on a GPU."""
 
 from __future__ import annotations
 
 import torch
 
-from kvtier.device.base import Device, OpFn
-from kvtier.device.costs import Work
-from kvtier.device.types import EventId, OpId, OpMeta, StreamId, Tier
+from kvtier.device.threaded import ThreadedDevice
+from kvtier.device.types import Tier
 
 
-class CpuDevice(Device):
-    """Device whose streams are program order on the host; tensors are plain CPU tensors."""
+class CpuDevice(ThreadedDevice):
+    """Device whose streams are worker threads over plain CPU tensors."""
 
     kind = "cpu"
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
-
-    def _new_stream(self, stream: StreamId) -> None:
-        pass  # streams are labels for the sanitizer only
-
-    def _new_event(self, event: EventId) -> None:
-        pass
-
-    def _release_event(self, event: EventId) -> None:
-        pass
-
-    def _launch(
-        self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
-    ) -> None:
-        fn()
-
-    def _record(self, stream: StreamId, event: EventId) -> None:
-        pass  # everything launched so far has already run
-
-    def _wait(self, stream: StreamId, event: EventId) -> None:
-        pass
-
-    def _query(self, event: EventId) -> bool:
-        return True
-
-    def _sync_event(self, event: EventId) -> None:
-        pass
-
-    def _sync_stream(self, stream: StreamId) -> None:
-        pass
-
-    def _sync_all(self) -> None:
-        pass
-
-    def _host_run(self, fn: OpFn) -> None:
-        fn()

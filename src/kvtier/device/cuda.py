@@ -1,19 +1,20 @@
-"""The cuda backend: torch.cuda streams, events and pinned host memory behind `Device`.
-
-Ops run inside `torch.cuda.stream(...)`, so their kernels queue on that stream; the host tier and
-host-side named buffers are pinned so copies can be asynchronous."""
+"""The cuda backend: each stream is a worker thread (`threaded.py`) that issues its ops' kernels on
+its own torch.cuda stream; events are CUDA events recorded by the workers, so cross-stream waits
+order the GPU work, not the host. The host tier and host-side named buffers are pinned so copies
+are asynchronous. Whatever an op does on its worker (even a read of device data) never blocks the
+host thread that schedules the next step."""
 
 from __future__ import annotations
 
 import torch
 
-from kvtier.device.base import Device, OpFn
-from kvtier.device.costs import Work
+from kvtier.device.base import OpFn
 from kvtier.device.sanitizer import SanitizerMode
-from kvtier.device.types import COMPUTE, EventId, KVLayout, OpId, OpMeta, StreamId, Tier
+from kvtier.device.threaded import ThreadedDevice
+from kvtier.device.types import COMPUTE, KVLayout, StreamId, Tier
 
 
-class CudaDevice(Device):
+class CudaDevice(ThreadedDevice):
     """Device on one CUDA GPU. The compute stream gets the greatest priority, the others least."""
 
     kind = "cuda"
@@ -37,7 +38,6 @@ class CudaDevice(Device):
             )
         self.torch_device = torch.device("cuda", device_index)
         self._streams: dict[StreamId, torch.cuda.Stream] = {}
-        self._events: dict[EventId, torch.cuda.Event] = {}
         super().__init__(
             layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
         )
@@ -54,39 +54,34 @@ class CudaDevice(Device):
         self._streams[stream] = torch.cuda.Stream(  # type: ignore[no-untyped-call]
             self.torch_device, priority=priority
         )
+        super()._new_stream(stream)
 
-    def _new_event(self, event: EventId) -> None:
-        self._events[event] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    def _worker_setup(self, stream: StreamId) -> None:
+        torch.cuda.set_device(self.torch_device)
 
-    def _release_event(self, event: EventId) -> None:
-        del self._events[event]
-
-    def _launch(
-        self, stream: StreamId, op_id: OpId, fn: OpFn, meta: OpMeta, work: Work | None
-    ) -> None:
+    def _run_op(self, stream: StreamId, fn: OpFn) -> None:
         with torch.cuda.stream(self._streams[stream]):
             fn()
 
-    def _record(self, stream: StreamId, event: EventId) -> None:
-        self._events[event].record(self._streams[stream])
+    def _mark(self, stream: StreamId) -> object:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._streams[stream])
+        return event
 
-    def _wait(self, stream: StreamId, event: EventId) -> None:
-        self._streams[stream].wait_event(self._events[event])
+    def _order_after(self, stream: StreamId, mark: object) -> None:
+        assert isinstance(mark, torch.cuda.Event)
+        self._streams[stream].wait_event(mark)
 
-    def _query(self, event: EventId) -> bool:
-        return bool(self._events[event].query())  # type: ignore[no-untyped-call]
+    def _mark_done(self, mark: object) -> bool:
+        assert isinstance(mark, torch.cuda.Event)
+        return bool(mark.query())  # type: ignore[no-untyped-call]
 
-    def _sync_event(self, event: EventId) -> None:
-        self._events[event].synchronize()
-
-    def _sync_stream(self, stream: StreamId) -> None:
-        self._streams[stream].synchronize()
-
-    def _sync_all(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
+    def _mark_sync(self, mark: object) -> None:
+        assert isinstance(mark, torch.cuda.Event)
+        mark.synchronize()
 
     def _host_run(self, fn: OpFn) -> None:
-        # Host ops that write device memory queue on the current stream; make them finish
-        # before returning so they behave as host writes.
-        fn()
+        # Host ops that write device memory queue on the host thread's current stream; make them
+        # finish before returning so they behave as host writes.
+        super()._host_run(fn)
         torch.cuda.current_stream(self.torch_device).synchronize()

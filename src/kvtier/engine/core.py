@@ -17,7 +17,7 @@ from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
-from kvtier.runner.runner import TokenLogprobs
+from kvtier.runner.logprobs import PromptLogprobs, TokenLogprobs
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
@@ -41,8 +41,19 @@ class RequestState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # One entry per prompt position when asked (the first stays None, as vLLM), else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Record a chunk's prompt logprobs (mutates); positions already known stay as they are
+        (a request preempted during its prefill computes them again)."""
+        known = self.prompt_logprobs
+        assert known is not None, f"{self.request.request_id} did not ask for prompt logprobs"
+        for pos, lp in enumerate(chunk.logprobs, chunk.start):
+            if known[pos] is None:
+                known[pos] = lp
 
 
 @dataclass(slots=True)
@@ -135,6 +146,7 @@ class EngineCore:
             eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
             seed=args.seed,
             order_copies_after_compute="event" in args.protect,
+            logprobs_mode=args.logprobs_mode,
         )
         self.requests: dict[str, RequestState] = {}
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
@@ -177,15 +189,19 @@ class EngineCore:
         stop = params.stop_params(self.eos_token_id, use_ngram)
         request = Request(req_id, prompt_token_ids, stop, priority=priority)
         self.scheduler.add_request(request)  # raises before anything is recorded
-        self.runner.add_request(req_id, params.draw_params())
+        self.runner.add_request(req_id, params.draw_params(), params.prompt_logprobs)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             params.stop_strings,
             params.skip_special_tokens,
             params.include_stop_str_in_output,
             prompt_token_ids,
+            params.min_tokens,
         )
-        self.requests[req_id] = RequestState(request, params, detok)
+        state = RequestState(request, params, detok)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.requests[req_id] = state
 
     def abort(self, req_id: str) -> bool:
         """Stop a request now; its blocks return once no step in flight can touch them."""
@@ -223,19 +239,27 @@ class EngineCore:
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)
         logprobs = self.runner.logprobs(handle)
+        for req_id, chunk in self.runner.prompt_logprobs(handle).items():
+            state = self.requests.get(req_id)
+            if state is not None and state.finish_reason is None:
+                state.add_prompt_logprobs(chunk)
         outs: list[StepOutput] = []
         for out in self.scheduler.update(output, result):
             state = self.requests.get(out.req_id)
             if state is None or (state.finish_reason is not None and not out.finished):
                 continue
-            new_text = self._append(state, out.new_token_ids, logprobs.get(out.req_id, []))
+            by_token = out.finished is RequestStatus.FINISHED_STOPPED
+            kept, new_text = self._append(
+                state, out.new_token_ids, logprobs.get(out.req_id, []), by_token
+            )
             finished = out.finished is not None or state.finish_reason is not None
             if out.finished is not None and state.finish_reason is None:
                 state.finish_reason = FINISH_REASONS[out.finished]
-                last = state.token_ids[-1] if state.token_ids else None
-                if state.finish_reason == "stop" and last is not None and last != self.eos_token_id:
-                    state.stop_reason = last
-            outs.append(StepOutput(out.req_id, out.new_token_ids, new_text, finished))
+                if by_token:
+                    state.stop_reason = self._stop_token_reason(state)
+            if finished:
+                new_text += state.detok.flush()
+            outs.append(StepOutput(out.req_id, kept, new_text, finished))
             if finished:
                 self.runner.remove_request(out.req_id)
         if self.args.check_integrity:
@@ -243,20 +267,37 @@ class EngineCore:
         return outs
 
     def _append(
-        self, state: RequestState, token_ids: list[int], logprobs: list[TokenLogprobs]
-    ) -> str:
+        self,
+        state: RequestState,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        ends_with_stop_token: bool,
+    ) -> tuple[list[int], str]:
+        """Record the step's tokens up to a stop string; returns (the tokens kept, new text).
+
+        A stop token's text is left out unless include_stop_str_in_output (as vLLM)."""
         text = ""
+        num_kept = 0
         for i, tok in enumerate(token_ids):
             if state.finish_reason is not None:
                 break
             state.token_ids.append(tok)
+            num_kept += 1
             if i < len(logprobs):
                 state.logprobs.append(logprobs[i])
-            text += state.detok.push(tok)
+            stop_token = ends_with_stop_token and i == len(token_ids) - 1
+            if not stop_token or state.params.include_stop_str_in_output:
+                text += state.detok.push(tok)
             if state.detok.stop_reason is not None:  # a stop string: finish here, free blocks
                 state.finish_reason, state.stop_reason = "stop", state.detok.stop_reason
                 self.scheduler.abort(state.request.request_id)
-        return text
+        return token_ids[:num_kept], text
+
+    def _stop_token_reason(self, state: RequestState) -> int | None:
+        """vLLM's stop_reason for a stop token: None for the model's EOS (unless ignore_eos made
+        it count only as a listed stop token), else the token."""
+        last = state.token_ids[-1]
+        return None if last == self.eos_token_id and not state.params.ignore_eos else last
 
     def check_integrity(self) -> None:
         """Assert the KV pools' invariants (every device reference has a holder)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams
-from kvtier.runner.runner import TokenLogprobs
+from kvtier.runner.logprobs import TokenLogprobs
 
 PromptType = str | dict[str, Any]
 
@@ -32,6 +32,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per position
+    # {prompt token: its logprob, then the top candidates: theirs} (vLLM's shape, floats).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -107,8 +110,26 @@ class LLM:
             cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
         )
         return RequestOutput(
-            req_id, prompt, tokens, [completion], True, state.request.num_cached_tokens
+            req_id,
+            prompt,
+            tokens,
+            [completion],
+            True,
+            state.request.num_cached_tokens,
+            prompt_logprobs_dicts(state.prompt_logprobs, tokens),
         )
+
+
+def prompt_logprobs_dicts(
+    logprobs: list[TokenLogprobs | None] | None, prompt_token_ids: list[int]
+) -> list[dict[int, float] | None] | None:
+    """vLLM's prompt_logprobs shape: per position None (the first) or {token: logprob, **top}."""
+    if logprobs is None:
+        return None
+    return [
+        None if lp is None else {tok: lp.logprob} | lp.top
+        for tok, lp in zip(prompt_token_ids, logprobs, strict=True)
+    ]
 
 
 def _progress(total: int) -> Any:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
+from kvtier.model.sampler import LOGPROBS_MODES
 from kvtier.model.sampler import SamplingParams as DrawParams
 from kvtier.sched.request import SamplingParams as StopParams
 
@@ -29,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); no cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -37,6 +39,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         self.draw_params()  # validates temperature, top_p, top_k, min_p, logprobs
         StopParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens)
+        n = self.prompt_logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer ≥ 0, got {n!r}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -62,6 +67,7 @@ class SamplingParams:
             eos_token_id=eos_token_id,
             ignore_eos=self.ignore_eos,
             use_ngram=use_ngram,
+            skip_reading_prefix_cache=self.prompt_logprobs is not None,
         )
 
 
@@ -82,6 +88,7 @@ class EngineArgs:
     check_integrity: bool = False  # check the KV pool after every step (debug)
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
+    logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -97,6 +104,10 @@ class EngineArgs:
             raise ValueError(f"unknown protections {bad}; choose from {PROTECTIONS} (or none)")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be ≥ 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
 
     @property
     def model_path(self) -> Path:

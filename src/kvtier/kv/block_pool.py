@@ -17,13 +17,13 @@ _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 class BlockPool:
     """Pre-allocated blocks with ref counts, a null block, an LRU free queue and a hash map.
 
-    Free policy (as vLLM since #33710): blocks whose ref count reaches 0 go to the free queue in the
+    Free policy (architecture.md §History): blocks reaching ref count 0 go to the free queue in the
     order given; unhashed ("fresh") ones are prepended (reused first), hashed ones appended (kept
     longest as prefix-cache candidates). With caching off every freed block is prepended (LIFO).
     LIFO reuse maximises locality and would amplify any premature free; the quarantine makes it safe.
 
-    Quarantine (DESIGN.md §2): `free(blocks, last_step_seq)` with a stamp the device may still be
-    working on keeps the blocks' references until `release_quarantine(processed)` reaches the stamp.
+    Quarantine (architecture.md §Quarantine): `free(blocks, last_step_seq)` with a stamp the device
+    may still work on keeps the blocks' references until `release_quarantine(k)` reaches the stamp.
     A quarantined block is neither allocatable nor counted free. It stays findable as a prefix hit
     when it carries a hash: hashes are set only on full blocks whose tokens are final, so every
     pending access to such a block is a compute-stream read or the write that produced it, and a new

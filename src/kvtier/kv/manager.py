@@ -216,8 +216,8 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
-        """Assert pool invariants and that every reference has a holder (I1, I5): tables,
-        quarantine, and `num_pinned` references held by others (e.g. transfers)."""
+        """Assert pool invariants and that every reference has a holder (architecture.md §I1, §I5):
+        tables, quarantine, and `num_pinned` references held by others (e.g. transfers)."""
         self.pool.check_integrity()
         holders: dict[BlockId, int] = dict(num_pinned or {})
         for mgr in self.coordinator.managers:

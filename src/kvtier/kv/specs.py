@@ -1,7 +1,8 @@
 """Attention specs of a KV-cache group and their block arithmetic (skipping, steady and transient need).
 
 One formula for capacity: `steady_blocks` per request plus one pool-wide `transient_blocks` reserve,
-used by startup sizing, reported max concurrency and runtime admission alike (DESIGN.md §5).
+used by startup sizing, reported max concurrency and runtime admission alike (architecture.md
+§Admission).
 """
 
 from __future__ import annotations

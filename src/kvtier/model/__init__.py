@@ -15,13 +15,8 @@ from __future__ import annotations
 from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.detokenizer import IncrementalDetokenizer
-from kvtier.model.loader import (
-    GenerationDefaults,
-    Pretrained,
-    load_generation_defaults,
-    load_model,
-    load_pretrained,
-)
+from kvtier.model.generation import GenerationDefaults, load_generation_defaults
+from kvtier.model.loader import Pretrained, load_model, load_pretrained
 from kvtier.model.sampler import SamplerOutput, SamplingBatch, SamplingParams, sample
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM

@@ -86,4 +86,5 @@ class GatedMLP(nn.Module):
             act = F.silu(gate)
         else:
             act = F.gelu(gate, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.down_proj(act * up)
+        out: torch.Tensor = self.down_proj(act * up)
+        return out

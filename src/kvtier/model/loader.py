@@ -7,32 +7,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from kvtier.config import ModelConfig
 from kvtier.model.arch import arch_spec
+from kvtier.model.generation import GenerationDefaults, load_generation_defaults
+from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
-
-if TYPE_CHECKING:
-    from kvtier.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """What `generation_config.json` says (None where it is silent)."""
-
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
 
 
 def model_folder(path: str | Path) -> Path:
@@ -63,8 +49,6 @@ class Pretrained:
 
 def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None) -> Pretrained:
     """Model, tokenizer and generation defaults of a HF folder in one call."""
-    from kvtier.model.tokenizer import load_tokenizer  # tokenizer.py imports this module
-
     model = load_model(path, dtype)
     folder = Path(path)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer.json").is_file() else None
@@ -153,24 +137,3 @@ def _fused_state(
 def _fuse(state: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
     if any(n in state for n in names) and all(n in state for n in names):
         state[fused] = torch.cat([state.pop(n) for n in names], dim=0)
-
-
-def load_generation_defaults(path: str | Path) -> GenerationDefaults:
-    """Read `generation_config.json` if present; an absent file gives empty defaults."""
-    file = Path(path) / "generation_config.json"
-    if not file.is_file():
-        return GenerationDefaults()
-    try:
-        cfg: dict[str, Any] = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from None
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return GenerationDefaults(
-        eos_token_ids=eos_ids,
-        bos_token_id=cfg.get("bos_token_id"),
-        temperature=cfg.get("temperature"),
-        top_k=cfg.get("top_k"),
-        top_p=cfg.get("top_p"),
-        min_p=cfg.get("min_p"),
-    )

@@ -12,6 +12,7 @@ come out [.., kv_heads, len, head_dim] contiguous. Sequences with at most MAX_BA
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +62,11 @@ class GroupPlan:
             return self
         batched = self.batched
         if batched is not None:
-            moved = {f.name: getattr(batched, f.name) for f in fields(batched)}
-            batched = BatchedPlan(
-                **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
-            )
+            moved: dict[str, Any] = {}
+            for f in fields(batched):
+                value = getattr(batched, f.name)
+                moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+            batched = BatchedPlan(**moved)
         return replace(
             self,
             write_tokens=None if self.write_tokens is None else self.write_tokens.to(device),
@@ -192,16 +194,16 @@ def paged_attention(
         else:
             out.index_copy_(0, b.out_tokens, ob.index_select(0, b.out_rows))
     for p in plan.prefills:
-        b, n = p.mask.shape[0], p.num_queries
-        qp = q.index_select(0, p.tokens).view(b, n, kvh, group, dim)
-        qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, group * n, dim)
-        kp = head_rows.index_select(0, p.rows).view(b, kvh, -1, dim).to(q.dtype)  # [B, KVH, L, D]
-        vp = head_rows.index_select(0, p.rows + v_off).view(b, kvh, -1, dim).to(q.dtype)
+        nb, n = p.mask.shape[0], p.num_queries
+        qp = q.index_select(0, p.tokens).view(nb, n, kvh, group, dim)
+        qp = qp.permute(0, 2, 3, 1, 4).reshape(nb, kvh, group * n, dim)
+        kp = head_rows.index_select(0, p.rows).view(nb, kvh, -1, dim).to(q.dtype)  # [B, KVH, L, D]
+        vp = head_rows.index_select(0, p.rows + v_off).view(nb, kvh, -1, dim).to(q.dtype)
         if softcap is None:  # [B, KVH, G * n, D]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
         else:
             op = _attend_eager(qp, kp, vp, p.mask, scale, softcap)
-        op = op.view(b, kvh, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b * n, num_heads, dim)
+        op = op.view(nb, kvh, group, n, dim).permute(0, 3, 1, 2, 4).reshape(nb * n, num_heads, dim)
         out.index_copy_(0, p.tokens, op)
     return out
 

@@ -1,5 +1,6 @@
 """Token sampling for a batch of requests with different parameters: greedy, temperature, top-k,
-top-p, min-p, per-request seeds and logprobs of the processed distribution. Stateless: a seeded
+top-p, min-p, per-request seeds; logprobs of the raw distribution (or, as vLLM's `logprobs_mode`,
+of the logits or of what the draw used). Stateless: a seeded
 request's draw at position p depends only on (seed, p), so batch makeup, preemption and async
 depth never change its tokens. Stop strings live in `detokenizer.py`."""
 
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
+# What logprobs report, as vLLM's `logprobs_mode`: raw = the model's logits before any ban,
+# temperature or filter (vLLM's default); processed = after them (filtered tokens are -inf).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(frozen=True)
@@ -83,27 +87,67 @@ class SamplingBatch:
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [n] int64
-    sampled_logprobs: torch.Tensor | None  # [n] float32, processed distribution
+    sampled_logprobs: torch.Tensor | None  # [n] float32, of the distribution logprobs_mode names
     top_logprobs: torch.Tensor | None  # [n, k] float32, k = largest request; rows trim to theirs
     top_token_ids: torch.Tensor | None  # [n, k] int64
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None = None,
+    *,
+    banned: tuple[list[int], list[int]] | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
-    """logits [n, vocab] → one token per row; `generator` draws for rows without a seed."""
+    """logits [n, vocab] → one token per row; `generator` draws for rows without a seed.
+
+    `banned` (rows, token ids) can never be drawn (e.g. EOS before min_tokens). Logprobs, for
+    batches where a row asked, follow `logprobs_mode` (one of LOGPROBS_MODES): raw ones are taken
+    from `logits` as given, before the ban, temperature and filters.
+    """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     logits = logits.float()
+    wanted = any(n is not None for n in batch.num_logprobs)
+    report = None  # [n, vocab] what logprobs are read from
+    if wanted and logprobs_mode == "raw_logprobs":
+        report = torch.log_softmax(logits, dim=-1)
+    elif wanted and logprobs_mode == "raw_logits":
+        report = logits
+    if banned is not None and banned[0]:
+        where = (torch.tensor(banned[0]), torch.tensor(banned[1]))
+        logits = logits.index_put(where, torch.tensor(float("-inf")))  # out of place
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
-        if all(n is None for n in batch.num_logprobs):
-            return SamplerOutput(tokens, None, None, None)
-        return _with_logprobs(tokens, torch.log_softmax(logits, dim=-1), batch)
-    processed = processed_logits(logits, batch)
-    logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
-    noise = _exponential_noise(logits, batch, generator)  # [n, vocab]
-    tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
-    tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
-    return _with_logprobs(tokens, logprobs, batch)
+        processed = logits
+        logprobs = None
+    else:
+        processed = processed_logits(logits, batch)
+        logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
+        noise = _exponential_noise(logits, batch, generator)  # [n, vocab]
+        tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+    if not wanted:
+        return SamplerOutput(tokens, None, None, None)
+    if report is None and logprobs_mode == "processed_logits":
+        report = processed
+    elif report is None:
+        report = logprobs if logprobs is not None else torch.log_softmax(processed, dim=-1)
+    k = max(n for n in batch.num_logprobs if n is not None)
+    return SamplerOutput(tokens, *gather_logprobs(report, tokens, k))
+
+
+def gather_logprobs(
+    values: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """values [n, vocab] → (each row's value at token_ids [n], top-k values [n, k], their ids)."""
+    chosen = values.gather(1, token_ids[:, None])[:, 0]
+    k = min(k, values.shape[-1])
+    if not k:
+        return chosen, values[:, :0], token_ids[:, None][:, :0]
+    top = values.topk(k, dim=-1)
+    return chosen, top.values, top.indices
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -139,20 +183,3 @@ def _exponential_noise(
             row_gen.manual_seed((seed * 1_000_003 + batch.positions[row]) % (1 << 63))
             noise[row].exponential_(generator=row_gen)
     return noise
-
-
-def _with_logprobs(
-    tokens: torch.Tensor, logprobs: torch.Tensor, batch: SamplingBatch
-) -> SamplerOutput:
-    wanted = [n for n in batch.num_logprobs if n is not None]
-    if not wanted:
-        return SamplerOutput(tokens, None, None, None)
-    sampled = logprobs.gather(1, tokens[:, None])[:, 0]
-    k = min(max(wanted), logprobs.shape[-1])
-    top = logprobs.topk(k, dim=-1) if k else None
-    return SamplerOutput(
-        tokens,
-        sampled,
-        top.values if top is not None else logprobs[:, :0],
-        top.indices if top is not None else tokens[:, None][:, :0],
-    )

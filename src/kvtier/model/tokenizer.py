@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvtier.model.loader import load_generation_defaults
+from kvtier.model.generation import load_generation_defaults
 
 
 class Tokenizer:
@@ -83,9 +83,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tok = HFTokenizer.from_file(str(file))
     cfg = _read_json(folder / "tokenizer_config.json")
     special = {
-        name: _token_text(cfg.get(name))
+        name: text
         for name in ("bos_token", "eos_token", "pad_token", "unk_token")
-        if _token_text(cfg.get(name))
+        if (text := _token_text(cfg.get(name)))
     }
     bos = tok.token_to_id(special["bos_token"]) if "bos_token" in special else None
     eos_ids = list(load_generation_defaults(folder).eos_token_ids)

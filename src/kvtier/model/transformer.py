@@ -48,7 +48,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
+        return projected
 
 
 class DecoderLayer(nn.Module):
@@ -72,11 +73,14 @@ class DecoderLayer(nn.Module):
         plan: GroupPlan,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, plan)
+        ffn: torch.Tensor
         if not self.sandwich:
             x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
+            ffn = self.mlp(self.post_attention_layernorm(x))
+            return x + ffn
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ffn = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + ffn
 
 
 class DecoderModel(nn.Module):
@@ -158,7 +162,8 @@ class CausalLM(nn.Module):
         ]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ropes[self.layer_rope[i]], kv_caches[i], plans[self.layer_group[i]])
-        return self.model.norm(h)
+        hidden: torch.Tensor = self.model.norm(h)
+        return hidden
 
     def compute_logits(
         self, hidden_states: torch.Tensor, token_indices: torch.Tensor | None = None

@@ -1,8 +1,8 @@
 """HostCache: the host tier's `BlockPool` plus chain-aware eviction.
 
-vLLM's host tier evicts in store-completion order, so a request's first blocks (stored first) go
-first and the rest of the chain becomes worthless: a lookup stops at the first miss (reference
-§8.5). Two rules keep chains whole instead:
+A lookup stops at the first missing block of a chain, so evicting in store-completion order (a
+request's first blocks, stored first, go first) would strand the rest of the chain (architecture.md
+§H5). Two rules keep chains whole instead:
 
 (a) a completed store frees its blocks deepest-first, so a chain's tail is evicted before its head;
 (b) when an entry is evicted, its cached descendants (orphans: no lookup can reach them any more)

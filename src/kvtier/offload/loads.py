@@ -65,7 +65,8 @@ class LoadPlanner:
     ) -> HostLookup:
         """Tokens beyond `num_device_hit_tokens` the host tier can restore for a waiting request.
 
-        Every group is restored to one aligned boundary or nothing (H6). The hit blocks are
+        Every group is restored to one aligned boundary or nothing (architecture.md §H6). The hit
+        blocks are
         pinned until `plan_load` or the next lookup of this request; call again with
         `max_external_tokens` to accept fewer tokens (window groups need the exact boundary).
         """

@@ -3,7 +3,7 @@ group finds, in the host cache, each block a step starting at L reads beyond the
 
 Unlike a lookup from token 0, blocks the device already serves need not be on the host: a host
 tier that evicted a hot prefix (the device keeps serving it) still restores the blocks after it.
-One boundary for all groups or no hit (H6). Torch-free.
+One boundary for all groups or no hit (architecture.md §H6). Torch-free.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """StorePlanner: device → host stores from settled counts, re-store after eviction, completion.
 
-Differences from vLLM's SimpleCPUOffload, on purpose (reference §8.5, §8.6):
+Design choices (architecture.md §Stores and §Eviction; how they differ from vLLM: §History):
 - stores are planned from the *settled* count (computed − in flight): every block planned is
   already final on the device, whatever the copy stream (no dependence on the compute event);
 - each request keeps an *absolute* per-group cursor: positions below it were visited (stored,
@@ -89,7 +89,7 @@ class StorePlanner:
             for r in records:  # a step launched with drafts unverified may write lower
                 if r.lowest_write is not None and r.lowest_write < settled:
                     settled = r.lowest_write
-        else:  # vLLM's "confirmed" count: includes steps still executing (H1 without the event)
+        else:  # optimistic: includes steps still executing (architecture.md §H1 without the event)
             settled = max(0, req.num_computed_tokens - req.num_output_placeholders)
         cands: list[Candidate] = []
         stop: list[int] = []  # per group: where the scan stopped

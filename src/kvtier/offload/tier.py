@@ -39,8 +39,9 @@ class HostTier:
     blocks that reach the device LRU head (the first `lazy_scan_blocks` blocks there, see
     `lazy_scan_blocks_for`, are kept free or stored). `world_size`: a transfer completes when every worker
     reported it. `max_restores_per_step` caps re-stores after eviction (no thrash).
-    `store_from_settled=False` plans stores from vLLM's optimistic "confirmed" count instead
-    (protection `settled` off: reproduces the store read-after-write H1 without the event).
+    `store_from_settled=False` plans stores from the optimistic count (undelivered outputs excluded,
+    steps still executing included) instead: protection `settled` off, which reproduces the store
+    read-after-write of architecture.md §H1 without the event.
     """
 
     def __init__(
@@ -97,7 +98,8 @@ class HostTier:
     ) -> HostLookup:
         """Tokens beyond `num_device_hit_tokens` the host tier can restore for a waiting request.
 
-        Every group is restored to one aligned boundary or nothing (H6). The hit blocks are
+        Every group is restored to one aligned boundary or nothing (architecture.md §H6). The hit
+        blocks are
         pinned until `plan_load` or the next lookup of this request; call again with
         `max_external_tokens` to accept fewer tokens (window groups need the exact boundary).
         `wait_for_load`: another request is loading this prefix; retry after it completes.

@@ -61,7 +61,8 @@ class HostLookup:
 
 @dataclass(frozen=True, slots=True)
 class LoadFailure:
-    """What the scheduler must do after a failed load (H7: roll back and recompute).
+    """What the scheduler must do after a failed load: roll back and recompute (architecture.md
+    §H7).
 
     The tier has already set the request's `num_computed_tokens` to `num_good_tokens` and its
     status back to WAITING. `evict_device_block_ids`: destination blocks whose content is bad;

@@ -15,9 +15,10 @@ import torch
 
 from kvtier.device import COMPUTE, AccessSet, Device, EventId, OpMeta, Work
 from kvtier.model.attention import AttentionMetadata
-from kvtier.model.sampler import SamplerOutput, SamplingBatch, sample
+from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.model.transformer import CausalLM
+from kvtier.runner.logprobs import LogprobRows, PromptLogprobs, TokenLogprobs
 from kvtier.runner.state import DeviceRequest, apply_diffs
 from kvtier.runner.transfers import TransferEngine
 from kvtier.sched.ngram import NgramProposer
@@ -25,14 +26,7 @@ from kvtier.sched.output import RunnerOutput, SchedulerOutput
 
 TOKEN_STATE = "token_state"  # the device-side request state (tokens, positions)
 SAMPLED = "sampled_tokens"  # [max_num_seqs, 1 + k] device buffer the forward writes
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of a sampled token and the top candidates of its processed distribution."""
-
-    logprob: float
-    top: dict[int, float]
+LOGPROBS = "logprobs_{}"  # per ring slot: the logprob tensors a forward leaves for the host
 
 
 @dataclass(slots=True)
@@ -60,6 +54,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         order_copies_after_compute: bool = True,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.device = device
@@ -70,8 +65,10 @@ class ModelRunner:
         self.num_groups = len(model.kv_groups)
         self.state: dict[str, DeviceRequest] = {}  # device side: touched only inside ops
         self.params: dict[str, ModelSamplingParams] = {}  # host side: set before scheduling
+        self.num_prompt_logprobs: dict[str, int] = {}  # host side: requests that ask for them
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
         self.generator = torch.Generator().manual_seed(seed)
         width = 1 + num_speculative_tokens
@@ -84,20 +81,33 @@ class ModelRunner:
         ]
         self.events = [device.new_event() for _ in range(self.ring)]
         self.transfers = TransferEngine(device, order_after_compute=order_copies_after_compute)
+        for i in range(self.ring):
+            device.alloc_buffer(LOGPROBS.format(i), (1,), "int64")  # names what _rows holds
+        # Per slot, written inside the forward op: (sampled rows, prompt rows).
+        self._rows: list[tuple[LogprobRows | None, LogprobRows | None]] = [
+            (None, None) for _ in range(self.ring)
+        ]
         self._logprobs: list[dict[str, list[TokenLogprobs]]] = [{} for _ in range(self.ring)]
+        self._prompt_logprobs: list[dict[str, PromptLogprobs]] = [{} for _ in range(self.ring)]
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
     # ---- host side -----------------------------------------------------------------------------
 
-    def add_request(self, req_id: str, params: ModelSamplingParams) -> None:
-        """Register a request's sampling parameters before it is first scheduled."""
+    def add_request(
+        self, req_id: str, params: ModelSamplingParams, prompt_logprobs: int | None = None
+    ) -> None:
+        """Register a request's sampling parameters (and how many top candidates its prompt
+        logprobs want, None: none) before it is first scheduled."""
         self.params[req_id] = params
+        if prompt_logprobs is not None:
+            self.num_prompt_logprobs[req_id] = prompt_logprobs
 
     def remove_request(self, req_id: str) -> None:
         """Forget host-side data of a finished or aborted request (safe at any time: steps
         already launched carry what they need; device state drops with its diff)."""
         self.params.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
 
     def execute(self, output: SchedulerOutput) -> StepHandle:
         """Launch step `output` and return at once; `wait` gives its `RunnerOutput`."""
@@ -107,14 +117,28 @@ class ModelRunner:
         rows: list[str] = []
         access = AccessSet.of(
             reads={"device": sorted(reads - writes)},
-            writes={"device": sorted(writes), TOKEN_STATE: None, SAMPLED: None},
+            writes={
+                "device": sorted(writes),
+                TOKEN_STATE: None,
+                SAMPLED: None,
+                LOGPROBS.format(slot): None,
+            },
         )
         work = Work.forward(max(1, output.total_num_scheduled_tokens), self.model.config.num_layers)
         # Read on the host now: the op may run later (sim), after the request is forgotten here.
         params = {new.req_id: self.params[new.req_id] for new in output.scheduled_new_reqs}
+        prompt_k = {
+            new.req_id: self.num_prompt_logprobs[new.req_id]
+            for new in output.scheduled_new_reqs
+            if new.req_id in self.num_prompt_logprobs
+        }
         self.transfers.launch_loads(output.planned_transfers, output.step_seq)
         self.device.launch(
-            COMPUTE, lambda: self._forward(output, params, slot, rows), access, meta, work
+            COMPUTE,
+            lambda: self._forward(output, params, prompt_k, slot, rows),
+            access,
+            meta,
+            work,
         )
         self.transfers.forward_launched()
         self.transfers.launch_stores(output.planned_transfers, output.step_seq)
@@ -139,8 +163,18 @@ class ModelRunner:
         def read() -> None:
             for i, req_id in enumerate(handle.rows):
                 sampled[req_id] = [t for t in host[i].tolist() if t >= 0]
+            sampled_rows, prompt_rows = self._rows[handle.slot]
+            self._rows[handle.slot] = (None, None)
+            got = sampled_rows.read() if sampled_rows is not None else {}
+            self._logprobs[handle.slot] = {req_id: lps for req_id, (_, lps) in got.items()}
+            got = prompt_rows.read() if prompt_rows is not None else {}
+            self._prompt_logprobs[handle.slot] = {
+                req_id: PromptLogprobs(pos, lps) for req_id, (pos, lps) in got.items()
+            }
 
-        access = AccessSet.of(reads={f"sampled_host_{handle.slot}": None})
+        access = AccessSet.of(
+            reads={f"sampled_host_{handle.slot}": None, LOGPROBS.format(handle.slot): None}
+        )
         self.device.host_op(read, access, OpMeta("read-sampled", handle.output.step_seq))
         finished, failed = self.transfers.poll()
         return RunnerOutput(handle.output.step_seq, sampled, finished, failed)
@@ -148,6 +182,11 @@ class ModelRunner:
     def logprobs(self, handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the step's sampled tokens for requests that asked (after `wait`)."""
         return self._logprobs[handle.slot]
+
+    def prompt_logprobs(self, handle: StepHandle) -> dict[str, PromptLogprobs]:
+        """Logprobs of the prompt tokens the step's chunks computed, for requests that asked
+        (after `wait`)."""
+        return self._prompt_logprobs[handle.slot]
 
     def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
         """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
@@ -190,10 +229,12 @@ class ModelRunner:
         self,
         output: SchedulerOutput,
         params: dict[str, ModelSamplingParams],
+        prompt_k: dict[str, int],
         slot: int,
         rows: list[str],
     ) -> None:
-        apply_diffs(self.state, output, params, self.eos_token_ids)
+        apply_diffs(self.state, output, params, self.eos_token_ids, prompt_k)
+        self._rows[slot] = (None, None)
         spec = output.scheduled_spec_decode_tokens
         plan: list[_Planned] = []
         input_ids: list[int] = []
@@ -218,16 +259,42 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long)  # [num_tokens]
         hidden = self.model(ids, meta.query_positions(), self.kv_caches, meta)
-        self._sample(plan, meta, hidden, slot, rows)
+        prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
+        self._rows[slot] = (self._sample(plan, meta, hidden, rows), prompt_rows)
+
+    def _prompt_logprob_rows(
+        self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
+    ) -> LogprobRows | None:
+        """Raw logprobs of the prompt tokens this step's chunks predict (the query at position
+        q predicts the token at q + 1), for requests that asked; None if none did."""
+        index: list[int] = []  # hidden-state rows
+        targets: list[int] = []  # the prompt token each row predicts
+        spans: list[tuple[str, int, int, int, int]] = []
+        for p, end in zip(plan, meta.query_start_loc[1:], strict=True):
+            k = p.state.num_prompt_logprobs
+            last = min(p.start + p.num_real, p.state.num_prompt_tokens - 1)
+            if k is None or last <= p.start:
+                continue
+            first_row = end - p.num_real - len(p.drafts)
+            spans.append((p.req_id, len(index), last - p.start, k, p.start + 1))
+            index += range(first_row, first_row + last - p.start)
+            targets += p.state.token_ids[p.start + 1 : last + 1]
+        if not index:
+            return None
+        logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        wanted = torch.tensor(targets, device=logprobs.device)
+        return LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
 
     def _sample(
         self,
         plan: list[_Planned],
         meta: AttentionMetadata,
         hidden: torch.Tensor,
-        slot: int,
         rows: list[str],
-    ) -> None:
+    ) -> LogprobRows | None:
+        """Sample every request whose step reaches its last known token, accept drafts and write
+        the tokens to the sampled buffer; returns the logprob rows of requests that asked."""
         index: list[int] = []  # hidden-state row of every sampled position
         row_params: list[ModelSamplingParams] = []
         positions: list[int] = []
@@ -242,13 +309,13 @@ class ModelRunner:
                 row_params.append(p.state.params)
                 positions.append(p.start + p.num_real + j)
         if not index:
-            return
+            return None
         logits = self.model.compute_logits(hidden, torch.tensor(index))  # [rows, vocab]
-        _mask_before_min_tokens(logits, sampling)
         batch = SamplingBatch.from_params(row_params, positions, logits.shape[-1])
-        out = sample(logits, batch, self.generator)
+        banned = _banned_before_min_tokens(sampling)
+        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=self.logprobs_mode)
         tokens = out.token_ids.tolist()
-        logprobs = self._logprobs[slot] = {}
+        spans: list[tuple[str, int, int, int, int]] = []  # rows of requests asking for logprobs
         width = self.sampled.shape[1]
         sampled_rows: list[list[int]] = []
         for p, first in sampling:
@@ -263,8 +330,13 @@ class ModelRunner:
             sampled_rows.append(new + [-1] * (width - len(new)))
             rows.append(p.req_id)
             if p.state.params.logprobs is not None:
-                logprobs[p.req_id] = _token_logprobs(out, first, len(new), p.state.params.logprobs)
+                spans.append((p.req_id, first, len(new), p.state.params.logprobs, 0))
         self.sampled[: len(sampled_rows)] = torch.tensor(sampled_rows, dtype=torch.int64)
+        if not spans:
+            return None
+        assert out.sampled_logprobs is not None and out.top_logprobs is not None
+        assert out.top_token_ids is not None
+        return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
 
 
 @dataclass(slots=True)
@@ -279,8 +351,8 @@ class _Planned:
     samples: bool  # the step reaches the end of the known tokens: sample after it
 
 
-def _mask_before_min_tokens(logits: torch.Tensor, sampling: list[tuple[_Planned, int]]) -> None:
-    """EOS and stop tokens cannot be sampled before a request has `min_tokens` outputs."""
+def _banned_before_min_tokens(sampling: list[tuple[_Planned, int]]) -> tuple[list[int], list[int]]:
+    """(rows, token ids): EOS and stop tokens cannot be sampled before `min_tokens` outputs."""
     rows: list[int] = []
     cols: list[int] = []
     for p, first in sampling:
@@ -291,20 +363,7 @@ def _mask_before_min_tokens(logits: torch.Tensor, sampling: list[tuple[_Planned,
         for j in range(min(len(p.drafts) + 1, st.min_tokens - num_out)):
             rows += [first + j] * len(st.eos_ids)
             cols += st.eos_ids
-    if rows:
-        logits[rows, cols] = float("-inf")
-
-
-def _token_logprobs(out: SamplerOutput, first: int, n: int, k: int) -> list[TokenLogprobs]:
-    assert out.sampled_logprobs is not None
-    result = []
-    for r in range(first, first + n):
-        top: dict[int, float] = {}
-        if k and out.top_logprobs is not None and out.top_token_ids is not None:
-            ids, vals = out.top_token_ids[r, :k].tolist(), out.top_logprobs[r, :k].tolist()
-            top = dict(zip(ids, vals, strict=True))
-        result.append(TokenLogprobs(float(out.sampled_logprobs[r]), top))
-    return result
+    return rows, cols
 
 
 def _new_ids(block_ids: tuple[list[int], ...], num_computed: int, bs: int) -> list[int]:

@@ -20,7 +20,8 @@ class DeviceRequest:
     params: ModelSamplingParams
     num_prompt_tokens: int
     min_tokens: int = 0
-    eos_ids: tuple[int, ...] = field(default_factory=tuple)  # masked until min_tokens outputs
+    eos_ids: tuple[int, ...] = field(default_factory=tuple)  # banned until min_tokens outputs
+    num_prompt_logprobs: int | None = None  # top candidates per prompt token; None: not asked
 
 
 def apply_diffs(
@@ -28,8 +29,12 @@ def apply_diffs(
     output: SchedulerOutput,
     params: dict[str, ModelSamplingParams],
     eos_ids: tuple[int, ...],
+    prompt_logprobs: dict[str, int],
 ) -> None:
-    """Bring `state` to the tables of step `output` (drops, new requests, appended blocks)."""
+    """Bring `state` to the tables of step `output` (drops, new requests, appended blocks).
+
+    `prompt_logprobs` names the new requests that want them: not again when a request resumes
+    with outputs (its prompt logprobs were delivered with its first output)."""
     for req_id in output.preempted_req_ids:
         state.pop(req_id, None)
     for req_id in output.finished_req_ids:
@@ -42,7 +47,11 @@ def apply_diffs(
             params=params[new.req_id],
             num_prompt_tokens=new.num_prompt_tokens,
             min_tokens=new.sampling.min_tokens,
-            eos_ids=() if new.sampling.ignore_eos else eos_ids + new.sampling.stop_token_ids,
+            # as vLLM's all_stop_token_ids: EOS is banned before min_tokens even with ignore_eos
+            eos_ids=eos_ids + new.sampling.stop_token_ids,
+            num_prompt_logprobs=prompt_logprobs.get(new.req_id)
+            if len(new.token_ids) == new.num_prompt_tokens
+            else None,
         )
     for cached in output.scheduled_cached_reqs:
         st = state[cached.req_id]

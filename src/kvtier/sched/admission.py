@@ -46,7 +46,7 @@ class AdmissionMixin:
             loaded = kv.coordinator.has_request(request.request_id)  # its host load completed
             if loaded:
                 num_hit = request.num_computed_tokens
-            else:
+            elif not request.sampling.skip_reading_prefix_cache:  # prompt logprobs: compute all
                 hits, num_hit = kv.get_computed_blocks(request)
                 parked = self._try_load(request, num_hit, hits)
                 if parked is None:
@@ -56,6 +56,8 @@ class AdmissionMixin:
                 if parked:
                     skipped.append(request)  # loading, or waiting on another request's load
                     continue
+            else:
+                hits, num_hit = [[] for _ in kv.specs], 0
             n = min(request.num_tokens - num_hit, budget)
             if 0 < self.long_prefill_token_threshold < n:
                 n = self.long_prefill_token_threshold

@@ -1,4 +1,5 @@
-"""Scheduler-wide invariant checks for tests and debug runs (ledger sums, queues, I1, I4, I5).
+"""Scheduler-wide invariant checks for tests and debug runs (ledger sums, queues, and I1, I4, I5 of
+architecture.md §Invariants).
 
 Reads state only; raises AssertionError naming the first broken invariant.
 """
@@ -71,7 +72,8 @@ def check_scheduler(sched: Scheduler) -> None:
 
 
 def check_pruned(sched: Scheduler, request: Request) -> None:
-    """Reference §8.2: no real block is left below what the settled count lets windows skip."""
+    """No real block is left below what the settled count lets windows skip (architecture.md
+    §Settled: pruning also runs right after each processed step)."""
     settled = request.num_settled_tokens
     tables = sched.kv.get_blocks(request.request_id)
     for g, (spec, table) in enumerate(zip(sched.kv.specs, tables, strict=True)):

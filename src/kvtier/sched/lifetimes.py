@@ -1,8 +1,9 @@
 """Block lifetimes of scheduled requests: when window blocks are pruned, full blocks published,
 and a request's table freed — all through `KVCacheManager`, stamped for its quarantine.
 
-Never picks requests. `SettledLifetimes` is the safe basis; `OptimisticLifetimes` reproduces the
-pre-fix basis on purpose (the scheduler's `settled=False` switch).
+Never picks requests. `SettledLifetimes` is the safe basis (architecture.md §Settled);
+`OptimisticLifetimes` keeps the optimistic basis on purpose, to reproduce hazards (the scheduler's
+`settled=False` switch).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class SettledLifetimes:
 
 
 class OptimisticLifetimes(SettledLifetimes):
-    """The pre-fix basis: prune on the optimistic count. Steps up to the request's last one may
-    still read what it frees, so that is the stamp; spec rollbacks can still expose nulls (H4)."""
+    """The optimistic basis: prune on `num_computed_tokens`. Steps up to the request's last one may
+    still read what it frees, so that is the stamp; spec rollbacks can still expose nulls
+    (architecture.md §H4)."""
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
         return request.num_computed_tokens, request.last_sched_seq

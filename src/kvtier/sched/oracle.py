@@ -1,7 +1,8 @@
 """Access oracle for fake runs: which blocks each unprocessed step may touch, and what it read.
 
-Checks I2 (no block handed out by allocation while an unprocessed step may read or write it) and,
-per executed step, I4 (every block inside the attention window of the step's queries is real).
+Checks invariant I2 (no block handed out by allocation while an unprocessed step may read or write
+it) and, per executed step, I4 (every block inside the attention window of the step's queries is
+real); architecture.md §Invariants.
 Records violations; never changes scheduler or KV state.
 """
 

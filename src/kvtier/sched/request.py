@@ -46,6 +46,7 @@ class SamplingParams:
     eos_token_id: int | None = None
     ignore_eos: bool = False
     use_ngram: bool = False  # propose draft tokens by prompt lookup (needs a scheduler with k > 0)
+    skip_reading_prefix_cache: bool = False  # compute every prompt position (prompt logprobs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

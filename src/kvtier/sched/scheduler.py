@@ -35,9 +35,9 @@ class Scheduler(AdmissionMixin):
     """Continuous-batching scheduler over one `KVCacheManager`.
 
     `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous,
-    default 2). `settled=False` prunes windows on the optimistic count (`OptimisticLifetimes`, the pre-fix
-    basis, for reproducing hazards); the quarantine switch lives in the KV manager
-    (`enable_quarantine`).
+    default 2). `settled=False` prunes windows on the optimistic count (`OptimisticLifetimes`, for
+    reproducing hazards); the quarantine switch lives in the KV manager (`enable_quarantine`).
+    Both are protections of architecture.md §Protections.
     """
 
     def __init__(
@@ -159,7 +159,8 @@ class Scheduler(AdmissionMixin):
 
     @property
     def protections(self) -> dict[str, bool]:
-        """The block-lifetime protections in force (DESIGN.md §5 switches)."""
+        """The block-lifetime protections in force here (architecture.md §Protections; the third,
+        `event`, is the runner's)."""
         return {"settled": self.settled, "quarantine": self.kv.pool.enable_quarantine}
 
     def can_schedule(self) -> bool:
@@ -365,7 +366,7 @@ class Scheduler(AdmissionMixin):
                 )
             if status is running_status:
                 self.lifetimes.cache(request)
-                self.lifetimes.prune(request, seq)  # §8.2: return blocks once the step settles
+                self.lifetimes.prune(request, seq)  # return blocks once the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs

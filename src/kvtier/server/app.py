@@ -122,13 +122,15 @@ def build_app(
         max_tokens: int | None,
         params: tuple[str, str],
         num_logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> list[tuple[list[int], SamplingParams]]:
         """One (token ids, parameters) per choice: `body.n` per prompt, in choice order."""
         out = []
         for e in encoded:
             limit = resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
             for i in range(body.n):
-                out.append((e.token_ids, body.sampling_params(limit, num_logprobs, i)))
+                sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs)
+                out.append((e.token_ids, sp))
         return out
 
     @app.post("/v1/completions", response_model=None)
@@ -136,10 +138,16 @@ def build_app(
         check_text(body.model_dump(exclude_unset=True), "")
         check_model(body.model)
         body.check_unsupported()
-        check_max_tokens(body.max_tokens, "max_tokens")
+        # vLLM: echo with max_tokens=0 returns the prompt (one token is computed, not shown),
+        # and echo asks for the prompt's logprobs too.
+        echo_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens
+        check_max_tokens(max_tokens, "max_tokens")
         prompts: list[Prompt] = list(body.prompts())
         encoded = await encode_all(prompts, True)
-        todo = requests(encoded, body, body.max_tokens, ("prompt", "max_tokens"), body.logprobs)
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = ("prompt", "max_tokens")
+        todo = requests(encoded, body, max_tokens, params, body.logprobs, prompt_logprobs)
         gen = Generation(engine, "cmpl", [e.text for e in encoded], body.n)
         await gen.start(todo, body.priority)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
@@ -147,10 +155,19 @@ def build_app(
         offsets = [0] * len(gen.texts)
 
         def choice(
-            i: int, prefix: str, text: str, lps: list[TokenLogprob] | None, reason: str | None
+            i: int,
+            prefix: str,
+            text: str,
+            lps: list[TokenLogprob] | None,
+            reason: str | None,
+            prompt_lps: list[TokenLogprob] | None = None,
         ) -> dict[str, Any]:
             logprobs = None
-            if body.logprobs is not None:
+            if echo_only:
+                text, lps = "", []
+            if body.logprobs is not None and prompt_lps is not None:  # with the echoed prefix
+                logprobs = completion_logprobs(prompt_lps + (lps or []), offsets[i])
+            elif body.logprobs is not None:
                 logprobs = completion_logprobs(lps or [], offsets[i] + len(prefix))
             offsets[i] += len(prefix) + len(text)
             reason = _finish_reason(reason)
@@ -165,16 +182,20 @@ def build_app(
             echoed: set[int] = set()
 
             def chunk(i: int, d: Delta) -> dict[str, Any]:
-                prefix = gen.prompt_texts[i] if body.echo and i not in echoed else ""
+                first = body.echo and i not in echoed
+                prefix = gen.prompt_texts[i] if first else ""
                 echoed.add(i)
-                return head | {"choices": [choice(i, prefix, d.text, d.logprobs, d.finish_reason)]}
+                prompt_lps = d.prompt_logprobs if first else None
+                c = choice(i, prefix, d.text, d.logprobs, d.finish_reason, prompt_lps)
+                return head | {"choices": [c]}
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
         choices = []
         for i, text in enumerate(gen.texts):
             prefix = gen.prompt_texts[i] if body.echo else ""
-            c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i])
+            prompt_lps = gen.prompt_logprobs[i] if body.echo else None
+            c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i], prompt_lps)
             choices.append(c | {"stop_reason": gen.stop_reasons[i]})
         return head | {"choices": choices, "usage": gen.usage_body()}
 
@@ -270,16 +291,23 @@ def build_app(
     return app
 
 
+def _finite(logprob: float | None) -> float | None:
+    return None if logprob is None else finite_logprob(logprob)
+
+
 def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The `logprobs` object of a completion choice (legacy shape); -inf becomes -9999.0."""
+    """The `logprobs` object of a completion choice (legacy shape); -inf becomes -9999.0 and a
+    prompt's first token has null entries."""
     offsets = []
     for lp in lps:
         offsets.append(offset)
         offset += len(lp.token)
     return {
         "tokens": [lp.token for lp in lps],
-        "token_logprobs": [finite_logprob(lp.logprob) for lp in lps],
-        "top_logprobs": [{t: finite_logprob(v) for t, v in lp.top} for lp in lps],
+        "token_logprobs": [_finite(lp.logprob) for lp in lps],
+        "top_logprobs": [
+            None if lp.logprob is None else {t: finite_logprob(v) for t, v in lp.top} for lp in lps
+        ],
         "text_offset": offsets,
     }
 
@@ -287,9 +315,8 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
 def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
     """The `logprobs` object of a chat choice; -inf becomes -9999.0."""
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        value = finite_logprob(logprob)
-        return {"token": token, "logprob": value, "bytes": list(token.encode())}
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
 
     content = [
         entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}

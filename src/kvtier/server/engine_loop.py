@@ -38,10 +38,11 @@ class Started:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One sampled token as text, its logprob and the top candidates (text, logprob)."""
+    """One token as text, its logprob and the top candidates (text, logprob); a prompt's first
+    token has neither (logprob None)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
 
 
@@ -53,6 +54,7 @@ class Delta:
     stop_reason: str | int | None = None
     usage: Usage | None = None  # set with finish_reason
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked
 
 
 @dataclass(slots=True)
@@ -96,6 +98,7 @@ class _Live:
     first_token: float | None = None
     last_token: float | None = None
     num_logprobs_sent: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 class EngineLoop:
@@ -311,6 +314,9 @@ class EngineLoop:
             delta = Delta(out.new_text, list(out.new_token_ids))
             if state.params.logprobs is not None:
                 delta.logprobs = _new_logprobs(engine, state, live)
+            if state.prompt_logprobs is not None and not live.prompt_logprobs_sent:
+                live.prompt_logprobs_sent = True  # complete: the prefill ended with this token
+                delta.prompt_logprobs = _prompt_logprobs(engine, state)
             if out.finished:
                 del engine.requests[out.req_id], self._live[out.req_id]
                 delta.finish_reason = state.finish_reason or "stop"
@@ -338,6 +344,24 @@ def _new_logprobs(engine: EngineCore, state: RequestState, live: _Live) -> list[
             [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
         )
         for tok, lp in zip(state.token_ids[start:end], state.logprobs[start:end])
+    ]
+
+
+def _prompt_logprobs(engine: EngineCore, state: RequestState) -> list[TokenLogprob]:
+    """Every prompt token with its logprob and top candidates, the token's own first."""
+    assert state.prompt_logprobs is not None
+
+    def text(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    prompt = state.request.all_token_ids[: state.request.num_prompt_tokens]
+    return [
+        TokenLogprob(text(tok), None, [])
+        if lp is None
+        else TokenLogprob(
+            text(tok), lp.logprob, [(text(t), v) for t, v in ({tok: lp.logprob} | lp.top).items()]
+        )
+        for tok, lp in zip(prompt, state.prompt_logprobs, strict=True)
     ]
 
 

@@ -46,6 +46,7 @@ class Generation:
         self.finish: list[str | None] = [None] * num
         self.stop_reasons: list[str | int | None] = [None] * num
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num)]
+        self.prompt_logprobs: list[list[TokenLogprob] | None] = [None] * num
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self.early: list[tuple[int, Delta]] = []
 
@@ -91,6 +92,8 @@ class Generation:
     def _note(self, i: int, d: Delta) -> tuple[int, Delta]:
         self.texts[i] += d.text
         self.logprobs[i] += d.logprobs or []
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = d.prompt_logprobs
         if d.finish_reason is not None:
             self.finish[i], self.stop_reasons[i] = d.finish_reason, d.stop_reason
         if d.usage is not None:

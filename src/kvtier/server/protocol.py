@@ -159,7 +159,11 @@ class _Sampling(_Body):
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, index: int = 0
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        index: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Parameters of choice `index` of a prompt (a seeded request's choice i draws with
         seed + i, as vLLM's parallel sampling). Raises APIError (400) for values
@@ -172,6 +176,7 @@ class _Sampling(_Body):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }

@@ -283,7 +283,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # default: --model, or "kvtier-default"
-    max_waiting_requests: int = 1024  # more waiting requests get HTTP 429
+    max_waiting_requests: int = 1024  # backlog beyond free running slots; more get HTTP 429
+    max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     torch_threads: int | None = None  # torch threads of the engine thread
     log_level: str = "info"
 
@@ -293,6 +294,8 @@ class ServerConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be ≥ 0")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be ≥ 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("--torch-threads must be ≥ 1")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -325,7 +328,11 @@ FLAG_HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "served_model_name": "model id clients send (default: --model, or kvtier-default)",
-    "max_waiting_requests": "requests allowed to wait for admission; more get HTTP 429",
+    "max_waiting_requests": (
+        "requests allowed to wait beyond the free running slots (--max-num-seqs); more get HTTP "
+        "429 with Retry-After. 0: only requests that can start at once"
+    ),
+    "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
     "torch_threads": "torch threads of the engine thread",
     "log_level": "debug, info, warning or error",
 }

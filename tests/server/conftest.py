@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.engine.params import EngineArgs
 from kvtier.server import EngineLoop, build_app
+from kvtier.server.cli import make_server
 
 MODEL = "kvtier-default"
 
@@ -26,6 +28,7 @@ MODEL = "kvtier-default"
 @dataclass
 class ServerHandle:
     engine: EngineLoop
+    app: FastAPI
     server: uvicorn.Server
     thread: threading.Thread
     port: int
@@ -58,19 +61,23 @@ class ServerHandle:
         return out
 
 
-def start_server(max_waiting_requests: int = 64, **engine_kwargs: Any) -> ServerHandle:
+def start_server(
+    max_waiting_requests: int = 64, fail_at_step: int | None = None, **engine_kwargs: Any
+) -> ServerHandle:
     args = EngineArgs.from_kwargs(None, **({"max_model_len": 512} | engine_kwargs))
-    engine = EngineLoop(args, max_waiting_requests, torch_threads=1)
+    engine = EngineLoop(args, max_waiting_requests, torch_threads=1, fail_at_step=fail_at_step)
     engine.start()
     app = build_app(engine, MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # log_config=None: uvicorn's records reach the root logger, so tests can assert on them
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None)
+    server = make_server(engine, app, config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    handle = ServerHandle(engine, server, thread, port)
+    handle = ServerHandle(engine, app, server, thread, port)
     wait_until(lambda: _health(port) == 200, 30)
     return handle
 

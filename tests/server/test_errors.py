@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -33,7 +34,7 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         ("/v1/completions", {"temperature": "hot"}, "temperature"),
         ("/v1/completions", {"temperature": -1.0}, None),
         ("/v1/completions", {"top_p": 0.0}, None),
-        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"prompt": [5, 999_999]}, "prompt"),
         ("/v1/completions", {"frobnicate": True}, "frobnicate"),
         ("/v1/completions", {"prompt": None}, "prompt"),
@@ -102,7 +103,7 @@ def _open_stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection
     return conn, conn.getresponse()
 
 
-def test_full_waiting_queue_is_429() -> None:
+def test_backlog_beyond_free_slots_is_429_with_retry_after() -> None:
     handle = start_server(max_waiting_requests=1, max_num_seqs=1, num_device_blocks=256)
     try:
         running, resp_a = _open_stream(handle.port, 400)
@@ -113,6 +114,8 @@ def test_full_waiting_queue_is_429() -> None:
         with pytest.raises(openai.RateLimitError) as exc:
             handle.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert exc.value.status_code == 429
+        assert exc.value.response.headers["retry-after"] == "1"
+        assert _error(exc.value.response.json())["code"] == "rate_limit_exceeded"
         assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 1
         running.close()
         waiting.close()
@@ -122,21 +125,25 @@ def test_full_waiting_queue_is_429() -> None:
         stop_server(handle)
 
 
-def test_engine_failure_fails_requests_and_health_instead_of_hanging() -> None:
-    handle = start_server(max_num_seqs=2, num_device_blocks=128)
+def test_a_burst_that_fits_the_free_slots_is_never_refused() -> None:
+    """--max-waiting-requests bounds the backlog beyond what can run: with 0, a burst of
+    --max-num-seqs requests all run; one more than can start at once is a 429."""
+    handle = start_server(
+        max_waiting_requests=0, max_num_seqs=6, num_device_blocks=1024, max_model_len=2048
+    )
     try:
-
-        def boom() -> None:
-            raise RuntimeError("injected step failure")
-
-        handle.engine.call(lambda e: setattr(e, "step", boom))
-        status, payload = handle.post("/v1/completions", COMPLETION)
-        assert status == 500 and "injected" in _error(payload)["message"]
-        status, payload = handle.post("/v1/completions", COMPLETION)  # after the failure
-        assert status == 500 and _error(payload)["type"] == "server_error"
-        conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=10)
-        conn.request("GET", "/health")
-        assert conn.getresponse().status == 503
-        conn.close()
+        body = COMPLETION | {"max_tokens": 8, "ignore_eos": True}
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: handle.post("/v1/completions", body), range(6)))
+        assert [status for status, _ in replies] == [200] * 6, replies
+        streams = [_open_stream(handle.port, 2000) for _ in range(6)]  # every slot busy
+        for _, resp in streams:
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert handle.engine.call(lambda e: len(e.scheduler.running)) == 6
+        status, payload = handle.post("/v1/completions", body)
+        assert status == 429 and _error(payload)["type"] == "rate_limit_exceeded"
+        for conn, _ in streams:
+            conn.close()
+        wait_until(lambda: handle.engine.call(lambda e: not e.requests))
     finally:
         stop_server(handle)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.server.conftest import MODEL, ServerHandle, _health, wait_until
 
@@ -114,6 +117,7 @@ def test_serve_cli_lists_the_vllm_style_flags() -> None:
         "--port",
         "--served-model-name",
         "--max-waiting-requests",
+        "--max-request-body-bytes",
         "--max-model-len",
         "--max-num-seqs",
         "--block-size",
@@ -152,3 +156,23 @@ def test_kvtier_serve_starts_logs_the_kv_layout_and_answers(tmp_path: Path) -> N
     text = Path(log.name).read_text()
     assert "KV layout: 3 groups [FullAttention layers [2, 5]; SlidingWindow(window=64)" in text
     assert "device 64 blocks × 8192 B" in text
+
+
+def test_cancelled_whole_completion_logs_no_traceback(
+    server: ServerHandle, caplog: pytest.LogCaptureFixture
+) -> None:
+    wait_until(lambda: _idle(server))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            body = {"model": MODEL, "prompt": "The def", "max_tokens": 450, "ignore_eos": True}
+            conn.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            wait_until(lambda: server.engine.call(lambda e: len(e.requests)) == 1)
+            conn.close()
+            wait_until(lambda: _idle(server))
+        # the handler finishes after the abort; a health check afterwards orders the log after it
+        assert _health(server.port) == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]

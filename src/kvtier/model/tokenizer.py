@@ -39,7 +39,10 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # the batch entry point releases the GIL while it runs (plain `encode` holds it), so a
+        # long prompt tokenized in a server worker thread does not stall the engine thread
+        batch = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))

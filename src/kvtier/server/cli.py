@@ -1,21 +1,56 @@
-"""`kvtier serve`: the OpenAI-compatible server over one engine (engine flags as `generate`)."""
+"""`kvtier serve`: the OpenAI-compatible server over one engine (engine flags as `generate`).
+The process exits 1 when the engine thread fails, after answering the requests in flight."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
 from kvtier.config import ServerConfig
 from kvtier.engine.cli import add_engine_arguments, engine_args
 
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from kvtier.server.engine_loop import EngineLoop
+
 log = logging.getLogger("kvtier.server")
 DEFAULT_MODEL_NAME = "kvtier-default"
+# Testing aid (documented in the README): the engine thread raises at this step, as a crashing
+# forward would, so the dead-engine path can be exercised end to end.
+FAIL_AT_STEP_ENV = "KVTIER_DEBUG_FAIL_AT_STEP"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, ServerConfig)
     add_engine_arguments(parser)
+
+
+def make_server(engine: EngineLoop, app: FastAPI, config: uvicorn.Config) -> uvicorn.Server:
+    """A uvicorn server that shuts down when the engine thread fails (as vLLM's API server does):
+    open responses end with their error, new connections are refused, `run()` returns."""
+    import uvicorn
+
+    server = uvicorn.Server(config)
+
+    def stop(_: BaseException) -> None:
+        server.should_exit = True  # polled by uvicorn's main loop
+
+    engine.on_failure(stop)
+    return server
+
+
+def _fail_at_step() -> int | None:
+    value = os.environ.get(FAIL_AT_STEP_ENV)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{FAIL_AT_STEP_ENV} must be a step number ≥ 1, got {value!r}")
+    return int(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,14 +61,21 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(ServerConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    loop = EngineLoop(engine_args(args), cfg.max_waiting_requests, cfg.torch_threads)
+    loop = EngineLoop(
+        engine_args(args), cfg.max_waiting_requests, cfg.torch_threads, _fail_at_step()
+    )
     loop.start()
     log.info(loop.layout_summary)
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = build_app(loop, name)
+    app = build_app(loop, name, cfg.max_request_body_bytes)
     log.info("serving %r on http://%s:%d/v1", name, cfg.host, cfg.port)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    server = make_server(loop, app, config)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+        server.run()
     finally:
         loop.stop()
-    return 0
+    if loop.error is not None:
+        log.error("exiting: the engine failed (%s: %s)", type(loop.error).__name__, loop.error)
+        return 1
+    return 0 if server.started else 1  # e.g. the port was taken (uvicorn logged why)

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 from kvtier.engine.core import EngineCore, RequestState
 from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.metrics import EngineMetrics
-from kvtier.server.protocol import APIError, render_default_chat
+from kvtier.server.protocol import APIError
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -32,7 +33,6 @@ class Usage:
 
 @dataclass(slots=True)
 class Started:
-    prompt_text: str
     num_prompt_tokens: int
 
 
@@ -80,15 +80,13 @@ class Sink:
 
 @dataclass(slots=True)
 class Submission:
-    """A request as the HTTP layer hands it over; tokenizing and admission happen on the engine
-    thread. `make_params(max_tokens)` raises APIError for bad parameters."""
+    """A request as the HTTP layer hands it over: tokenized, its parameters built and its length
+    checked there; the engine thread only admits it (or refuses it: queue full, engine error)."""
 
     req_id: str
-    prompt: str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
-    max_tokens: int | None  # None: up to max_model_len
-    make_params: Callable[[int], SamplingParams]
+    token_ids: list[int]
+    params: SamplingParams
     sink: Sink
-    add_generation_prompt: bool = True
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
 
@@ -107,15 +105,27 @@ class EngineLoop:
     """Owns an `EngineCore` on a daemon thread; `start()` builds it there and waits until ready."""
 
     def __init__(
-        self, args: EngineArgs, max_waiting_requests: int, torch_threads: int | None = None
+        self,
+        args: EngineArgs,
+        max_waiting_requests: int,
+        torch_threads: int | None = None,
+        fail_at_step: int | None = None,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
         self.torch_threads = torch_threads
+        # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
+        # (1-based), exactly where a real step failure would surface.
+        self.fail_at_step = fail_at_step
+        self.num_steps = 0
         self.metrics = EngineMetrics()
         self.error: BaseException | None = None
-        # Read-only facts about the engine, set once before `start()` returns.
+        self._on_failure: list[Callable[[BaseException], None]] = []
+        # Read-only facts about the engine, set once before `start()` returns. The tokenizer is
+        # shared with the engine thread: encode/decode are safe from any thread.
         self.max_model_len = 0
+        self.vocab_size = 0
+        self.tokenizer: Tokenizer | None = None
         self.layout_summary = ""
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -134,6 +144,15 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+
+    def on_failure(self, fn: Callable[[BaseException], None]) -> None:
+        """Call `fn(error)` once the engine thread has failed and answered every request in
+        flight (at once if it already has). `fn` runs on the engine thread: keep it short."""
+        with self._failure_lock:
+            if self.error is None:
+                self._on_failure.append(fn)
+                return
+        fn(self.error)
 
     @property
     def is_alive(self) -> bool:
@@ -165,6 +184,8 @@ class EngineLoop:
                 torch.set_num_threads(self.torch_threads)
             engine = EngineCore(self.args)
             self.max_model_len = engine.plan.max_model_len
+            self.vocab_size = engine.model_config.vocab_size
+            self.tokenizer = engine.tokenizer
             self.layout_summary = layout_summary(engine)
             self.metrics.set_layout(engine)
         except BaseException as exc:
@@ -178,10 +199,13 @@ class EngineLoop:
             log.exception("engine loop failed; failing every request in flight")
             with self._failure_lock:
                 self.error = exc
+                callbacks, self._on_failure = self._on_failure, []
             for live in self._live.values():
                 live.sub.sink.put(Failed(_engine_failed(exc)))
             self._live.clear()
             self._fail_pending(exc)
+            for fn in callbacks:
+                fn(exc)
 
     def _fail_pending(self, exc: BaseException) -> None:
         """Answer commands that raced with a failure (later ones are refused by `submit`)."""
@@ -211,6 +235,9 @@ class EngineLoop:
                 except queue.Empty:
                     cmd = None
             if engine.has_unfinished_requests():
+                self.num_steps += 1
+                if self.num_steps == self.fail_at_step:
+                    raise RuntimeError(f"injected fault at engine step {self.num_steps}")
                 self._dispatch(engine, engine.step())
             self.metrics.update(engine)
 
@@ -243,65 +270,31 @@ class EngineLoop:
                 fut.set_exception(exc)
 
     def _admit(self, engine: EngineCore, sub: Submission) -> None:
-        prompt_text, token_ids = self._tokens(engine, sub)
-        n, limit = len(token_ids), engine.plan.max_model_len
-        if n >= limit:
+        n = len(sub.token_ids)
+        if self._backlog(engine) >= self.max_waiting_requests:
             raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"has {n} tokens, leaving no room for output. Please shorten your prompt.",
-                param="prompt" if not isinstance(sub.prompt, list) else "messages",
-                code="context_length_exceeded",
-            )
-        max_tokens = limit - n if sub.max_tokens is None else sub.max_tokens
-        if max_tokens > limit - n:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        params = sub.make_params(max_tokens)
-        if len(engine.scheduler.waiting) >= self.max_waiting_requests:
-            raise APIError(
-                f"the server's waiting queue is full ({self.max_waiting_requests} requests); "
-                "retry later",
+                f"the server is busy: {self.max_waiting_requests} requests already wait beyond "
+                "its free running slots (--max-waiting-requests); retry later",
                 429,
                 kind="rate_limit_exceeded",
                 code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
             )
         try:
-            engine.add_request(sub.req_id, token_ids, params, sub.priority)
+            engine.add_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
         except ValueError as exc:
             raise APIError(str(exc)) from None
         self._live[sub.req_id] = _Live(sub, n)
         self.metrics.admitted(n)
-        sub.sink.put(Started(prompt_text, n))
+        sub.sink.put(Started(n))
 
     @staticmethod
-    def _tokens(engine: EngineCore, sub: Submission) -> tuple[str, list[int]]:
-        tok = engine.tokenizer
-        prompt = sub.prompt
-        if isinstance(prompt, str):
-            return prompt, tok.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            messages: list[dict[str, Any]] = prompt
-            try:
-                if tok.chat_template:
-                    text = tok.apply_chat_template(messages, sub.add_generation_prompt)
-                else:
-                    text = render_default_chat(messages, sub.add_generation_prompt)
-            except Exception as exc:  # template errors are the request's fault
-                raise APIError(f"chat template: {exc}", param="messages") from None
-            # a template writes its own special tokens; the plain one gets the tokenizer's (bos)
-            return text, tok.encode(text, add_special_tokens=not tok.chat_template)
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-        if not ids:
-            raise APIError("prompt must not be empty", param="prompt")
-        vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return tok.decode(ids), ids
+    def _backlog(engine: EngineCore) -> int:
+        """Waiting requests beyond the free running slots (negative: room to start more now).
+        Slots only: a request held back by KV blocks still counts as able to run."""
+        sched = engine.scheduler  # TODO(stats): the engine's public stats() once it lands
+        free = engine.args.scheduler.max_num_seqs - len(sched.running)
+        return len(sched.waiting) - free
 
     def _dispatch(self, engine: EngineCore, outs: list[Any]) -> None:
         now = time.monotonic()

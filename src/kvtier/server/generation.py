@@ -5,7 +5,6 @@ sub-requests when the client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvtier.engine.params import SamplingParams
 from kvtier.server.engine_loop import (
     Delta,
     EngineLoop,
@@ -21,23 +21,27 @@ from kvtier.server.engine_loop import (
     Failed,
     Sink,
     Started,
+    Submission,
     TokenLogprob,
 )
-from kvtier.server.protocol import APIError
-
-Prompt = str | list[int] | list[dict[str, Any]]
+from kvtier.server.protocol import APIError, dumps
 
 
 class Generation:
-    """The sub-requests of one HTTP request (one per prompt) and their merged event queue."""
+    """The sub-requests of one HTTP request and their merged event queue: `n` choices per
+    prompt, choice `prompt_index * n + i` (OpenAI's indexing)."""
 
-    def __init__(self, engine: EngineLoop, prefix: str, num: int) -> None:
+    def __init__(
+        self, engine: EngineLoop, prefix: str, prompt_texts: list[str], n: int = 1
+    ) -> None:
+        num = len(prompt_texts) * n
         self.engine = engine
+        self.n = n
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.req_ids = [f"{self.id}-{i}" for i in range(num)]
-        self.prompt_texts = [""] * num
+        self.prompt_texts = [text for text in prompt_texts for _ in range(n)]  # per choice
         self.texts = [""] * num
         self.finish: list[str | None] = [None] * num
         self.stop_reasons: list[str | int | None] = [None] * num
@@ -55,22 +59,21 @@ class Generation:
             if fin is None:
                 self.engine.abort(rid)
 
-    async def start(
-        self, prompts: list[Prompt], submit: Callable[[str, Prompt, Sink], None]
-    ) -> None:
-        """Submit every prompt; return once all are admitted, or raise the first refusal."""
+    async def start(self, requests: list[tuple[list[int], SamplingParams]], priority: int) -> None:
+        """Submit one engine request per choice (token ids, parameters); return once all are
+        admitted, or raise the first refusal (aborting the others)."""
         loop = asyncio.get_running_loop()
-        for i, (rid, prompt) in enumerate(zip(self.req_ids, prompts)):
-            submit(rid, prompt, Sink(loop, self.queue, i))
+        for i, (rid, (token_ids, params)) in enumerate(zip(self.req_ids, requests, strict=True)):
+            sink = Sink(loop, self.queue, i)
+            self.engine.submit(Submission(rid, token_ids, params, sink, priority))
         started = 0
-        while started < len(prompts):
+        while started < len(requests):
             i, ev = await self.queue.get()
             if isinstance(ev, Failed):
                 self.finish[i] = "error"
                 self.abort_unfinished()
                 raise ev.error
             if isinstance(ev, Started):
-                self.prompt_texts[i] = ev.prompt_text
                 started += 1
             else:
                 self.early.append((i, ev))
@@ -94,9 +97,10 @@ class Generation:
         if d.finish_reason is not None:
             self.finish[i], self.stop_reasons[i] = d.finish_reason, d.stop_reason
         if d.usage is not None:
-            self.usage["prompt_tokens"] += d.usage.prompt_tokens
+            if i % self.n == 0:  # a prompt counts once, however many choices (as vLLM)
+                self.usage["prompt_tokens"] += d.usage.prompt_tokens
+                self.usage["cached_tokens"] += d.usage.cached_tokens
             self.usage["completion_tokens"] += d.usage.completion_tokens
-            self.usage["cached_tokens"] += d.usage.cached_tokens
         return i, d
 
     def usage_body(self) -> dict[str, Any]:
@@ -107,6 +111,10 @@ class Generation:
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
         }
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its whole answer was ready (the app answers it with nothing)."""
 
 
 async def until_disconnect(raw: Request) -> None:
@@ -123,18 +131,21 @@ async def collect(gen: Generation, raw: Request) -> None:
 
     work = asyncio.ensure_future(drain())
     watch = asyncio.ensure_future(until_disconnect(raw))
+    done: set[asyncio.Future[None]] = set()
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not work.done():
             work.cancel()
             gen.abort_unfinished()
+    if work not in done:
+        raise ClientDisconnected  # nobody to answer; the cancelled drain ends quietly
     work.result()  # re-raises an engine failure
 
 
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 def stream(
@@ -158,8 +169,9 @@ def stream(
             if usage_head is not None:
                 yield sse(usage_head | {"choices": [], "usage": gen.usage_body()})
             yield "data: [DONE]\n\n"
-        except APIError as exc:
+        except APIError as exc:  # headers are out: the error is an event, then [DONE] (as vLLM)
             yield sse(exc.body())
+            yield "data: [DONE]\n\n"
         finally:
             watch.cancel()
             gen.abort_unfinished()

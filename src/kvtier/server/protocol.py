@@ -1,13 +1,70 @@
 """OpenAI request bodies (pydantic, strict, unknown fields rejected as OpenAI does) and their
-translation to `SamplingParams`; OpenAI-shaped error bodies. No engine access here."""
+translation to `SamplingParams`; OpenAI-shaped error bodies; strict JSON rendering (no NaN or
+Infinity, no lone surrogates). No engine access here."""
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine.params import SamplingParams
+
+# vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """`value` if finite, else MIN_LOGPROB (JSON has no -Infinity; NaN never is a logprob)."""
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _valid_text(text: str) -> str:
+    """`text` with lone UTF-16 surrogates (which UTF-8 cannot carry) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON: ValueError on NaN or ±Infinity (values must be made finite before)."""
+    return _valid_text(json.dumps(obj, ensure_ascii=False, allow_nan=False))
+
+
+class JSONBody(JSONResponse):
+    """The server's JSON responses, rendered by `dumps`."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def check_text(value: Any, param: str) -> None:
+    """APIError (400) naming the first string under `value` (keys included) that UTF-8 cannot
+    encode (a lone surrogate such as "\\ud800"); `param` is the path of `value`."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(
+                f"Invalid value for '{param}': a lone UTF-16 surrogate is not valid text; "
+                "send well-formed Unicode.",
+                param=param,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{param}.{key}" if param else str(key)
+            check_text(key, path)
+            check_text(item, path)
+    elif isinstance(value, list):
+        # token-id lists are long: only lists that hold text need a look
+        for i, item in enumerate(value):
+            if isinstance(item, str | list | dict):
+                check_text(item, f"{param}.{i}")
 
 
 class APIError(Exception):
@@ -20,8 +77,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.message, self.status, self.param, self.code, self.kind = (
             message,
             status,
@@ -34,9 +93,22 @@ class APIError(Exception):
         error = {"message": self.message, "type": self.kind, "param": self.param}
         return {"error": error | {"code": self.code}}
 
+    def response(self) -> JSONBody:
+        return JSONBody(self.body(), status_code=self.status, headers=self.headers)
+
+
+# Bounds on what one request may ask of the engine (each refused with a 400 naming the field).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 32  # choices per prompt
+INT64 = 2**63
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # JSON's NaN / Infinity literals (Python's parser accepts them) are refused in every field
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -47,13 +119,13 @@ class _Sampling(_Body):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extensions (sent via extra_body)."""
 
     model: str
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -63,14 +135,23 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError("only n=1 is supported", param="n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters long", param="stop"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options can only be given with stream=true", param="stream_options"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise APIError(f"{name} is not supported by this server; omit it", param=name)
@@ -78,13 +159,19 @@ class _Sampling(_Body):
             raise APIError("logit_bias is not supported by this server", param="logit_bias")
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        index: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Raises APIError (400) for values `SamplingParams` rejects."""
+        """Parameters of choice `index` of a prompt (a seeded request's choice i draws with
+        seed + i, as vLLM's parallel sampling). Raises APIError (400) for values
+        `SamplingParams` rejects."""
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + index,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
@@ -110,7 +197,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -164,7 +251,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
@@ -183,7 +270,29 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
     def dict_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and the content's text."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: as /v1/completions and /v1/chat/completions would tokenize the prompt
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # Used when the tokenizer config has no chat template: one "role: text" line per message.
@@ -210,4 +319,6 @@ def validation_error(errors: list[Any]) -> APIError:
         return APIError(f"Missing required parameter: '{param}'.", param=param)
     if err.get("type") == "json_invalid":
         return APIError("We could not parse the JSON body of your request.", param=None)
+    if param is None:
+        return APIError(f"Invalid request body: {err.get('msg', 'invalid')}.")
     return APIError(f"Invalid value for '{param}': {err.get('msg', 'invalid')}.", param=param)

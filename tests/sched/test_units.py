@@ -101,8 +101,9 @@ def test_priority_queue_orders_and_picks_the_worst_victim() -> None:
     assert q.peek().request_id == "r1"
     q.remove(reqs[2])
     assert len(q) == 3
-    assert q.pick_victim(reqs, 1) == 2  # among r1..r3 the worst rank is r2 (priority 1)
-    assert make_queue("fcfs").pick_victim(reqs, 1) == 3  # FCFS: the latest
+    assert q.pick_victim(reqs) == 0  # among all running the worst rank is r0 (priority 2)
+    assert q.pick_victim(reqs[1:]) == 1  # among r1..r3 it is r2 (priority 1)
+    assert make_queue("fcfs").pick_victim(reqs) == 3  # FCFS: the latest
     with pytest.raises(ValueError, match="fcfs"):
         make_queue("lifo")
 

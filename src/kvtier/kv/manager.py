@@ -151,10 +151,7 @@ class KVCacheManager:
             self.max_model_len,
         )
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-        if is_new:
-            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
-        if need > self.pool.num_free_blocks:
+        if self._num_needed(req_id, num_tokens, hits, total_computed) > self.pool.num_free_blocks:
             return None
         if is_new:
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
@@ -162,6 +159,28 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _num_needed(
+        self, req_id: str, num_tokens: int, hits: GroupBlocks, total_computed: int
+    ) -> int:
+        need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
+        if not self.coordinator.has_request(req_id):
+            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
+        return need
+
+    def num_blocks_short(self, request: KVSequence, num_new_tokens: int) -> int:
+        """Blocks beyond the free ones that `allocate_slots(request, num_new_tokens)` of a
+        request already holding blocks needs (0: it fits now). Changes nothing."""
+        num_tokens = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+        need = self._num_needed(
+            request.request_id, num_tokens, self._no_hits, request.num_computed_tokens
+        )
+        return max(0, need - self.pool.num_free_blocks)
+
+    def num_blocks_returning(self) -> int:
+        """Blocks the quarantine returns to the free queue once every step in flight is
+        processed (at most `async_depth − 1` steps away when a step is being scheduled)."""
+        return self.pool.num_quarantined_freeable()
 
     def cache_blocks(self, request: KVSequence, num_tokens: int) -> None:
         """Publish the request's full blocks up to `num_tokens` as prefix-cache entries."""

@@ -75,7 +75,7 @@ class StepLedger:
     """FIFO of a request's unprocessed steps with running sums derived from the records.
 
     INVARIANT: each sum equals the sum over `records` of its field (stale ones excluded where
-    named `live`); only `append`, `consume` and `mark_stale` change records or sums.
+    named `live`); only `append`, `retract`, `consume` and `mark_stale` change records or sums.
     """
 
     __slots__ = (
@@ -126,6 +126,19 @@ class StepLedger:
             self.num_placeholders -= record.num_placeholders
             self.num_pending_samples -= record.num_placeholders > 0
         return record
+
+    def retract(self, step_seq: int) -> None:
+        """Drop the record of `step_seq`, the newest, appended by a step not yet emitted (a
+        preemption victim taken back from the step being built; mutates)."""
+        record = self.records.pop()
+        assert record.step_seq == step_seq and not record.stale, "retract the newest live record"
+        n = record.num_scheduled_tokens
+        self.num_in_flight_tokens -= n
+        self.num_draft_tokens -= record.num_draft_tokens
+        self.num_live_in_flight_tokens -= n
+        self.num_placeholders -= record.num_placeholders
+        self.num_pending_samples -= record.num_placeholders > 0
+        self.num_scheduled_tokens -= n
 
     def mark_stale(self) -> None:
         """Preemption: outstanding records no longer belong to the request's new incarnation."""

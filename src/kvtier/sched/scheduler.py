@@ -6,6 +6,7 @@ freed (through `KVCacheManager`, on the settled count, stamped for the quarantin
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.kv.manager import KVCacheManager
@@ -146,11 +147,12 @@ class Scheduler(AdmissionMixin):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs, or the connector still has copies to report
-        (finished requests may still drain ledgers)."""
+        """True while any request waits or runs, or the connector still has copies to report —
+        stores, and loads of requests aborted while loading, which pin blocks until their
+        completion is processed (finished requests may still drain ledgers)."""
         if self.running or len(self.waiting) > 0:
             return True
-        return self.connector is not None and self.connector.has_pending_stores
+        return self.connector is not None and self.connector.has_pending_transfers
 
     @property
     def num_unprocessed_steps(self) -> int:
@@ -171,10 +173,11 @@ class Scheduler(AdmissionMixin):
     def schedule(self) -> SchedulerOutput:
         """Build the next step (mutates: counters, ledgers, block tables, queues).
 
-        Running requests first, in order, preempting from the back when blocks run out (a request
-        that would preempt itself while its own steps are in flight waits instead); waiting
-        requests only in a step where every running request got its blocks. RuntimeError if
-        `async_depth` steps are already unprocessed.
+        Running requests first, in order, preempting the policy's victim when blocks run out
+        (a request waits instead when the steps in flight will return enough blocks, or when it
+        would preempt itself while its own steps are in flight); waiting requests only in a step
+        where every running request got its blocks. RuntimeError if `async_depth` steps are
+        already unprocessed.
         """
         if not self.can_schedule():
             raise RuntimeError(
@@ -182,36 +185,36 @@ class Scheduler(AdmissionMixin):
                 f"{self.async_depth}); call update() for step {self.processed_step_seq + 1} first"
             )
         seq = self.sched_step_seq + 1
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[ReqId, int] = {}
-        spec_tokens: dict[ReqId, list[int]] = {}
-        cached: list[CachedRequestData] = []
-        preempted: list[ReqId] = []
+        step = _StepBuild(self.max_num_batched_tokens)
         running = self.running
         blocked = False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and step.budget > 0:
             request = running[i]
-            n, drafts, samples = self._running_tokens(request, budget)
+            n, drafts, samples = self._running_tokens(request, step.budget)
             if n == 0:
                 i += 1
                 continue
             self.lifetimes.prune(request, self.processed_step_seq)
-            blocks = self._allocate_or_preempt(request, n, i, preempted)
+            num_preempted = len(step.preempted)
+            blocks = self._allocate_or_preempt(request, n, step)
             if blocks is None:
                 blocked = True  # it waits or preempted itself: nothing later can fit either
                 break
+            if len(step.preempted) > num_preempted:  # victims may sit before it in the list
+                i = running.index(request)
             record = self._record(request, seq, n, len(drafts), samples)
-            num_scheduled[request.request_id] = n
+            step.num_scheduled[request.request_id] = n
             if drafts:
-                spec_tokens[request.request_id] = drafts
+                step.spec_tokens[request.request_id] = drafts
             start = request.num_computed_tokens - n
             lowest = start if record.lowest_write is None else record.lowest_write
-            cached.append(CachedRequestData(request.request_id, blocks, start, lowest))
-            budget -= n
+            step.cached.append(CachedRequestData(request.request_id, blocks, start, lowest))
+            step.budget -= n
             i += 1
+        num_scheduled, budget = step.num_scheduled, step.budget
         new_reqs: list[NewRequestData] = []
-        if not preempted and not blocked:
+        if not step.preempted and not blocked:
             budget = self._admit(seq, budget, num_scheduled, new_reqs)
         self.sched_step_seq = seq
         self.num_in_flight_tokens += self.max_num_batched_tokens - budget
@@ -222,11 +225,11 @@ class Scheduler(AdmissionMixin):
         return SchedulerOutput(
             step_seq=seq,
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
+            scheduled_cached_reqs=step.cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            scheduled_spec_decode_tokens=spec_tokens,
-            preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            preempted_req_ids=step.preempted,
             finished_req_ids=finished,
             planned_transfers=transfers,
         )
@@ -255,35 +258,55 @@ class Scheduler(AdmissionMixin):
             num_new = self.long_prefill_token_threshold
         return num_new, drafts, request.num_computed_tokens + num_new == target
 
-    def _allocate_or_preempt(
-        self, request: Request, n: int, index: int, preempted: list[ReqId]
-    ) -> BlockIds | None:
+    def _allocate_or_preempt(self, request: Request, n: int, step: _StepBuild) -> BlockIds | None:
         """Ids appended to each group's table (null id 0 where a position is skipped) for `n`
-        more tokens, preempting from the back until they fit.
+        more tokens, preempting until they fit.
 
-        None if the request itself was preempted, or waits because its own steps are in flight.
+        Before each preemption, blocks the quarantine returns once the steps in flight are
+        processed (earlier victims' included) are counted: if they cover the shortfall the
+        request waits for them rather than preempting another request (a victim's blocks free
+        nothing now under async scheduling). The victim is the policy's choice among every
+        running request; one already scheduled in this step is taken back first. None if the
+        request itself was preempted, or waits.
         """
-        running = self.running
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
             return tuple([] for _ in self.lifetimes.block_sizes)
         req_id = request.request_id
-        before = [len(table) for table in self.kv.get_blocks(req_id)]
+        kv, running = self.kv, self.running
+        before = [len(table) for table in kv.get_blocks(req_id)]
         while True:
-            if self.kv.allocate_slots(request, n) is not None:
+            if kv.allocate_slots(request, n) is not None:
                 request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
-                tables = self.kv.get_blocks(req_id)
+                tables = kv.get_blocks(req_id)
                 return tuple(
                     [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
                 )
-            v = self.waiting.pick_victim(running, index)
-            if running[v] is request and request.ledger.num_live_in_flight_tokens:
+            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning():
+                return None  # the steps in flight will return enough: wait for them
+            v = self.waiting.pick_victim(running)
+            victim = running[v]
+            if victim is request and request.ledger.num_live_in_flight_tokens:
                 return None  # its own steps will settle and free window blocks: wait, don't drop
-            victim = running.pop(v)
+            running.pop(v)
+            if victim.request_id in step.num_scheduled:
+                self._unschedule(victim, step)
             self._preempt(victim)
-            preempted.append(victim.request_id)
+            step.preempted.append(victim.request_id)
             if victim is request:
                 return None
+
+    def _unschedule(self, request: Request, step: _StepBuild) -> None:
+        """Take back what the step being built gave `request` (mutates its ledger and count)."""
+        rid = request.request_id
+        n = step.num_scheduled.pop(rid)
+        step.spec_tokens.pop(rid, None)
+        step.cached[:] = [c for c in step.cached if c.req_id != rid]
+        step.budget += n
+        request.ledger.retract(self.sched_step_seq + 1)
+        request.num_computed_tokens -= n
+        records = request.ledger.records
+        request.last_sched_seq = records[-1].step_seq if records else self.processed_step_seq
 
     def _record(
         self, request: Request, seq: int, n: int, num_drafts: int, samples: bool
@@ -389,3 +412,14 @@ class Scheduler(AdmissionMixin):
 
 
 _NO_DRAFTS: list[int] = []  # shared, read-only
+
+
+@dataclass(slots=True)
+class _StepBuild:
+    """What `schedule()` has given running requests so far in the step it builds."""
+
+    budget: int  # tokens left in the step
+    num_scheduled: dict[ReqId, int] = field(default_factory=dict)
+    spec_tokens: dict[ReqId, list[int]] = field(default_factory=dict)
+    cached: list[CachedRequestData] = field(default_factory=list)
+    preempted: list[ReqId] = field(default_factory=list)

@@ -60,6 +60,14 @@ class LoadPlanner:
     def new_transfer_id(self) -> int:
         return self.tier.new_transfer_id()
 
+    def owns(self, transfer_id: int) -> bool:
+        """True if `transfer_id` is a load in flight."""
+        return transfer_id in self._loads
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._loads)
+
     def lookup(
         self, request: Request, num_device_hit_tokens: int, max_external_tokens: int | None = None
     ) -> HostLookup:
@@ -216,14 +224,23 @@ class LoadPlanner:
         return load.request.request_id
 
     def fail(
-        self, load: _Load, failed_device_block_ids: Iterable[BlockId] | None
+        self, transfer_id: int, failed_device_block_ids: Iterable[BlockId] | None
     ) -> LoadFailure | None:
+        load = self._loads[transfer_id]
+        t = load.transfer
+        bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
+        # The host copies of the failed pairs are suspect: evict them, or every later request
+        # with this prefix would load them again, fail and recompute.
+        suspect = [
+            (g, hb.block_hash)
+            for g, hb, d in zip(t.group_ids, load.host_blocks, t.dst_block_ids)
+            if d in bad and hb.block_hash is not None
+        ]
         self._end_load(load)
+        self.tier.evict(suspect)
         self.metrics.num_failed_loads += 1
         if load.cancelled:
             return None
-        t = load.transfer
-        bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
         end = load.num_device_hit + load.num_tokens
         good = end
         for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids):

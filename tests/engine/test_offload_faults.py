@@ -1,0 +1,107 @@
+"""The host tier under injected faults (`EngineCore.set_transfer_faults`), checked through the
+public inspection surface (`EngineCore.stats()`): aborts while a load is in flight, persistently
+bad host copies, slow copies. Sim device, sanitizer raising, NaN poison, integrity every step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvtier.engine import EngineArgs, EngineCore, SamplingParams, TransferFaults
+from kvtier.model.testing import write_tiny_model
+
+SHORT = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("llama-faults"), "llama")
+
+
+def engine(path: Path, **kw: object) -> EngineCore:
+    """16 usable device blocks of 4 tokens (one 64-token request), a 63-block host tier."""
+    args = {
+        "device": "sim",
+        "sanitize": "raise",
+        "poison": True,
+        "check_integrity": True,
+        "block_size": 4,
+        "max_model_len": 64,
+        "num_device_blocks": 17,
+        "num_host_blocks": 64,
+        **kw,
+    }
+    return EngineCore(EngineArgs.from_kwargs(str(path), **args))
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def host_only_prefix(e: EngineCore, rng: random.Random) -> list[int]:
+    """Run a 32-token prompt (stored to the host), then churn that evicts it from the device:
+    the next request with that prefix loads it from the host. Returns the prompt."""
+    prefix = tokens(rng, 32)
+    e.add_request("owner", prefix, SHORT)
+    e.drain()
+    for i in range(2):
+        e.add_request(f"churn{i}", tokens(rng, 40), SHORT)
+    e.drain()
+    assert e.stats().is_idle
+    return prefix
+
+
+def output_alone(path: Path, prompt: list[int]) -> list[int]:
+    e = engine(path, num_host_blocks=None, enable_prefix_caching=False, async_scheduling=False)
+    e.add_request("alone", prompt, SHORT)
+    e.drain()
+    return e.requests["alone"].token_ids
+
+
+def test_abort_while_loading_keeps_the_engine_stepping_until_the_load_lands(
+    llama: Path,
+) -> None:
+    """Item 20: the aborted request's load still pins device and host blocks until its copy
+    completes; pending loads are pending work, so drain() steps until they are released."""
+    rng = random.Random(0)
+    e = engine(llama)
+    prefix = host_only_prefix(e, rng)
+    e.set_transfer_faults(TransferFaults(delay_polls=4))  # the load stays in flight 4 steps
+    e.add_request("b", prefix + tokens(rng, 4), SHORT)
+    e.step()
+    s = e.stats()
+    assert s.num_loading == 1 and s.num_pending_loads == 1 and s.device.num_load_pins == 8
+    assert s.host is not None and s.host.num_load_pins == 8
+    assert e.abort("b")
+    assert e.has_unfinished_requests()  # nothing runs, but the cancelled load pins blocks
+    e.drain()
+    s = e.stats()
+    assert s.is_idle, s
+    assert s.host_metrics is not None and s.host_metrics.num_loaded_blocks == 0  # cancelled
+
+
+def test_a_persistently_bad_host_copy_fails_one_load_not_every_later_one(llama: Path) -> None:
+    """Item 21: the owner's store leaves bad host copies; the first request loading them fails
+    and recomputes. The failed entries are evicted from the host, so the recomputed blocks are
+    stored afresh and the next request loads good copies (before: every later request with the
+    prefix failed its load and recomputed). Every output equals the prompt run alone."""
+    rng = random.Random(1)
+    e = engine(llama)
+    e.set_transfer_faults(TransferFaults(corrupt_stores=1))  # the owner's one store
+    prefix = host_only_prefix(e, rng)
+    prompts = {}
+    for name in ("b", "c"):
+        prompts[name] = prefix + tokens(rng, 4)
+        e.add_request(name, prompts[name], SHORT)
+        e.drain()
+        for i in range(2):  # evict the prefix from the device again
+            e.add_request(f"{name}-churn{i}", tokens(rng, 40), SHORT)
+        e.drain()
+    s = e.stats()
+    assert s.is_idle, s
+    m = s.host_metrics
+    assert m is not None and m.num_failed_loads == 1 and m.num_loaded_blocks == 8
+    for name, prompt in prompts.items():
+        assert e.requests[name].token_ids == output_alone(llama, prompt), name

@@ -61,8 +61,10 @@ def _preemptions(depth: int, quarantine: bool, num_blocks: int) -> tuple[int, di
 
 @pytest.mark.parametrize("num_blocks", [30, 40, 60])
 def test_async_depth_preempts_about_as_often_as_sync(num_blocks: int) -> None:
-    """The cascade made depth 2 and 3 preempt 3-6x as often as depth 1 on the same workload;
-    with the quarantine counted they stay within 1.2x (+1), and every output is the truth."""
+    """The cascade made depth 2 and 3 preempt 3-6x as often as depth 1 on the same workload
+    (42 and 33 against 10 at 30 blocks); counting what the steps in flight return (the
+    quarantine, requests they end by length), they stay within 1.2x, and every output is the
+    truth."""
     token = hashed_token(32000)
     sync, truth = _preemptions(1, True, num_blocks)
     assert sync > 0, "the pool should force preemptions"
@@ -71,7 +73,7 @@ def test_async_depth_preempts_about_as_often_as_sync(num_blocks: int) -> None:
     for depth in (2, 3):
         for quarantine in (True, False):
             n, outs = _preemptions(depth, quarantine, num_blocks)
-            assert n <= 1.2 * sync + 1, (depth, quarantine, n, sync)
+            assert n <= 1.2 * sync, (depth, quarantine, n, sync)
             assert outs == truth
 
 
@@ -97,3 +99,23 @@ def test_priority_victim_is_chosen_among_every_running_request() -> None:
     assert len(d.sched.kv.get_block_ids("high")[0]) == 3
     d.run_until_idle()
     assert high.num_preemptions == 0 and low.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_a_request_the_steps_in_flight_end_is_waited_for_not_preempted() -> None:
+    """r's step 2 in flight delivers its last token (max_tokens=2): its blocks come back once
+    step 2 is processed, so `a`, short of one block at step 3, waits for them (at depth 1 they
+    would already be free) instead of preempting r."""
+    d = Driver(scheduler(5, depth=2, budget=256))  # 4 usable blocks
+    a, r = request("a", 31, max_tokens=8), request("r", 17, max_tokens=2)
+    d.sched.add_request(a)
+    d.sched.add_request(r)
+    d.schedule()
+    d.process(1)
+    d.schedule()
+    out = d.schedule()
+    assert not out.preempted_req_ids and out.num_scheduled_tokens == {}
+    d.process(2)
+    assert r.status is RequestStatus.FINISHED_LENGTH
+    assert "a" in d.schedule().num_scheduled_tokens
+    d.run_until_idle()
+    assert d.sched.num_preemptions == 0

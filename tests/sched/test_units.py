@@ -137,7 +137,9 @@ def test_abort_of_a_waiting_request() -> None:
 def test_stale_token_can_finish_a_preempted_request() -> None:
     d = Driver(scheduler(5, depth=2, budget=256))
     a = request("a", 31, max_tokens=8)
-    r = request("r", 17, max_tokens=2)
+    # A stop token, not max_tokens: a request its steps in flight end by length is not
+    # preempted (its blocks come back once they are processed; a waits for them).
+    r = request("r", 17, max_tokens=8, stop_token_ids=(99,))
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()
@@ -145,8 +147,8 @@ def test_stale_token_can_finish_a_preempted_request() -> None:
     d.schedule()
     out = d.schedule()
     assert out.preempted_req_ids == ["r"]
-    d.process(2)  # r's stale token is its second: it finishes while preempted
-    assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 2
+    d.process(2, {"r": [99]})  # r's stale token is a stop: it finishes while preempted
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.num_output_tokens == 2
     assert r not in list(d.sched.waiting)
 
 

@@ -223,15 +223,20 @@ class BlockPool:
         self.num_quarantined_refs -= released
         return released
 
-    def num_quarantined_freeable(self, up_to_step: int | None = None) -> int:
-        """Blocks that releasing the quarantine up to step `up_to_step` (None: all of it) would
-        return to the free queue: those whose every reference is quarantined with a stamp up to
-        there (a block shared with a live holder returns nothing)."""
+    def num_quarantined_freeable(
+        self, up_to_step: int | None = None, also_released: Iterable[KVBlock] = ()
+    ) -> int:
+        """Blocks that releasing the quarantine up to step `up_to_step` (None: all of it), and one
+        reference of each block in `also_released`, would return to the free queue: those whose
+        every reference is among these (a block shared with a live holder returns nothing)."""
         counts: dict[BlockId, int] = {}
         for stamp, _, blocks in self._quarantine:
             if up_to_step is None or stamp <= up_to_step:
                 for b in blocks:
                     counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for b in also_released:
+            if not b.is_null:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
         return sum(1 for block_id, n in counts.items() if self.blocks[block_id].ref_cnt == n)
 
     def quarantined_refs_by_step(self) -> dict[int, int]:

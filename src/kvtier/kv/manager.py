@@ -6,7 +6,7 @@ admission, caching bounds. Never decides which request runs; never reads a clock
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.kv.block import BlockId, KVBlock
@@ -177,10 +177,12 @@ class KVCacheManager:
         )
         return max(0, need - self.pool.num_free_blocks)
 
-    def num_blocks_returning(self) -> int:
-        """Blocks the quarantine returns to the free queue once every step in flight is
-        processed (at most `async_depth − 1` steps away when a step is being scheduled)."""
-        return self.pool.num_quarantined_freeable()
+    def num_blocks_returning(self, finishing: Iterable[str] = ()) -> int:
+        """Blocks that come back to the free queue once every step in flight is processed (at
+        most `async_depth − 1` steps away when a step is being scheduled): the quarantine's, and
+        the tables of the `finishing` requests, which those steps end."""
+        tables = [b for rid in finishing for table in self.get_blocks(rid) for b in table]
+        return self.pool.num_quarantined_freeable(also_released=tables)
 
     def cache_blocks(self, request: KVSequence, num_tokens: int) -> None:
         """Publish the request's full blocks up to `num_tokens` as prefix-cache entries."""

@@ -262,10 +262,11 @@ class Scheduler(AdmissionMixin):
         """Ids appended to each group's table (null id 0 where a position is skipped) for `n`
         more tokens, preempting until they fit.
 
-        Before each preemption, blocks the quarantine returns once the steps in flight are
-        processed (earlier victims' included) are counted: if they cover the shortfall the
-        request waits for them rather than preempting another request (a victim's blocks free
-        nothing now under async scheduling). The victim is the policy's choice among every
+        Before each preemption, blocks that come back once the steps in flight are processed —
+        the quarantine's (earlier victims' included) and those of requests the steps in flight
+        end by length — are counted: if they cover the shortfall the request waits for them
+        rather than preempting another request (a victim's blocks free nothing now under async
+        scheduling). The victim is the policy's choice among every
         running request; one already scheduled in this step is taken back first. None if the
         request itself was preempted, or waits.
         """
@@ -282,7 +283,7 @@ class Scheduler(AdmissionMixin):
                 return tuple(
                     [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
                 )
-            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning():
+            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(self._finishing()):
                 return None  # the steps in flight will return enough: wait for them
             v = self.waiting.pick_victim(running)
             victim = running[v]
@@ -295,6 +296,11 @@ class Scheduler(AdmissionMixin):
             step.preempted.append(victim.request_id)
             if victim is request:
                 return None
+
+    def _finishing(self) -> list[ReqId]:
+        """Running requests that the steps in flight end by length (their blocks come back)."""
+        n = self.max_model_len
+        return [r.request_id for r in self.running if r.reaches_max_tokens(n)]
 
     def _unschedule(self, request: Request, step: _StepBuild) -> None:
         """Take back what the step being built gave `request` (mutates its ledger and count)."""

@@ -105,3 +105,31 @@ def test_a_persistently_bad_host_copy_fails_one_load_not_every_later_one(llama: 
     assert m is not None and m.num_failed_loads == 1 and m.num_loaded_blocks == 8
     for name, prompt in prompts.items():
         assert e.requests[name].token_ids == output_alone(llama, prompt), name
+
+
+def test_requests_retrying_behind_a_slow_load_are_counted_once(llama: Path) -> None:
+    """Item 8: `b` loads the prefix slowly; `c` and `d` share it and retry every step while that
+    load is in flight (each retry looks up the device and the host again). Each request counts
+    once, when admitted: device queries are the prompt lengths, host queries one per request
+    that consulted the host, host hits the tokens actually loaded."""
+    rng = random.Random(2)
+    e = engine(llama)
+    prefix = host_only_prefix(e, rng)
+    before = e.stats()
+    e.set_transfer_faults(TransferFaults(delay_polls=4))
+    prompts = {name: prefix + tokens(rng, 4) for name in "bcd"}
+    for name, prompt in prompts.items():
+        e.add_request(name, prompt, SHORT)
+    e.drain()
+    s = e.stats()
+    assert s.is_idle
+    assert s.host_metrics is not None and before.host_metrics is not None
+    m, m0 = s.host_metrics, before.host_metrics
+    assert m.num_load_waits - m0.num_load_waits >= 4  # c and d retried behind b's load
+    p, p0 = s.prefix_cache, before.prefix_cache
+    assert p.num_requests - p0.num_requests == 3
+    assert p.num_query_tokens - p0.num_query_tokens == sum(len(x) for x in prompts.values())
+    assert p.num_hit_tokens - p0.num_hit_tokens == 2 * 32  # c and d hit what b loaded
+    assert m.num_queries - m0.num_queries == 3
+    assert m.num_hit_tokens - m0.num_hit_tokens == 32  # b's load, once
+    assert m.num_loaded_blocks - m0.num_loaded_blocks == 8

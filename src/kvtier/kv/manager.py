@@ -20,15 +20,31 @@ from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concur
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prefix-cache counters with their denominators (tokens)."""
+    """Prefix-cache counters with their denominators (tokens), one count per admission (as
+    vLLM): a request that waits or retries is looked up again but counted once. Re-admissions
+    after preemption are counted apart, so the hit rate is that of first admissions."""
 
     num_requests: int = 0
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    num_preempted_requests: int = 0
+    num_preempted_query_tokens: int = 0
+    num_preempted_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def record(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        """Count one admission of a request of `num_tokens` with `num_hit_tokens` hit."""
+        if preempted:
+            self.num_preempted_requests += 1
+            self.num_preempted_query_tokens += num_tokens
+            self.num_preempted_hit_tokens += num_hit_tokens
+        else:
+            self.num_requests += 1
+            self.num_query_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
 
 class KVCacheManager:
@@ -77,7 +93,8 @@ class KVCacheManager:
     # ---- lookup --------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVSequence) -> tuple[GroupBlocks, int]:
-        """Longest prefix hit for a waiting request: (blocks per group, hit tokens). Touches nothing.
+        """Longest prefix hit for a waiting request: (blocks per group, hit tokens). Touches
+        nothing and counts nothing (`record_lookup` counts the lookup an admission used).
 
         The last prompt token is always recomputed (its logits are needed), so at most
         num_tokens − 1 tokens hit.
@@ -85,11 +102,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_hits, 0
         max_length = min(request.num_tokens - 1, self.max_model_len)
-        hits, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
-        self.stats.num_requests += 1
-        self.stats.num_query_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit
-        return hits, num_hit
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+
+    def record_lookup(self, request: KVSequence, num_hit_tokens: int, preempted: bool) -> None:
+        """Count the lookup a request was admitted with (once per admission) in `stats`."""
+        if self.enable_caching:
+            self.stats.record(request.num_tokens, num_hit_tokens, preempted)
 
     # ---- allocation ----------------------------------------------------------------------------
 

@@ -107,6 +107,11 @@ class HostTier:
         """
         return self.loads.lookup(request, num_device_hit_tokens, max_external_tokens)
 
+    def record_lookup(self, request: Request) -> None:
+        """The request was admitted, or its load planned, with its last lookup: count that
+        lookup in `metrics` (once per admission, however often it was looked up)."""
+        self.loads.record_lookup(request.request_id)
+
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 

@@ -63,6 +63,8 @@ class AdmissionMixin:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
                 self._release_loaded_behind(request)
                 break
+            if not loaded:
+                self._record_lookup(request, num_hit)
             request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
@@ -125,6 +127,7 @@ class AdmissionMixin:
         ):  # destinations for the loaded tokens; published only when the load completes
             connector.plan_load(request, 0)
             return None
+        self._record_lookup(request, num_hit)
         request.num_computed_tokens = num_hit + num_external
         transfer = connector.plan_load(request, num_external)  # WAITING_FOR_REMOTE_KVS now
         assert transfer is not None, "a host hit with room for it must plan a load"
@@ -132,6 +135,16 @@ class AdmissionMixin:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
         return True
+
+    def _record_lookup(self, request: Request, num_hit: int) -> None:
+        """Count the lookups this admission used, once (retries of a waiting request are not
+        admissions; a request counts again only after a preemption)."""
+        if request.lookup_counted:
+            return
+        request.lookup_counted = True
+        self.kv.record_lookup(request, num_hit, preempted=request.num_preemptions > 0)
+        if self.connector is not None:
+            self.connector.record_lookup(request)
 
     def _transfers_done(self, result: RunnerOutput) -> None:
         """Apply the copies the runner reports: loaded requests publish their blocks and become

@@ -189,6 +189,7 @@ class Request(KVSequence):
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admit_seq = 0  # the step that (re)admitted it; hit blocks may be written up to it
+        self.lookup_counted = False  # its prefix lookup is in the stats (reset on preemption)
         # Scheduler memo of its last KV calls for this table (reset when the table is dropped):
         self.prune_at = 0  # the next token count at which pruning can free a block
         self.num_slot_tokens = 0  # positions every group's table already covers

@@ -334,6 +334,7 @@ class Scheduler(AdmissionMixin):
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.lookup_counted = False  # its re-admission is counted again (as preempted)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -282,6 +282,11 @@ class EngineCore:
             self.scheduler, self.kv, self.host_tier, self.runner.transfers.num_pending
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the device prefix cache (the host tier keeps its entries); False, changing
+        nothing, while any device block is in use."""
+        return self.kv.reset_prefix_cache()
+
     def set_transfer_faults(self, faults: TransferFaults) -> None:
         """Inject failing, corrupting or slow host ↔ device copies from now on (see
         `TransferFaults`; `TransferFaults()` stops). For tests and chaos runs."""

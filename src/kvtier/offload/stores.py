@@ -69,6 +69,14 @@ class StorePlanner:
                     out += self._plan_request(st)
         return out
 
+    def plan_before_prune(self, request: Request) -> list[Transfer]:
+        """Eager mode: stores of the request's settled, unstored blocks now, before its windows
+        drop them from the device table (lazy mode stores them near the device LRU head)."""
+        if not self.tier.enabled or self.tier.store_mode == "lazy":
+            return []
+        st = self._state(request)
+        return [] if st.finished else self._plan_request(st)
+
     def flush(self, request: Request, finished: bool) -> list[Transfer]:
         st = self._states.get(request.request_id)
         if st is None or not self.tier.enabled or self.tier.store_mode == "lazy":

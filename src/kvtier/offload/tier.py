@@ -140,6 +140,13 @@ class HostTier:
         settled (it will look it up when it comes back); its cursor is kept."""
         return self.stores.flush(request, finished=False)
 
+    def store_before_prune(self, request: Request) -> list[Transfer]:
+        """The request's windows are about to drop blocks from its device table (a settled
+        prefill chunk longer than the window prunes in the same update): stores of its settled,
+        unstored blocks, planned now so window blocks reach the host tier too (they keep device
+        pins until stored). Call before pruning."""
+        return self.stores.plan_before_prune(request)
+
     def plan_stores(self, requests: Iterable[Request]) -> list[Transfer]:
         """Once per step: stores for `requests` (eager; the running ones), or of blocks near the
         device LRU head (lazy), then re-stores of evicted blocks, rate-limited."""

@@ -52,6 +52,11 @@ class SettledLifetimes:
             return request.num_settled_tokens, request.last_sched_seq
         return request.num_settled_tokens, processed_step_seq
 
+    def prune_due(self, request: Request) -> bool:
+        """True if `prune` would call the KV manager now: a window crossed a block (no side
+        effects; it may still free nothing)."""
+        return self.has_windows and self.basis(request, 0)[0] >= request.prune_at
+
     def prune(self, request: Request, processed_step_seq: int) -> None:
         """Free blocks out of every window (mutates the table; calls the KV manager only when a
         window has crossed a block since the last call)."""

@@ -195,7 +195,7 @@ class Scheduler(AdmissionMixin):
             if n == 0:
                 i += 1
                 continue
-            self.lifetimes.prune(request, self.processed_step_seq)
+            self._prune(request, self.processed_step_seq)
             num_preempted = len(step.preempted)
             blocks = self._allocate_or_preempt(request, n, step)
             if blocks is None:
@@ -395,10 +395,16 @@ class Scheduler(AdmissionMixin):
                 )
             if status is running_status:
                 self.lifetimes.cache(request)
-                self.lifetimes.prune(request, seq)  # §8.2: return blocks once the step settles
+                self._prune(request, seq)  # §8.2: return blocks once the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
+
+    def _prune(self, request: Request, processed_step_seq: int) -> None:
+        """Prune the request's windows, storing first what they are about to drop (mutates)."""
+        if self.connector is not None and self.lifetimes.prune_due(request):
+            self._transfers += [t.planned() for t in self.connector.store_before_prune(request)]
+        self.lifetimes.prune(request, processed_step_seq)
 
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""

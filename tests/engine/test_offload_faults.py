@@ -133,3 +133,27 @@ def test_requests_retrying_behind_a_slow_load_are_counted_once(llama: Path) -> N
     assert m.num_queries - m0.num_queries == 3
     assert m.num_hit_tokens - m0.num_hit_tokens == 32  # b's load, once
     assert m.num_loaded_blocks - m0.num_loaded_blocks == 8
+
+
+def test_stats_show_the_quarantine_by_release_step_and_the_pins_of_a_slow_store(
+    llama: Path,
+) -> None:
+    """A request aborted while its next step is in flight: its blocks are quarantined until
+    that step is processed, and `stats()` says so; a slow store pins its device sources."""
+    rng = random.Random(3)
+    e = engine(llama)
+    e.set_transfer_faults(TransferFaults(delay_polls=3))
+    e.add_request("r", tokens(rng, 30), SamplingParams(max_tokens=20, temperature=0))
+    while e.stats().num_pending_stores == 0:
+        e.step()
+    s = e.stats()
+    assert s.device.num_store_pins > 0 and s.host is not None and s.host.num_store_pins > 0
+    assert s.num_steps_in_flight > 0 and not s.is_idle
+    assert e.abort("r")
+    s = e.stats()
+    [(release, refs)] = s.device.quarantined_refs_by_step
+    assert release == s.num_steps and refs == s.device.num_quarantined_refs > 0
+    assert s.num_running == s.num_waiting == 0 and not s.device.is_idle
+    e.drain()
+    s = e.stats()
+    assert s.is_idle and s.device.num_quarantined_refs == 0 and s.device.num_cached > 0

@@ -3,14 +3,13 @@ the half of the scheduler that turns waiting requests into running ones. Mixed i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.output import NewRequestData, PlannedTransfer, RunnerOutput
 from kvtier.sched.queues import RequestQueue
-from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
+from kvtier.sched.request import ReqId, Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvtier.sched.connector import KVConnector
@@ -29,8 +28,6 @@ class AdmissionMixin:
     max_num_seqs: int
     long_prefill_token_threshold: int
     _transfers: list[PlannedTransfer]
-
-    _record: Callable[[Request, int, int, int, bool], StepRecord]  # Scheduler's ledger append
 
     def _admit(
         self, seq: int, budget: int, num_scheduled: dict[ReqId, int], new_reqs: list[NewRequestData]
@@ -71,7 +68,7 @@ class AdmissionMixin:
                 request.num_cached_tokens = num_hit  # what the user is told was a prefix hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._record(request, seq, n, 0, num_hit + n == request.num_tokens)
+            request.schedule_step(seq, n, 0, num_hit + n == request.num_tokens)
             request.admit_seq = seq  # its prefix hits are final once this step is processed
             num_scheduled[request.request_id] = n
             new_reqs.append(

@@ -239,6 +239,20 @@ class Request(KVSequence):
         room_len = max_model_len - self.num_tokens - self.ledger.num_placeholders - 1
         return max(0, min(k, room_out, room_len))
 
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def schedule_step(self, step_seq: int, n: int, num_drafts: int, samples: bool) -> StepRecord:
+        """Append the ledger record of step `step_seq` computing `n` tokens (`num_drafts` of them
+        drafts; `samples`: it delivers tokens) and advance the optimistic count (mutates)."""
+        unverified = self.ledger.num_draft_tokens
+        lowest = max(0, self.num_computed_tokens - unverified) if unverified else None
+        num_placeholders = 1 + num_drafts if samples else 0
+        record = StepRecord(step_seq, n, num_drafts, num_placeholders, lowest_write=lowest)
+        self.ledger.append(record)
+        self.num_computed_tokens += n
+        self.last_sched_seq = step_seq
+        return record
+
     # ---- token delivery ------------------------------------------------------------------------
 
     def deliver(

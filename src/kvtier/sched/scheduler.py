@@ -6,7 +6,6 @@ freed (through `KVCacheManager`, on the settled count, stamped for the quarantin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.kv.manager import KVCacheManager
@@ -15,7 +14,6 @@ from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
-    CachedRequestData,
     NewRequestData,
     PlannedTransfer,
     RequestOutput,
@@ -23,7 +21,8 @@ from kvtier.sched.output import (
     SchedulerOutput,
 )
 from kvtier.sched.queues import make_queue
-from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
+from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
@@ -147,9 +146,8 @@ class Scheduler(AdmissionMixin):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs, or the connector still has copies to report —
-        stores, and loads of requests aborted while loading, which pin blocks until their
-        completion is processed (finished requests may still drain ledgers)."""
+        """True while any request waits or runs, or the connector still has copies to report
+        (a load of a request aborted while loading pins blocks until it is reported)."""
         if self.running or len(self.waiting) > 0:
             return True
         return self.connector is not None and self.connector.has_pending_transfers
@@ -185,7 +183,7 @@ class Scheduler(AdmissionMixin):
                 f"{self.async_depth}); call update() for step {self.processed_step_seq + 1} first"
             )
         seq = self.sched_step_seq + 1
-        step = _StepBuild(self.max_num_batched_tokens)
+        step = StepBuild(seq, self.max_num_batched_tokens)
         running = self.running
         blocked = False
         i = 0
@@ -203,14 +201,9 @@ class Scheduler(AdmissionMixin):
                 break
             if len(step.preempted) > num_preempted:  # victims may sit before it in the list
                 i = running.index(request)
-            record = self._record(request, seq, n, len(drafts), samples)
-            step.num_scheduled[request.request_id] = n
-            if drafts:
-                step.spec_tokens[request.request_id] = drafts
-            start = request.num_computed_tokens - n
-            lowest = start if record.lowest_write is None else record.lowest_write
-            step.cached.append(CachedRequestData(request.request_id, blocks, start, lowest))
-            step.budget -= n
+            step.add(
+                request, n, drafts, blocks, request.schedule_step(seq, n, len(drafts), samples)
+            )
             i += 1
         num_scheduled, budget = step.num_scheduled, step.budget
         new_reqs: list[NewRequestData] = []
@@ -258,17 +251,15 @@ class Scheduler(AdmissionMixin):
             num_new = self.long_prefill_token_threshold
         return num_new, drafts, request.num_computed_tokens + num_new == target
 
-    def _allocate_or_preempt(self, request: Request, n: int, step: _StepBuild) -> BlockIds | None:
+    def _allocate_or_preempt(self, request: Request, n: int, step: StepBuild) -> BlockIds | None:
         """Ids appended to each group's table (null id 0 where a position is skipped) for `n`
-        more tokens, preempting until they fit.
+        more tokens, preempting until they fit; None if the request waits or was preempted.
 
-        Before each preemption, blocks that come back once the steps in flight are processed —
-        the quarantine's (earlier victims' included) and those of requests the steps in flight
-        end by length — are counted: if they cover the shortfall the request waits for them
-        rather than preempting another request (a victim's blocks free nothing now under async
-        scheduling). The victim is the policy's choice among every
-        running request; one already scheduled in this step is taken back first. None if the
-        request itself was preempted, or waits.
+        A victim's blocks free nothing now under async scheduling, so before each preemption the
+        blocks the steps in flight return (the quarantine's, earlier victims' included, and those
+        of requests they end by length) are counted: if they cover the shortfall, wait for them.
+        The victim is the policy's choice among every running request; one already scheduled in
+        this step is taken back first.
         """
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
@@ -283,7 +274,8 @@ class Scheduler(AdmissionMixin):
                 return tuple(
                     [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
                 )
-            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(self._finishing()):
+            ending = [r.request_id for r in running if r.reaches_max_tokens(self.max_model_len)]
+            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(ending):
                 return None  # the steps in flight will return enough: wait for them
             v = self.waiting.pick_victim(running)
             victim = running[v]
@@ -291,40 +283,11 @@ class Scheduler(AdmissionMixin):
                 return None  # its own steps will settle and free window blocks: wait, don't drop
             running.pop(v)
             if victim.request_id in step.num_scheduled:
-                self._unschedule(victim, step)
+                step.take_back(victim, self.processed_step_seq)
             self._preempt(victim)
             step.preempted.append(victim.request_id)
             if victim is request:
                 return None
-
-    def _finishing(self) -> list[ReqId]:
-        """Running requests that the steps in flight end by length (their blocks come back)."""
-        n = self.max_model_len
-        return [r.request_id for r in self.running if r.reaches_max_tokens(n)]
-
-    def _unschedule(self, request: Request, step: _StepBuild) -> None:
-        """Take back what the step being built gave `request` (mutates its ledger and count)."""
-        rid = request.request_id
-        n = step.num_scheduled.pop(rid)
-        step.spec_tokens.pop(rid, None)
-        step.cached[:] = [c for c in step.cached if c.req_id != rid]
-        step.budget += n
-        request.ledger.retract(self.sched_step_seq + 1)
-        request.num_computed_tokens -= n
-        records = request.ledger.records
-        request.last_sched_seq = records[-1].step_seq if records else self.processed_step_seq
-
-    def _record(
-        self, request: Request, seq: int, n: int, num_drafts: int, samples: bool
-    ) -> StepRecord:
-        unverified = request.ledger.num_draft_tokens
-        lowest = max(0, request.num_computed_tokens - unverified) if unverified else None
-        samples_n = 1 + num_drafts if samples else 0
-        record = StepRecord(seq, n, num_drafts, samples_n, lowest_write=lowest)
-        request.ledger.append(record)
-        request.num_computed_tokens += n
-        request.last_sched_seq = seq
-        return record
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
@@ -425,14 +388,3 @@ class Scheduler(AdmissionMixin):
 
 
 _NO_DRAFTS: list[int] = []  # shared, read-only
-
-
-@dataclass(slots=True)
-class _StepBuild:
-    """What `schedule()` has given running requests so far in the step it builds."""
-
-    budget: int  # tokens left in the step
-    num_scheduled: dict[ReqId, int] = field(default_factory=dict)
-    spec_tokens: dict[ReqId, list[int]] = field(default_factory=dict)
-    cached: list[CachedRequestData] = field(default_factory=list)
-    preempted: list[ReqId] = field(default_factory=list)

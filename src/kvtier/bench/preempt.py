@@ -48,7 +48,7 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 
 
 def max_model_len(args: argparse.Namespace) -> int:
-    return args.max_prompt + args.max_tokens + args.block_size
+    return int(args.max_prompt + args.max_tokens + args.block_size)
 
 
 def default_num_blocks(args: argparse.Namespace, model: str) -> int:
@@ -61,7 +61,7 @@ def default_num_blocks(args: argparse.Namespace, model: str) -> int:
     sched = SchedulerConfig(max_model_len=n, max_num_batched_tokens=args.max_num_batched_tokens)
     cache = CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20)
     per_request = plan_kv(ModelConfig.from_pretrained(model), cache, sched).blocks_per_request(n)
-    return max(2 * per_request, per_request * args.num_requests // 4) + 1
+    return max(2 * per_request, per_request * int(args.num_requests) // 4) + 1
 
 
 def run_one(
@@ -80,7 +80,7 @@ def run_one(
         max_model_len=max_model_len(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=depth > 1,
-        async_depth=max(depth, 2) if depth > 1 else 2,
+        async_depth=depth if depth > 1 else 2,  # unused when synchronous
         protect="event,settled,quarantine" if quarantine else "event,settled",
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         for depth in args.depths:
             r = run_one(args, prompts, depth, quarantine, blocks)
             results.append(r)
-            base.setdefault(quarantine, r["num_preemptions"]) if depth == 1 else None
+            if depth == 1:
+                base[quarantine] = r["num_preemptions"]
             ref = base.get(quarantine)
             ratio = r["num_preemptions"] / ref if ref else None
             r["ratio_to_depth_1"] = ratio

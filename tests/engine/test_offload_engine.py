@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.config import STORE_MODES, CacheConfig
 from kvtier.device import OpMeta
-from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams
+from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferFaults
 from kvtier.engine.cli import add_engine_arguments, engine_args
 from kvtier.model.testing import ARCHITECTURES, write_tiny_model
 from kvtier.sched.output import PlannedTransfer
@@ -92,14 +92,7 @@ def test_failed_loads_roll_back_and_recompute_with_the_same_tokens(
     """H7: every other load reports failure; its request rolls back to its last good block and
     recomputes the rest, and no completion changes."""
     llm = LLM(str(gemma3), **{**BASE, "num_device_blocks": 80, "num_host_blocks": 400})
-    transfers = llm.engine.runner.transfers
-    launch = transfers.launch_loads
-
-    def failing(planned: list, step_seq: int) -> None:  # type: ignore[type-arg]
-        transfers.fail_ids.update(t.transfer_id for t in planned if t.is_load and t.transfer_id % 2)
-        launch(planned, step_seq)
-
-    transfers.launch_loads = failing  # type: ignore[method-assign]
+    llm.engine.set_transfer_faults(TransferFaults(fail_loads_every=2))
     batch = [{"prompt_token_ids": p} for p in prompts()]
     outs = [
         [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]

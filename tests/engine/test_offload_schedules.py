@@ -189,9 +189,8 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
                 engine.abort(req_id)
     assert not device.hazards
     engine.check_integrity()
-    tier = engine.host_tier
-    assert tier is not None and not tier.has_pending_stores
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1  # all came back
+    stats = engine.stats()
+    assert stats.is_idle, stats  # every block came back; no copy, pin or quarantine left
     for i, (prompt, max_tokens, _, _) in enumerate(case.requests):
         state = engine.requests[f"r{i}"]
         expected = alone(path, prompt)[:max_tokens]
@@ -199,7 +198,8 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
             assert state.token_ids == expected[: len(state.token_ids)], f"r{i}"
         else:
             assert state.token_ids == expected, f"r{i}"
-    m, c = tier.metrics, tally.counts
+    m, c = stats.host_metrics, tally.counts
+    assert m is not None
     c["seeds"] += 1
     c[f"store mode {case.store_mode}"] += 1
     c["loaded blocks"] += m.num_loaded_blocks
@@ -208,7 +208,7 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
     c["host evictions"] += m.num_evicted_blocks
     c["load waits"] += m.num_load_waits
     c["lazy seeds with loads"] += case.store_mode == "lazy" and m.num_loaded_blocks > 0
-    c["preemptions"] += engine.scheduler.num_preemptions
+    c["preemptions"] += stats.num_preemptions
     c["rejected drafts"] += engine.runner.num_draft_tokens - engine.runner.num_accepted_tokens
     c["aborted"] += sum(engine.requests[r].finish_reason == "abort" for r in aborted)
     c["steps"] += step

@@ -43,7 +43,7 @@ def snapshot(m: KVCacheManager) -> tuple:
 # ---- lookup and stats ----------------------------------------------------------------------------
 
 
-def test_lookup_touches_nothing_and_counts_queries_and_hits():
+def test_lookup_touches_nothing_and_counts_nothing_record_lookup_counts():
     m = manager(11)
     tokens = fresh_tokens(40)
     admit(m, "a", tokens)
@@ -52,9 +52,15 @@ def test_lookup_touches_nothing_and_counts_queries_and_hits():
     seq = m.new_sequence("b", [*tokens[:33], 1, 2])
     hits, num_hit = m.get_computed_blocks(seq)
     assert num_hit == 32 and all(b.ref_cnt == 0 for b in hits[0])
-    assert snapshot(m) == before
+    assert m.get_computed_blocks(seq)[1] == 32  # a retry: still nothing counted
+    assert snapshot(m) == before and m.stats.num_requests == 0
+    m.record_lookup(m.new_sequence("a", tokens), 0, preempted=False)
+    m.record_lookup(seq, num_hit, preempted=False)
     assert (m.stats.num_requests, m.stats.num_query_tokens, m.stats.num_hit_tokens) == (2, 75, 32)
     assert m.stats.hit_rate == pytest.approx(32 / 75)
+    m.record_lookup(seq, 16, preempted=True)  # a re-admission after preemption: apart
+    assert (m.stats.num_requests, m.stats.num_preempted_requests) == (2, 1)
+    assert m.stats.num_preempted_hit_tokens == 16 and m.stats.hit_rate == pytest.approx(32 / 75)
 
 
 def test_lookup_with_caching_disabled_finds_nothing_and_counts_nothing():
@@ -62,7 +68,9 @@ def test_lookup_with_caching_disabled_finds_nothing_and_counts_nothing():
     tokens = fresh_tokens(40)
     admit(m, "a", tokens)
     m.free("a")
-    assert m.get_computed_blocks(m.new_sequence("b", tokens)) == ([[]], 0)
+    seq = m.new_sequence("b", tokens)
+    assert m.get_computed_blocks(seq) == ([[]], 0)
+    m.record_lookup(seq, 0, preempted=False)
     assert m.stats.num_requests == 0 and m.stats.hit_rate == 0.0
 
 

@@ -92,7 +92,7 @@ def test_49_duplicate_store_is_skipped_and_the_cursor_advances():
     free_before = t.host.num_free
     assert t.plan_stores([p2]) == []
     assert t.host.num_free == free_before
-    assert t.stores._states["P2"].cursor == [2]
+    assert t.store_progress("P2").cursor == (2,)
     assert t.metrics.num_deduped_blocks == 2
     check(dev, t)
 
@@ -175,10 +175,10 @@ def test_53_finish_during_in_flight_store_publishes_on_completion():
     stores = t.plan_stores([r])
     assert t.finish_request(r) == []  # everything settled was already planned
     dev.free("R")
-    assert t.stores._states["R"].finished and t.has_pending_stores
+    assert t.store_progress("R").finished and t.has_pending_stores
     check(dev, t)
     settle_all(t, stores)
-    assert "R" not in t.stores._states and not t.has_pending_stores
+    assert t.store_progress("R") is None and not t.has_pending_stores
     assert host_has(t, r, [0, 1]) == [True, True]
     check(dev, t)
 
@@ -386,7 +386,7 @@ def test_60a_chain_aware_eviction_keeps_the_chain_head_where_vllm_keeps_the_tail
     R lost h2, h3, but re-storing them would evict its own head: no re-store, no thrash."""
     dev, t, r = _chain_then_two_others(split=False)
     assert host_has(t, r, [0, 1, 2, 3]) == [True, True, False, False]
-    assert t.stores._states["R"].lost == {(0, 2), (0, 3)}
+    assert t.store_progress("R").lost == {(0, 2), (0, 3)}
     assert t.host.peek_evictions(2) == [(0, r.block_hashes[1]), (0, r.block_hashes[0])]
     assert t.plan_stores([r]) == []
     assert t.metrics.num_restored_blocks == 0
@@ -408,12 +408,12 @@ def test_60b_evicted_head_is_restored_with_the_absolute_cursor_without_thrash():
     assert t.metrics.num_orphans_demoted >= 2
     restores = t.plan_stores([r])
     assert [len(x.src_block_ids) for x in restores] == [2]
-    assert t.stores._states["R"].cursor == [4]
+    assert t.store_progress("R").cursor == (4,)
     settle_all(t, restores)
     assert host_has(t, r, [0, 1, 2, 3]) == [True, True, False, False]
     assert t.lookup(request(dev, "R2", r.all_token_ids), 0).num_tokens == 32
     t.cancel_load("R2")
-    assert t.stores._states["R"].lost == set()  # evicted by a re-store: not queued again
+    assert t.store_progress("R").lost == set()  # evicted by a re-store: not queued again
     assert t.plan_stores([r]) == []
     assert t.metrics.num_restored_blocks == 2
     check(dev, t)

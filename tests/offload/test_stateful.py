@@ -249,7 +249,8 @@ class HostTierMachine(RuleBasedStateMachine):
         self.t.complete(sorted(self.outstanding))
         assert not self.t.device_pins() and not self.t.has_pending_stores
         assert all(b.ref_cnt == 0 for b in self.t.host.pool.blocks)
-        assert not self.t.stores._states
+        assert all(self.t.store_progress(r.request_id) is None for r in live)
+        assert self.t.pool_stats()[1].is_idle
         self.t.check_integrity()
         self.dev.check_integrity()
 

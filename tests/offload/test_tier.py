@@ -134,7 +134,7 @@ def test_blocks_not_planned_for_a_pinned_full_host_pool_are_counted_and_retried(
     run(dev, b)
     [sa] = t.plan_stores([a, b])  # A takes both host blocks; B's two are skipped
     assert sa.req_id == "A" and t.metrics.num_skipped_pinned_full == 2
-    assert t.stores._states["B"].cursor == [0]  # not advanced past what was not stored
+    assert t.store_progress("B").cursor == (0,)  # not advanced past what was not stored
     settle_all(t, [sa])
     t.finish_request(a)
     [sb] = t.plan_stores([b])
@@ -155,7 +155,7 @@ def test_restores_are_capped_per_step():
     settle_all(t, t.plan_stores(others))  # evicts R0 and R1
     for o in others:
         t.finish_request(o)
-    lost = [len(t.stores._states[r.request_id].lost) for r in owners]
+    lost = [len(t.store_progress(r.request_id).lost) for r in owners]
     assert lost == [2, 2, 0, 0]
     restores = t.plan_stores(owners)
     assert sum(x.num_blocks for x in restores) == 1

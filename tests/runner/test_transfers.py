@@ -26,7 +26,7 @@ from kvtier.device import (
 from kvtier.device.sim import SimDevice
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.offload import HostTier
-from kvtier.runner.transfers import TransferEngine
+from kvtier.runner.transfers import TransferEngine, TransferFaults
 from kvtier.sched.output import PlannedTransfer
 from kvtier.sched.request import Request, StepRecord
 
@@ -239,8 +239,8 @@ def test_completions_are_polled_without_blocking_and_reported_once() -> None:
     backlogged_forward_writing(dev, [2], 3.0, 1)
     engine.forward_launched()
     engine.launch_stores([PlannedTransfer(10, "r", [2], [4], is_load=False)], step_seq=1)
+    engine.set_faults(TransferFaults(fail_transfer_ids=frozenset({11})))
     engine.launch_loads([PlannedTransfer(11, "s", [7], [8], is_load=True)], step_seq=1)
-    engine.fail_ids.add(11)
     assert engine.poll() == ([], [])  # nothing has finished yet in virtual time
     assert engine.num_pending == 2
     dev.synchronize()
@@ -257,3 +257,55 @@ def test_a_transfer_id_in_flight_cannot_be_reused() -> None:
     with pytest.raises(ValueError, match="transfer id 1 is already in flight"):
         engine.launch_loads([t], step_seq=2)
     assert engine.flush() == ([1], [])
+
+
+# ---- fault injection (`TransferFaults`) ---------------------------------------------------------
+
+
+def _load(tid: int, src: int, dst: int) -> PlannedTransfer:
+    return PlannedTransfer(tid, f"r{tid}", [src], [dst], is_load=True)
+
+
+def test_faults_fail_every_nth_load_and_given_ids() -> None:
+    dev = device()
+    engine = TransferEngine(dev)
+    engine.set_faults(TransferFaults(fail_loads_every=2, fail_transfer_ids=frozenset({5})))
+    engine.launch_loads([_load(i, i, i) for i in range(1, 5)], step_seq=1)
+    engine.launch_stores([PlannedTransfer(5, "s", [9], [9], is_load=False)], step_seq=1)
+    assert engine.flush() == ([1, 3], [2, 4, 5])
+
+
+def test_a_corrupted_store_fails_every_load_of_its_host_blocks_until_rewritten() -> None:
+    dev = device()
+    engine = TransferEngine(dev)
+    engine.set_faults(TransferFaults(corrupt_stores=1))
+    engine.launch_stores([PlannedTransfer(1, "a", [2, 3], [4, 5], is_load=False)], step_seq=1)
+    assert engine.flush() == ([1], [])  # the store itself reports success
+    engine.launch_loads([_load(2, 4, 6), _load(3, 7, 8)], step_seq=2)
+    assert engine.flush() == ([3], [2])
+    engine.launch_loads([_load(4, 5, 6)], step_seq=3)  # persistently bad: fails again
+    assert engine.flush() == ([], [4])
+    engine.launch_stores([PlannedTransfer(5, "b", [2], [4], is_load=False)], step_seq=4)
+    engine.launch_loads([_load(6, 4, 6), _load(7, 5, 7)], step_seq=4)  # 4 rewritten, 5 not
+    assert engine.flush() == ([5, 6], [7])
+    engine.set_faults(TransferFaults())  # forgets the bad copies
+    engine.launch_loads([_load(8, 5, 7)], step_seq=5)
+    assert engine.flush() == ([8], [])
+
+
+def test_slow_copies_are_reported_delay_polls_late() -> None:
+    dev = device()
+    engine = TransferEngine(dev)
+    engine.set_faults(TransferFaults(delay_polls=2))
+    engine.launch_loads([_load(1, 1, 1)], step_seq=1)
+    dev.synchronize()
+    assert engine.poll() == ([], [])  # completed, seen, held back
+    assert engine.poll() == ([], []) and engine.num_pending == 1
+    assert engine.poll() == ([1], [])
+    assert engine.num_pending == 0
+
+
+@pytest.mark.parametrize("field", ["fail_loads_every", "corrupt_stores", "delay_polls"])
+def test_bad_fault_settings_name_the_field(field: str) -> None:
+    with pytest.raises(ValueError, match=f"TransferFaults.{field} must be an int ≥ 0"):
+        TransferFaults(**{field: -1})  # type: ignore[arg-type]

@@ -101,8 +101,9 @@ def test_priority_queue_orders_and_picks_the_worst_victim() -> None:
     assert q.peek().request_id == "r1"
     q.remove(reqs[2])
     assert len(q) == 3
-    assert q.pick_victim(reqs, 1) == 2  # among r1..r3 the worst rank is r2 (priority 1)
-    assert make_queue("fcfs").pick_victim(reqs, 1) == 3  # FCFS: the latest
+    assert q.pick_victim(reqs) == 0  # among all running the worst rank is r0 (priority 2)
+    assert q.pick_victim(reqs[1:]) == 1  # among r1..r3 it is r2 (priority 1)
+    assert make_queue("fcfs").pick_victim(reqs) == 3  # FCFS: the latest
     with pytest.raises(ValueError, match="fcfs"):
         make_queue("lifo")
 
@@ -136,7 +137,9 @@ def test_abort_of_a_waiting_request() -> None:
 def test_stale_token_can_finish_a_preempted_request() -> None:
     d = Driver(scheduler(5, depth=2, budget=256))
     a = request("a", 31, max_tokens=8)
-    r = request("r", 17, max_tokens=2)
+    # A stop token, not max_tokens: a request its steps in flight end by length is not
+    # preempted (its blocks come back once they are processed; a waits for them).
+    r = request("r", 17, max_tokens=8, stop_token_ids=(99,))
     d.sched.add_request(a)
     d.sched.add_request(r)
     d.schedule()
@@ -144,8 +147,8 @@ def test_stale_token_can_finish_a_preempted_request() -> None:
     d.schedule()
     out = d.schedule()
     assert out.preempted_req_ids == ["r"]
-    d.process(2)  # r's stale token is its second: it finishes while preempted
-    assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 2
+    d.process(2, {"r": [99]})  # r's stale token is a stop: it finishes while preempted
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.num_output_tokens == 2
     assert r not in list(d.sched.waiting)
 
 

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
     from kvtier.engine.llm import LLM, CompletionOutput, RequestOutput
     from kvtier.engine.params import EngineArgs, SamplingParams
+    from kvtier.engine.stats import EngineStats
+    from kvtier.runner.transfers import TransferFaults
 
 _HOMES = {
     "EngineCore": "core",
@@ -20,6 +22,8 @@ _HOMES = {
     "RequestOutput": "llm",
     "EngineArgs": "params",
     "SamplingParams": "params",
+    "EngineStats": "stats",
+    "TransferFaults": "transfers",
 }
 
 __all__ = [
@@ -27,12 +31,16 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "EngineCore",
+    "EngineStats",
     "RequestOutput",
     "SamplingParams",
+    "TransferFaults",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module 'kvtier.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kvtier.engine.{_HOMES[name]}"), name)
+    home = _HOMES[name]
+    package = "kvtier.runner" if home == "transfers" else "kvtier.engine"
+    return getattr(importlib.import_module(f"{package}.{home}"), name)

@@ -10,6 +10,7 @@ import torch
 from kvtier.config import DTYPE_BYTES, ModelConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
+from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.kv.specs import blocks_for_requests
@@ -18,6 +19,7 @@ from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.logprobs import PromptLogprobs, TokenLogprobs
+from kvtier.runner.transfers import TransferFaults
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
@@ -324,6 +326,26 @@ class EngineCore:
             self.host_tier.check_integrity()
 
     def drain(self) -> None:
-        """Step until no request is unfinished and no step is in flight."""
+        """Step until no request is unfinished and no step or copy is in flight."""
         while self.has_unfinished_requests():
             self.step()
+
+    # ---- inspection and fault injection ----------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A frozen snapshot of requests, steps, copies in flight and every KV pool (blocks free,
+        used, cached, quarantined by release step, pinned by loads and stores) and the counters.
+        `stats().is_idle` holds once a drained engine left nothing behind. Changes nothing."""
+        return collect_stats(
+            self.scheduler, self.kv, self.host_tier, self.runner.transfers.num_pending
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the device prefix cache (the host tier keeps its entries); False, changing
+        nothing, while any device block is in use."""
+        return self.kv.reset_prefix_cache()
+
+    def set_transfer_faults(self, faults: TransferFaults) -> None:
+        """Inject failing, corrupting or slow host ↔ device copies from now on (see
+        `TransferFaults`; `TransferFaults()` stops). For tests and chaos runs."""
+        self.runner.transfers.set_faults(faults)

@@ -17,6 +17,7 @@ from kvtier.kv.specs import (
     cdiv,
     max_concurrency,
 )
+from kvtier.kv.stats import PoolStats
 
 __all__ = [
     "AllBlocksCleared",
@@ -39,6 +40,7 @@ __all__ = [
     "KVSpec",
     "Mamba",
     "MultiModalItem",
+    "PoolStats",
     "PrefixCacheStats",
     "SlidingWindow",
     "blocks_for_requests",

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from kvtier.kv.block import BlockHash, BlockId, FreeBlockQueue, KVBlock
 from kvtier.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvtier.kv.stats import PoolStats
 
 _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 
@@ -222,14 +223,28 @@ class BlockPool:
         self.num_quarantined_refs -= released
         return released
 
-    def num_quarantined_freeable(self) -> int:
-        """Blocks that releasing the whole quarantine would return to the free queue: those whose
-        every reference is quarantined (a block shared with a live holder returns nothing)."""
+    def num_quarantined_freeable(
+        self, up_to_step: int | None = None, also_released: Iterable[KVBlock] = ()
+    ) -> int:
+        """Blocks that releasing the quarantine up to step `up_to_step` (None: all of it), and one
+        reference of each block in `also_released`, would return to the free queue: those whose
+        every reference is among these (a block shared with a live holder returns nothing)."""
         counts: dict[BlockId, int] = {}
-        for _, _, blocks in self._quarantine:
-            for b in blocks:
+        for stamp, _, blocks in self._quarantine:
+            if up_to_step is None or stamp <= up_to_step:
+                for b in blocks:
+                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for b in also_released:
+            if not b.is_null:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
         return sum(1 for block_id, n in counts.items() if self.blocks[block_id].ref_cnt == n)
+
+    def quarantined_refs_by_step(self) -> dict[int, int]:
+        """Release step -> block references the quarantine holds until that step is processed."""
+        out: dict[int, int] = {}
+        for stamp, _, blocks in self._quarantine:
+            out[stamp] = out.get(stamp, 0) + len(blocks)
+        return dict(sorted(out.items()))
 
     def quarantined_block_ids(self) -> list[BlockId]:
         """Block ids held by the quarantine (with repeats for repeated references)."""
@@ -260,6 +275,19 @@ class BlockPool:
             1 if isinstance(e, KVBlock) else len(e)
             for t in self._cached.values()
             for e in t.values()
+        )
+
+    def stats(self) -> PoolStats:
+        """A snapshot of this pool's counts (changes nothing)."""
+        num_usable = self.num_blocks - 1
+        return PoolStats(
+            medium=self.medium,
+            num_blocks=num_usable,
+            num_free=self.num_free_blocks,
+            num_used=num_usable - self.num_free_blocks,
+            num_cached=self.num_cached_entries(),
+            num_quarantined_refs=self.num_quarantined_refs,
+            quarantined_refs_by_step=tuple(self.quarantined_refs_by_step().items()),
         )
 
     def check_integrity(self) -> None:

@@ -6,7 +6,7 @@ admission, caching bounds. Never decides which request runs; never reads a clock
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.kv.block import BlockId, KVBlock
@@ -20,15 +20,31 @@ from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concur
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prefix-cache counters with their denominators (tokens)."""
+    """Prefix-cache counters with their denominators (tokens), one count per admission (as
+    vLLM): a request that waits or retries is looked up again but counted once. Re-admissions
+    after preemption are counted apart, so the hit rate is that of first admissions."""
 
     num_requests: int = 0
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    num_preempted_requests: int = 0
+    num_preempted_query_tokens: int = 0
+    num_preempted_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def record(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        """Count one admission of a request of `num_tokens` with `num_hit_tokens` hit."""
+        if preempted:
+            self.num_preempted_requests += 1
+            self.num_preempted_query_tokens += num_tokens
+            self.num_preempted_hit_tokens += num_hit_tokens
+        else:
+            self.num_requests += 1
+            self.num_query_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
 
 class KVCacheManager:
@@ -77,7 +93,8 @@ class KVCacheManager:
     # ---- lookup --------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVSequence) -> tuple[GroupBlocks, int]:
-        """Longest prefix hit for a waiting request: (blocks per group, hit tokens). Touches nothing.
+        """Longest prefix hit for a waiting request: (blocks per group, hit tokens). Touches
+        nothing and counts nothing (`record_lookup` counts the lookup an admission used).
 
         The last prompt token is always recomputed (its logits are needed), so at most
         num_tokens − 1 tokens hit.
@@ -85,11 +102,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return self._no_hits, 0
         max_length = min(request.num_tokens - 1, self.max_model_len)
-        hits, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
-        self.stats.num_requests += 1
-        self.stats.num_query_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit
-        return hits, num_hit
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+
+    def record_lookup(self, request: KVSequence, num_hit_tokens: int, preempted: bool) -> None:
+        """Count the lookup a request was admitted with (once per admission) in `stats`."""
+        if self.enable_caching:
+            self.stats.record(request.num_tokens, num_hit_tokens, preempted)
 
     # ---- allocation ----------------------------------------------------------------------------
 
@@ -151,10 +169,7 @@ class KVCacheManager:
             self.max_model_len,
         )
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-        if is_new:
-            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
-        if need > self.pool.num_free_blocks:
+        if self._num_needed(req_id, num_tokens, hits, total_computed) > self.pool.num_free_blocks:
             return None
         if is_new:
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
@@ -162,6 +177,30 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _num_needed(
+        self, req_id: str, num_tokens: int, hits: GroupBlocks, total_computed: int
+    ) -> int:
+        need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
+        if not self.coordinator.has_request(req_id):
+            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
+        return need
+
+    def num_blocks_short(self, request: KVSequence, num_new_tokens: int) -> int:
+        """Blocks beyond the free ones that `allocate_slots(request, num_new_tokens)` of a
+        request already holding blocks needs (0: it fits now). Changes nothing."""
+        num_tokens = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+        need = self._num_needed(
+            request.request_id, num_tokens, self._no_hits, request.num_computed_tokens
+        )
+        return max(0, need - self.pool.num_free_blocks)
+
+    def num_blocks_returning(self, finishing: Iterable[str] = ()) -> int:
+        """Blocks that come back to the free queue once every step in flight is processed (at
+        most `async_depth − 1` steps away when a step is being scheduled): the quarantine's, and
+        the tables of the `finishing` requests, which those steps end."""
+        tables = [b for rid in finishing for table in self.get_blocks(rid) for b in table]
+        return self.pool.num_quarantined_freeable(also_released=tables)
 
     def cache_blocks(self, request: KVSequence, num_tokens: int) -> None:
         """Publish the request's full blocks up to `num_tokens` as prefix-cache entries."""

@@ -3,6 +3,7 @@ hits, load and store planning from settled counts, chain-aware host eviction, re
 eviction, completion and failure handling, metrics."""
 
 from kvtier.offload.host_cache import HostCache
+from kvtier.offload.store_records import StoreProgress
 from kvtier.offload.tier import HostTier, lazy_scan_blocks_for
 from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, Transfer
 
@@ -13,6 +14,7 @@ __all__ = [
     "HostTierMetrics",
     "Key",
     "LoadFailure",
+    "StoreProgress",
     "Transfer",
     "lazy_scan_blocks_for",
 ]

@@ -56,9 +56,19 @@ class LoadPlanner:
         self._pending: dict[str, _PendingHit] = {}
         self._loads: dict[int, _Load] = {}
         self._claims: dict[Key, str] = {}  # keys pending or loading -> the request claiming them
+        # request -> (query tokens, hit tokens) of its last lookup, counted once it is admitted
+        self._last_lookup: dict[str, tuple[int, int]] = {}
 
     def new_transfer_id(self) -> int:
         return self.tier.new_transfer_id()
+
+    def owns(self, transfer_id: int) -> bool:
+        """True if `transfer_id` is a load in flight."""
+        return transfer_id in self._loads
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._loads)
 
     def lookup(
         self, request: Request, num_device_hit_tokens: int, max_external_tokens: int | None = None
@@ -75,10 +85,11 @@ class LoadPlanner:
         max_len = request.num_tokens - 1  # the last token is always recomputed
         if max_external_tokens is not None:
             max_len = min(max_len, num_device_hit_tokens + max_external_tokens)
+        self._last_lookup.pop(rid, None)
         if not self.tier.enabled or max_len <= num_device_hit_tokens:
             return HostLookup(0)
-        self.metrics.num_queries += 1
-        self.metrics.num_query_tokens += max_len - num_device_hit_tokens
+        num_query = max_len - num_device_hit_tokens
+        self._last_lookup[rid] = (num_query, 0)
         hits, length = extend_device_hit(
             self.tier, request.block_hashes, num_device_hit_tokens, max_len
         )
@@ -92,6 +103,7 @@ class LoadPlanner:
                 key = (g, block.block_hash)
                 if self._claims.get(key, rid) != rid:
                     self.metrics.num_load_waits += 1
+                    del self._last_lookup[rid]  # it retries: that lookup will count
                     return HostLookup(0, wait_for_load=True)
                 pinned.append(block)
                 keys.append(key)
@@ -101,8 +113,16 @@ class LoadPlanner:
         self._pending[rid] = _PendingHit(
             num_device_hit_tokens, length - num_device_hit_tokens, hits, pinned, keys
         )
-        self.metrics.num_hit_tokens += length - num_device_hit_tokens
+        self._last_lookup[rid] = (num_query, length - num_device_hit_tokens)
         return HostLookup(length - num_device_hit_tokens)
+
+    def record_lookup(self, request_id: str) -> None:
+        """Count the request's last lookup in the metrics (the one it was admitted with)."""
+        counted = self._last_lookup.pop(request_id, None)
+        if counted is not None:
+            self.metrics.num_queries += 1
+            self.metrics.num_query_tokens += counted[0]
+            self.metrics.num_hit_tokens += counted[1]
 
     def _release_pending(self, rid: str) -> None:
         hit = self._pending.pop(rid, None)
@@ -187,6 +207,7 @@ class LoadPlanner:
         """The request is finished or aborted: drop its pending hit; an in-flight load keeps its
         pins until the copy completes or fails (it still writes the destination blocks)."""
         self._release_pending(request_id)
+        self._last_lookup.pop(request_id, None)
         for load in self._loads.values():
             if load.request.request_id == request_id:
                 load.cancelled = True
@@ -217,14 +238,23 @@ class LoadPlanner:
         return load.request.request_id
 
     def fail(
-        self, load: _Load, failed_device_block_ids: Iterable[BlockId] | None
+        self, transfer_id: int, failed_device_block_ids: Iterable[BlockId] | None
     ) -> LoadFailure | None:
+        load = self._loads[transfer_id]
+        t = load.transfer
+        bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
+        # The host copies of the failed pairs are suspect: evict them, or every later request
+        # with this prefix would load them again, fail and recompute.
+        suspect = [
+            (g, hb.block_hash)
+            for g, hb, d in zip(t.group_ids, load.host_blocks, t.dst_block_ids)
+            if d in bad and hb.block_hash is not None
+        ]
         self._end_load(load)
+        self.tier.evict(suspect)
         self.metrics.num_failed_loads += 1
         if load.cancelled:
             return None
-        t = load.transfer
-        bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
         end = load.num_device_hit + load.num_tokens
         good = end
         for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids):

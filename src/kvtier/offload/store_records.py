@@ -39,8 +39,19 @@ class ReqState:
     cursor: list[int]  # per group: absolute position below which every block was visited
     keys: dict[Key, int] = field(default_factory=dict)  # stored/cached key -> position
     lost: set[tuple[int, int]] = field(default_factory=set)  # (group, position) evicted
+    restored: set[tuple[int, int]] = field(default_factory=set)  # re-stored once: never again
     transfers: set[int] = field(default_factory=set)
     finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StoreProgress:
+    """A snapshot of one request's eager store state (`HostTier.store_progress`)."""
+
+    cursor: tuple[int, ...]  # per group: every position below it was stored, cached or null
+    lost: frozenset[tuple[int, int]]  # (group, position) evicted from the host, to re-store
+    num_in_flight: int  # its stores not yet completed
+    finished: bool  # the request ended; the state goes once its stores complete
 
 
 def lazy_candidates(tier: HostTier, scan_blocks: int) -> list[Candidate]:

@@ -7,8 +7,9 @@ Design choices (architecture.md §Stores and §Eviction; how they differ from vL
   already cached, or null); a cursor only moves past positions actually planned or skipped;
 - when the host evicts an entry, exactly the requests that stored it learn which position they
   lost (hash → requests map) and re-store it while their device copy still carries that hash,
-  at most `max_restores_per_step` per step; evictions caused by re-stores trigger no further
-  re-stores, and no plan evicts its own chain's earlier blocks to extend it (no thrash);
+  at most `max_restores_per_step` per step; an eviction caused by a re-store tells every chain
+  but the re-storing one, each request re-stores a position at most once, and no plan evicts
+  its own chain's earlier blocks to extend it (no thrash);
 - blocks not planned because no host block is allocatable are counted, not silently dropped;
 - finishing or preempting a request flushes its settled blocks at once.
 """
@@ -19,7 +20,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvtier.kv.block import KVBlock
-from kvtier.offload.store_records import Candidate, ReqState, StoreRecord, lazy_candidates
+from kvtier.offload.store_records import (
+    Candidate,
+    ReqState,
+    StoreProgress,
+    StoreRecord,
+    lazy_candidates,
+)
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
 
@@ -40,6 +47,12 @@ class StorePlanner:
     def num_in_flight(self) -> int:
         return len(self._stores)
 
+    def progress(self, request_id: str) -> StoreProgress | None:
+        st = self._states.get(request_id)
+        if st is None:
+            return None
+        return StoreProgress(tuple(st.cursor), frozenset(st.lost), len(st.transfers), st.finished)
+
     # ---- planning ------------------------------------------------------------------------------
 
     def plan(self, requests: Iterable[Request]) -> list[Transfer]:
@@ -55,6 +68,14 @@ class StorePlanner:
                 if not st.finished:
                     out += self._plan_request(st)
         return out
+
+    def plan_before_prune(self, request: Request) -> list[Transfer]:
+        """Eager mode: stores of the request's settled, unstored blocks now, before its windows
+        drop them from the device table (lazy mode stores them near the device LRU head)."""
+        if not self.tier.enabled or self.tier.store_mode == "lazy":
+            return []
+        st = self._state(request)
+        return [] if st.finished else self._plan_request(st)
 
     def flush(self, request: Request, finished: bool) -> list[Transfer]:
         st = self._states.get(request.request_id)
@@ -156,6 +177,7 @@ class StorePlanner:
             accepted = self._limit(st, cands[:budget], count_skipped=False)
             for c in accepted:
                 st.lost.discard((c.group_id, c.position))
+                st.restored.add((c.group_id, c.position))
             budget -= len(accepted)
             tier.metrics.num_restored_blocks += len(accepted)
             out += self._launch(st, accepted, restore=True)
@@ -183,8 +205,8 @@ class StorePlanner:
         host_blocks, evicted = tier.host.allocate(len(cands))
         tier.metrics.num_evicted_blocks += len(evicted)
         tier.metrics.num_orphans_demoted = tier.host.num_orphans_demoted
-        for key in evicted:
-            self._on_evicted(key, notify=not restore)
+        for key in evicted:  # a re-store's own chain is not told (it chose what to evict)
+            self.on_evicted(key, notify=True, sparing=st if restore else None)
         device_blocks = [c.device_block for c in cands]
         tier.device.pool.touch(device_blocks)
         transfer = Transfer(
@@ -214,12 +236,15 @@ class StorePlanner:
         st.keys[key] = pos
         self._holders.setdefault(key, set()).add(st.request.request_id)
 
-    def _on_evicted(self, key: Key, notify: bool) -> None:
+    def on_evicted(self, key: Key, notify: bool, sparing: ReqState | None = None) -> None:
+        """The host dropped `key`: its holders forget it and, if `notify`, re-store it — all but
+        `sparing`, and none a position it re-stored before (at most once each: no thrash)."""
         for rid in self._holders.pop(key, ()):
             st = self._states[rid]
             pos = st.keys.pop(key)
-            if notify and not st.finished:
-                st.lost.add((key[0], pos))
+            where = (key[0], pos)
+            if notify and not st.finished and st is not sparing and where not in st.restored:
+                st.lost.add(where)
 
     def _maybe_drop(self, st: ReqState) -> None:
         if st.finished and not st.transfers:
@@ -249,7 +274,7 @@ class StorePlanner:
         self.tier.metrics.num_failed_stores += 1
         self._finish_store(store, publish=False)
         for c in store.cands:  # every request holding these keys re-stores them (rate-limited)
-            self._on_evicted(c.key, notify=True)
+            self.on_evicted(c.key, notify=True)
 
     def _finish_store(self, store: StoreRecord, publish: bool) -> None:
         tier, t = self.tier, store.transfer

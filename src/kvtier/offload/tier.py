@@ -13,13 +13,16 @@ Torch-free. The scheduler calls, per step:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from kvtier.kv.block import BlockId
 from kvtier.kv.coordinator import KVCacheCoordinator
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import FullAttention, KVSpec, Mamba
+from kvtier.kv.stats import PoolStats
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.loads import LoadPlanner
+from kvtier.offload.store_records import StoreProgress
 from kvtier.offload.stores import StorePlanner
 from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, Transfer
 from kvtier.sched.request import Request
@@ -106,6 +109,11 @@ class HostTier:
         """
         return self.loads.lookup(request, num_device_hit_tokens, max_external_tokens)
 
+    def record_lookup(self, request: Request) -> None:
+        """The request was admitted, or its load planned, with its last lookup: count that
+        lookup in `metrics` (once per admission, however often it was looked up)."""
+        self.loads.record_lookup(request.request_id)
+
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 
@@ -134,6 +142,13 @@ class HostTier:
         settled (it will look it up when it comes back); its cursor is kept."""
         return self.stores.flush(request, finished=False)
 
+    def store_before_prune(self, request: Request) -> list[Transfer]:
+        """The request's windows are about to drop blocks from its device table (a settled
+        prefill chunk longer than the window prunes in the same update): stores of its settled,
+        unstored blocks, planned now so window blocks reach the host tier too (they keep device
+        pins until stored). Call before pruning."""
+        return self.stores.plan_before_prune(request)
+
     def plan_stores(self, requests: Iterable[Request]) -> list[Transfer]:
         """Once per step: stores for `requests` (eager; the running ones), or of blocks near the
         device LRU head (lazy), then re-stores of evicted blocks, rate-limited."""
@@ -143,6 +158,24 @@ class HostTier:
     def has_pending_stores(self) -> bool:
         return self.stores.num_in_flight > 0
 
+    @property
+    def has_pending_transfers(self) -> bool:
+        """True while a load or a store is in flight: its completion must still be polled to
+        release its pins (a cancelled load's included: it still writes its destinations)."""
+        return self.loads.num_in_flight > 0 or self.stores.num_in_flight > 0
+
+    @property
+    def num_pending_loads(self) -> int:
+        return self.loads.num_in_flight
+
+    @property
+    def num_pending_stores(self) -> int:
+        return self.stores.num_in_flight
+
+    def store_progress(self, request_id: str) -> StoreProgress | None:
+        """How far the eager store of a request got (None: the tier keeps no state for it)."""
+        return self.stores.progress(request_id)
+
     # ---- completions ---------------------------------------------------------------------------
 
     def complete(self, transfer_ids: Iterable[int]) -> list[str]:
@@ -151,7 +184,7 @@ class HostTier:
         the device; the scheduler publishes their blocks (`device.cache_blocks`) and runs them."""
         loaded: list[str] = []
         for tid in transfer_ids:
-            if tid in self.loads._loads:
+            if self.loads.owns(tid):
                 rid = self.loads.complete(tid)
                 if rid is not None:
                     loaded.append(rid)
@@ -165,11 +198,21 @@ class HostTier:
         """A transfer failed (None: every block). A load rolls its request back to the last good
         block (recomputed later, same output) and says what to evict and whether to reallocate;
         a failed store is dropped and re-stored like an eviction (rate-limited)."""
-        load = self.loads._loads.get(transfer_id)
-        if load is None:
+        if not self.loads.owns(transfer_id):
             self.stores.fail(transfer_id)
             return None
-        return self.loads.fail(load, failed_device_block_ids)
+        return self.loads.fail(transfer_id, failed_device_block_ids)
+
+    def evict(self, keys: Iterable[Key]) -> int:
+        """Drop host entries known to be bad (e.g. a load from them failed; mutates). Requests
+        whose chain held them re-store them from their device copies (rate-limited). Returns
+        the number of entries dropped."""
+        dropped = 0
+        for key in keys:
+            if self.host.evict(key):
+                dropped += 1
+                self.stores.on_evicted(key, notify=True)
+        return dropped
 
     # ---- reset, pins, integrity ----------------------------------------------------------------
 
@@ -181,6 +224,22 @@ class HostTier:
             return False
         self.stores.forget_all()
         return self.host.reset()
+
+    def pool_stats(self) -> tuple[PoolStats, PoolStats]:
+        """Snapshots of the device and host pools with the references this tier's copies hold
+        (load pins: device destinations, host sources and pending hits; store pins: device
+        sources, host destinations). Changes nothing."""
+        device = replace(
+            self.device.pool.stats(),
+            num_load_pins=len(self.loads.device_blocks()),
+            num_store_pins=len(self.stores.pinned_device_blocks()),
+        )
+        host = replace(
+            self.host.pool.stats(),
+            num_load_pins=len(self.loads.pending_host_blocks()) + len(self.loads.host_blocks()),
+            num_store_pins=len(self.stores.host_blocks()),
+        )
+        return device, host
 
     def device_pins(self) -> dict[BlockId, int]:
         """Device block id -> references the tier holds (load destinations, store sources)."""

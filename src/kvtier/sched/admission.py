@@ -3,14 +3,13 @@ the half of the scheduler that turns waiting requests into running ones. Mixed i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.output import NewRequestData, PlannedTransfer, RunnerOutput
 from kvtier.sched.queues import RequestQueue
-from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
+from kvtier.sched.request import ReqId, Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvtier.sched.connector import KVConnector
@@ -29,8 +28,6 @@ class AdmissionMixin:
     max_num_seqs: int
     long_prefill_token_threshold: int
     _transfers: list[PlannedTransfer]
-
-    _record: Callable[[Request, int, int, int, bool], StepRecord]  # Scheduler's ledger append
 
     def _admit(
         self, seq: int, budget: int, num_scheduled: dict[ReqId, int], new_reqs: list[NewRequestData]
@@ -65,13 +62,15 @@ class AdmissionMixin:
                 waiting.prepend(request)  # capacity: wait (head of line keeps its place)
                 self._release_loaded_behind(request)
                 break
+            if not loaded:
+                self._record_lookup(request, num_hit)
             request.num_slot_tokens = self.lifetimes.num_slot_tokens(num_hit + n)
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit  # what the user is told was a prefix hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._record(request, seq, n, 0, num_hit + n == request.num_tokens)
+            request.schedule_step(seq, n, 0, num_hit + n == request.num_tokens)
             request.admit_seq = seq  # its prefix hits are final once this step is processed
             num_scheduled[request.request_id] = n
             new_reqs.append(
@@ -127,6 +126,7 @@ class AdmissionMixin:
         ):  # destinations for the loaded tokens; published only when the load completes
             connector.plan_load(request, 0)
             return None
+        self._record_lookup(request, num_hit)
         request.num_computed_tokens = num_hit + num_external
         transfer = connector.plan_load(request, num_external)  # WAITING_FOR_REMOTE_KVS now
         assert transfer is not None, "a host hit with room for it must plan a load"
@@ -134,6 +134,16 @@ class AdmissionMixin:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
         return True
+
+    def _record_lookup(self, request: Request, num_hit: int) -> None:
+        """Count the lookups this admission used, once (retries of a waiting request are not
+        admissions; a request counts again only after a preemption)."""
+        if request.lookup_counted:
+            return
+        request.lookup_counted = True
+        self.kv.record_lookup(request, num_hit, preempted=request.num_preemptions > 0)
+        if self.connector is not None:
+            self.connector.record_lookup(request)
 
     def _transfers_done(self, result: RunnerOutput) -> None:
         """Apply the copies the runner reports: loaded requests publish their blocks and become

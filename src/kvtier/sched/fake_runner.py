@@ -37,7 +37,8 @@ class _RunnerRequest:
 
 
 class FakeRunner:
-    """Executes a `SchedulerOutput` at once and returns its `RunnerOutput`.
+    """Executes a `SchedulerOutput` at once and returns its `RunnerOutput` (planned copies
+    between tiers are reported done in the same step; they carry no data here).
 
     `acceptance_rate=None` accepts a draft iff it equals the true token (placeholder drafts are
     proposed here by the same n-gram proposer); a float accepts each draft with that seeded chance.
@@ -81,11 +82,13 @@ class FakeRunner:
         for new in output.scheduled_new_reqs:
             tables = [list(ids) for ids in new.block_ids]
             state[new.req_id] = _RunnerRequest(list(new.token_ids), new.num_computed_tokens, tables)
+        lowest: dict[str, int] = {}  # declared starts of steps launched with drafts unverified
         for cached in output.scheduled_cached_reqs:
             st = state[cached.req_id]
             for table, ids in zip(st.tables, cached.new_block_ids, strict=True):
                 table.extend(ids)
             assert st.position <= cached.num_computed_tokens, "device ahead of the host"
+            lowest[cached.req_id] = cached.lowest_start
         sampled: dict[str, list[int]] = {}
         spec = output.scheduled_spec_decode_tokens
         for req_id, n in output.num_scheduled_tokens.items():
@@ -93,7 +96,9 @@ class FakeRunner:
             drafts = spec.get(req_id, [])
             start, num_real = st.position, n - len(drafts)
             if self.oracle is not None:
-                self.oracle.on_execute(output.step_seq, req_id, st.tables, start, start + n)
+                self.oracle.on_execute(
+                    output.step_seq, req_id, st.tables, start, start + n, lowest.get(req_id)
+                )
             end_real = start + num_real
             if end_real < len(st.token_ids):  # a prefill chunk: no sample
                 assert not drafts, "drafts on a prefill chunk"
@@ -101,7 +106,8 @@ class FakeRunner:
                 continue
             sampled[req_id] = self._sample(req_id, st, drafts)
             st.position = end_real + len(sampled[req_id]) - 1
-        return RunnerOutput(output.step_seq, sampled)
+        copies = [t.transfer_id for t in output.planned_transfers]  # they land within the step
+        return RunnerOutput(output.step_seq, sampled, finished_transfers=copies)
 
     def _sample(self, req_id: str, st: _RunnerRequest, drafts: list[int]) -> list[int]:
         if drafts and drafts[0] == -1:  # placeholders: propose here, on the device's tokens

@@ -45,13 +45,23 @@ class SettledLifetimes:
         """(token count to prune at, step stamp for the quarantine).
 
         A step launched while earlier drafts were unverified cannot know where it starts, so it
-        declares (and may gather) its window from the lowest start a rollback allows. While a
-        request has drafts in flight, pruned blocks are therefore stamped with its last step
-        (held by the quarantine until those steps are processed) instead of freed at once.
+        declares (and may gather) its window from the lowest start a rollback allows — below
+        the settled count once those drafts verify, even if it has no drafts of its own. Pruned
+        blocks are therefore stamped with the latest unprocessed step that declared a start below
+        the basis (held by the quarantine until it is processed); with none, freed at once.
         """
-        if request.ledger.num_draft_tokens:
-            return request.num_settled_tokens, request.last_sched_seq
-        return request.num_settled_tokens, processed_step_seq
+        basis = request.num_settled_tokens
+        stamp = processed_step_seq
+        for record in request.ledger.records:  # at most async_depth records
+            low = record.lowest_write
+            if low is not None and low < basis and record.step_seq > stamp:
+                stamp = record.step_seq
+        return basis, stamp
+
+    def prune_due(self, request: Request) -> bool:
+        """True if `prune` would call the KV manager now: a window crossed a block (no side
+        effects; it may still free nothing)."""
+        return self.has_windows and self.basis(request, 0)[0] >= request.prune_at
 
     def prune(self, request: Request, processed_step_seq: int) -> None:
         """Free blocks out of every window (mutates the table; calls the KV manager only when a

@@ -52,8 +52,8 @@ class RequestQueue(ABC):
         """Requests in scheduling order (read-only view)."""
 
     @abstractmethod
-    def pick_victim(self, running: Sequence[Request], start: int) -> int:
-        """Index in `running[start:]` (absolute) of the request to preempt first."""
+    def pick_victim(self, running: Sequence[Request]) -> int:
+        """Index in `running` (non-empty) of the request to preempt first."""
 
 
 class FCFSQueue(RequestQueue):
@@ -83,7 +83,7 @@ class FCFSQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return iter(self._q)
 
-    def pick_victim(self, running: Sequence[Request], start: int) -> int:
+    def pick_victim(self, running: Sequence[Request]) -> int:
         return len(running) - 1
 
 
@@ -130,8 +130,8 @@ class PriorityQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return iter(self._reqs)
 
-    def pick_victim(self, running: Sequence[Request], start: int) -> int:
-        return max(range(start, len(running)), key=lambda i: _rank(running[i]))
+    def pick_victim(self, running: Sequence[Request]) -> int:
+        return max(range(len(running)), key=lambda i: _rank(running[i]))
 
 
 def make_queue(policy: str) -> RequestQueue:

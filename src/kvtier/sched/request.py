@@ -82,7 +82,7 @@ class StepLedger:
     """FIFO of a request's unprocessed steps with running sums derived from the records.
 
     INVARIANT: each sum equals the sum over `records` of its field (stale ones excluded where
-    named `live`); only `append`, `consume` and `mark_stale` change records or sums.
+    named `live`); only `append`, `retract`, `consume` and `mark_stale` change records or sums.
     """
 
     __slots__ = (
@@ -134,6 +134,19 @@ class StepLedger:
             self.num_pending_samples -= record.num_placeholders > 0
         return record
 
+    def retract(self, step_seq: int) -> None:
+        """Drop the record of `step_seq`, the newest, appended by a step not yet emitted (a
+        preemption victim taken back from the step being built; mutates)."""
+        record = self.records.pop()
+        assert record.step_seq == step_seq and not record.stale, "retract the newest live record"
+        n = record.num_scheduled_tokens
+        self.num_in_flight_tokens -= n
+        self.num_draft_tokens -= record.num_draft_tokens
+        self.num_live_in_flight_tokens -= n
+        self.num_placeholders -= record.num_placeholders
+        self.num_pending_samples -= record.num_placeholders > 0
+        self.num_scheduled_tokens -= n
+
     def mark_stale(self) -> None:
         """Preemption: outstanding records no longer belong to the request's new incarnation."""
         for record in self.records:
@@ -183,6 +196,7 @@ class Request(KVSequence):
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admit_seq = 0  # the step that (re)admitted it; hit blocks may be written up to it
+        self.lookup_counted = False  # its prefix lookup is in the stats (reset on preemption)
         # Scheduler memo of its last KV calls for this table (reset when the table is dropped):
         self.prune_at = 0  # the next token count at which pruning can free a block
         self.num_slot_tokens = 0  # positions every group's table already covers
@@ -231,6 +245,20 @@ class Request(KVSequence):
         room_out = self.sampling.max_tokens - self.num_output_tokens - num_pending - 1
         room_len = max_model_len - self.num_tokens - self.ledger.num_placeholders - 1
         return max(0, min(k, room_out, room_len))
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def schedule_step(self, step_seq: int, n: int, num_drafts: int, samples: bool) -> StepRecord:
+        """Append the ledger record of step `step_seq` computing `n` tokens (`num_drafts` of them
+        drafts; `samples`: it delivers tokens) and advance the optimistic count (mutates)."""
+        unverified = self.ledger.num_draft_tokens
+        lowest = max(0, self.num_computed_tokens - unverified) if unverified else None
+        num_placeholders = 1 + num_drafts if samples else 0
+        record = StepRecord(step_seq, n, num_drafts, num_placeholders, lowest_write=lowest)
+        self.ledger.append(record)
+        self.num_computed_tokens += n
+        self.last_sched_seq = step_seq
+        return record
 
     # ---- token delivery ------------------------------------------------------------------------
 

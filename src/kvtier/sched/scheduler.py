@@ -14,7 +14,6 @@ from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
-    CachedRequestData,
     NewRequestData,
     PlannedTransfer,
     RequestOutput,
@@ -22,7 +21,8 @@ from kvtier.sched.output import (
     SchedulerOutput,
 )
 from kvtier.sched.queues import make_queue
-from kvtier.sched.request import ReqId, Request, RequestStatus, StepRecord
+from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
@@ -147,10 +147,10 @@ class Scheduler(AdmissionMixin):
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs, or the connector still has copies to report
-        (finished requests may still drain ledgers)."""
+        (a load of a request aborted while loading pins blocks until it is reported)."""
         if self.running or len(self.waiting) > 0:
             return True
-        return self.connector is not None and self.connector.has_pending_stores
+        return self.connector is not None and self.connector.has_pending_transfers
 
     @property
     def num_unprocessed_steps(self) -> int:
@@ -172,10 +172,11 @@ class Scheduler(AdmissionMixin):
     def schedule(self) -> SchedulerOutput:
         """Build the next step (mutates: counters, ledgers, block tables, queues).
 
-        Running requests first, in order, preempting from the back when blocks run out (a request
-        that would preempt itself while its own steps are in flight waits instead); waiting
-        requests only in a step where every running request got its blocks. RuntimeError if
-        `async_depth` steps are already unprocessed.
+        Running requests first, in order, preempting the policy's victim when blocks run out
+        (a request waits instead when the steps in flight will return enough blocks, or when it
+        would preempt itself while its own steps are in flight); waiting requests only in a step
+        where every running request got its blocks. RuntimeError if `async_depth` steps are
+        already unprocessed.
         """
         if not self.can_schedule():
             raise RuntimeError(
@@ -183,36 +184,31 @@ class Scheduler(AdmissionMixin):
                 f"{self.async_depth}); call update() for step {self.processed_step_seq + 1} first"
             )
         seq = self.sched_step_seq + 1
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[ReqId, int] = {}
-        spec_tokens: dict[ReqId, list[int]] = {}
-        cached: list[CachedRequestData] = []
-        preempted: list[ReqId] = []
+        step = StepBuild(seq, self.max_num_batched_tokens)
         running = self.running
         blocked = False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and step.budget > 0:
             request = running[i]
-            n, drafts, samples = self._running_tokens(request, budget)
+            n, drafts, samples = self._running_tokens(request, step.budget)
             if n == 0:
                 i += 1
                 continue
-            self.lifetimes.prune(request, self.processed_step_seq)
-            blocks = self._allocate_or_preempt(request, n, i, preempted)
+            self._prune(request, self.processed_step_seq)
+            num_preempted = len(step.preempted)
+            blocks = self._allocate_or_preempt(request, n, step)
             if blocks is None:
                 blocked = True  # it waits or preempted itself: nothing later can fit either
                 break
-            record = self._record(request, seq, n, len(drafts), samples)
-            num_scheduled[request.request_id] = n
-            if drafts:
-                spec_tokens[request.request_id] = drafts
-            start = request.num_computed_tokens - n
-            lowest = start if record.lowest_write is None else record.lowest_write
-            cached.append(CachedRequestData(request.request_id, blocks, start, lowest))
-            budget -= n
+            if len(step.preempted) > num_preempted:  # victims may sit before it in the list
+                i = running.index(request)
+            step.add(
+                request, n, drafts, blocks, request.schedule_step(seq, n, len(drafts), samples)
+            )
             i += 1
+        num_scheduled, budget = step.num_scheduled, step.budget
         new_reqs: list[NewRequestData] = []
-        if not preempted and not blocked:
+        if not step.preempted and not blocked:
             budget = self._admit(seq, budget, num_scheduled, new_reqs)
         self.sched_step_seq = seq
         self.num_in_flight_tokens += self.max_num_batched_tokens - budget
@@ -223,11 +219,11 @@ class Scheduler(AdmissionMixin):
         return SchedulerOutput(
             step_seq=seq,
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
+            scheduled_cached_reqs=step.cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            scheduled_spec_decode_tokens=spec_tokens,
-            preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            preempted_req_ids=step.preempted,
             finished_req_ids=finished,
             planned_transfers=transfers,
         )
@@ -256,47 +252,43 @@ class Scheduler(AdmissionMixin):
             num_new = self.long_prefill_token_threshold
         return num_new, drafts, request.num_computed_tokens + num_new == target
 
-    def _allocate_or_preempt(
-        self, request: Request, n: int, index: int, preempted: list[ReqId]
-    ) -> BlockIds | None:
+    def _allocate_or_preempt(self, request: Request, n: int, step: StepBuild) -> BlockIds | None:
         """Ids appended to each group's table (null id 0 where a position is skipped) for `n`
-        more tokens, preempting from the back until they fit.
+        more tokens, preempting until they fit; None if the request waits or was preempted.
 
-        None if the request itself was preempted, or waits because its own steps are in flight.
+        A victim's blocks free nothing now under async scheduling, so before each preemption the
+        blocks the steps in flight return (the quarantine's, earlier victims' included, and those
+        of requests they end by length) are counted: if they cover the shortfall, wait for them.
+        The victim is the policy's choice among every running request; one already scheduled in
+        this step is taken back first.
         """
-        running = self.running
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
             return tuple([] for _ in self.lifetimes.block_sizes)
         req_id = request.request_id
-        before = [len(table) for table in self.kv.get_blocks(req_id)]
+        kv, running = self.kv, self.running
+        before = [len(table) for table in kv.get_blocks(req_id)]
         while True:
-            if self.kv.allocate_slots(request, n) is not None:
+            if kv.allocate_slots(request, n) is not None:
                 request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
-                tables = self.kv.get_blocks(req_id)
+                tables = kv.get_blocks(req_id)
                 return tuple(
                     [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
                 )
-            v = self.waiting.pick_victim(running, index)
-            if running[v] is request and request.ledger.num_live_in_flight_tokens:
+            ending = [r.request_id for r in running if r.reaches_max_tokens(self.max_model_len)]
+            if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(ending):
+                return None  # the steps in flight will return enough: wait for them
+            v = self.waiting.pick_victim(running)
+            victim = running[v]
+            if victim is request and request.ledger.num_live_in_flight_tokens:
                 return None  # its own steps will settle and free window blocks: wait, don't drop
-            victim = running.pop(v)
+            running.pop(v)
+            if victim.request_id in step.num_scheduled:
+                step.take_back(victim, self.processed_step_seq)
             self._preempt(victim)
-            preempted.append(victim.request_id)
+            step.preempted.append(victim.request_id)
             if victim is request:
                 return None
-
-    def _record(
-        self, request: Request, seq: int, n: int, num_drafts: int, samples: bool
-    ) -> StepRecord:
-        unverified = request.ledger.num_draft_tokens
-        lowest = max(0, request.num_computed_tokens - unverified) if unverified else None
-        samples_n = 1 + num_drafts if samples else 0
-        record = StepRecord(seq, n, num_drafts, samples_n, lowest_write=lowest)
-        request.ledger.append(record)
-        request.num_computed_tokens += n
-        request.last_sched_seq = seq
-        return record
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
@@ -306,6 +298,7 @@ class Scheduler(AdmissionMixin):
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.lookup_counted = False  # its re-admission is counted again (as preempted)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -366,10 +359,16 @@ class Scheduler(AdmissionMixin):
                 )
             if status is running_status:
                 self.lifetimes.cache(request)
-                self.lifetimes.prune(request, seq)  # return blocks once the step settles
+                self._prune(request, seq)  # return blocks once the step settles
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
+
+    def _prune(self, request: Request, processed_step_seq: int) -> None:
+        """Prune the request's windows, storing first what they are about to drop (mutates)."""
+        if self.connector is not None and self.lifetimes.prune_due(request):
+            self._transfers += [t.planned() for t in self.connector.store_before_prune(request)]
+        self.lifetimes.prune(request, processed_step_seq)
 
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""

@@ -1,0 +1,79 @@
+"""`EngineStats`: a frozen snapshot of one engine's requests, steps, copies and KV pools
+(`EngineCore.stats()`), built only from public methods of the scheduler, the KV manager, the host
+tier and the transfer engine. Torch-free; it never holds a reference to live state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvtier.kv.manager import KVCacheManager, PrefixCacheStats
+from kvtier.kv.stats import PoolStats
+from kvtier.offload import HostTier, HostTierMetrics
+from kvtier.sched.request import RequestStatus
+from kvtier.sched.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine holds at one moment. `is_idle` is the one call for "nothing left behind"."""
+
+    device: PoolStats  # the device pool, with the pins of copies in flight
+    host: PoolStats | None  # the host tier's pool (None without a host tier)
+    num_waiting: int  # queued requests not loading (preempted ones included)
+    num_loading: int  # requests waiting for their host → device load
+    num_running: int
+    num_steps: int  # steps scheduled so far
+    num_steps_in_flight: int  # scheduled, not yet processed
+    num_pending_loads: int  # load transfers not yet completed (cancelled ones included)
+    num_pending_stores: int  # store transfers not yet completed
+    num_pending_copies: int  # copies launched on the device and not yet reported
+    num_preemptions: int
+    prefix_cache: PrefixCacheStats  # device prefix cache, counted once per admission
+    host_metrics: HostTierMetrics | None  # counters of the host tier (a copy)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.num_waiting + self.num_loading + self.num_running
+
+    @property
+    def is_idle(self) -> bool:
+        """No request, step or copy in flight, and no block referenced on any tier: every block
+        is free or an unreferenced prefix-cache entry (what a drained engine must look like)."""
+        return (
+            self.num_unfinished_requests == 0
+            and self.num_steps_in_flight == 0
+            and self.num_pending_loads == 0
+            and self.num_pending_stores == 0
+            and self.num_pending_copies == 0
+            and self.device.is_idle
+            and (self.host is None or self.host.is_idle)
+        )
+
+
+def collect_stats(
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    host_tier: HostTier | None,
+    num_pending_copies: int,
+) -> EngineStats:
+    """Build an `EngineStats` (reads only)."""
+    num_loading = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.waiting)
+    if host_tier is not None:
+        device, host = host_tier.pool_stats()
+    else:
+        device, host = kv.pool.stats(), None
+    return EngineStats(
+        device=device,
+        host=host,
+        num_waiting=len(scheduler.waiting) - num_loading,
+        num_loading=num_loading,
+        num_running=len(scheduler.running),
+        num_steps=scheduler.sched_step_seq,
+        num_steps_in_flight=scheduler.num_unprocessed_steps,
+        num_pending_loads=0 if host_tier is None else host_tier.num_pending_loads,
+        num_pending_stores=0 if host_tier is None else host_tier.num_pending_stores,
+        num_pending_copies=num_pending_copies,
+        num_preemptions=scheduler.num_preemptions,
+        prefix_cache=replace(kv.stats),
+        host_metrics=None if host_tier is None else replace(host_tier.metrics),
+    )

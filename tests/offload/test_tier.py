@@ -61,7 +61,8 @@ def test_failed_load_rolls_back_to_the_device_hit_and_reports_bad_blocks():
     failure = t.fail(load.transfer_id)
     assert failure is not None and failure.num_good_tokens == 0 and not failure.must_reallocate
     assert failure.evict_device_block_ids == load.dst_block_ids
-    assert q.num_computed_tokens == 0 and q.status is RequestStatus.WAITING
+    # a decision only: the scheduler rolls the request back (the tier never writes it)
+    assert q.num_computed_tokens == 48 and q.status is RequestStatus.WAITING
     assert not t.device_pins() and t.metrics.num_failed_loads == 1
     check(dev, t)
 
@@ -77,7 +78,7 @@ def test_partially_failed_load_keeps_the_good_prefix():
     failure = t.fail(load.transfer_id, [load.dst_block_ids[2]])
     assert failure is not None and failure.num_good_tokens == 32
     assert failure.evict_device_block_ids == [load.dst_block_ids[2]]
-    assert q.num_computed_tokens == 32
+    assert q.num_computed_tokens == 48  # unchanged: the scheduler applies the rollback
     check(dev, t)
 
 
@@ -88,9 +89,10 @@ def test_failed_load_with_a_window_group_asks_for_reallocation():
     _stored(dev, t, toks)
     q = request(dev, "Q", toks)
     load = admit_with_load(dev, t, q)
-    assert load is not None
+    assert load is not None and q.num_computed_tokens == 48
     failure = t.fail(load.transfer_id)
-    assert failure is not None and failure.must_reallocate and q.num_computed_tokens == 0
+    assert failure is not None and failure.must_reallocate and failure.num_good_tokens == 0
+    assert q.num_computed_tokens == 48  # unchanged: the scheduler frees and re-admits it
     check(dev, t)
 
 

@@ -61,7 +61,7 @@ def collect_stats(
     if host_tier is not None:
         device, host = host_tier.pool_stats()
     else:
-        device, host = kv.pool.stats(), None
+        device, host = kv.pool_stats(), None
     return EngineStats(
         device=device,
         host=host,

@@ -6,16 +6,17 @@ admission, caching bounds. Never decides which request runs; never reads a clock
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.kv.block import BlockHash, BlockId, KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
 from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concurrency
+from kvtier.kv.stats import PoolStats
 
 
 @dataclass(slots=True)
@@ -224,7 +225,48 @@ class KVCacheManager:
         """Steps up to `processed_step_seq` are processed; returns references released."""
         return self.pool.release_quarantine(processed_step_seq)
 
+    # ---- pins: references held by copies between tiers ------------------------------------------
+
+    def pin(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one reference on each block for a holder outside the tables (a copy in flight;
+        mutates). A pinned block is never reallocated; `unpin` drops the reference."""
+        self.pool.touch(blocks)
+
+    def unpin(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the references `pin` took (at once: the copy that held them has ended)."""
+        self.pool.free(blocks)
+
+    def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop these blocks from the prefix cache (their content is bad, e.g. a failed load);
+        holders keep them, but no lookup finds them again (mutates)."""
+        self.pool.evict_blocks(block_ids)
+
     # ---- views ---------------------------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request holds a block table here."""
+        return self.coordinator.has_request(request_id)
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> KVBlock | None:
+        """The block caching `block_hash` in group `group_id`, if any (touches nothing)."""
+        return self.pool.get_cached_block(group_id, block_hash)
+
+    def eviction_order(self) -> Iterator[KVBlock]:
+        """Free blocks, the next to be reused first (read-only; do not allocate meanwhile)."""
+        return iter(self.pool.free_queue)
+
+    def pool_stats(self) -> PoolStats:
+        """A snapshot of the pool (`BlockPool.stats`). Changes nothing."""
+        return self.pool.stats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
+        return self.pool.num_blocks
+
+    @property
+    def enable_quarantine(self) -> bool:
+        return self.pool.enable_quarantine
 
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return self.coordinator.get_blocks(request_id)

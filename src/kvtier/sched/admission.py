@@ -12,7 +12,7 @@ from kvtier.sched.queues import RequestQueue
 from kvtier.sched.request import ReqId, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from kvtier.sched.connector import KVConnector
+    from kvtier.sched.connector import KVTier
     from kvtier.sched.lifetimes import SettledLifetimes
 
 
@@ -24,7 +24,7 @@ class AdmissionMixin:
     running: list[Request]
     requests: dict[ReqId, Request]
     lifetimes: SettledLifetimes
-    connector: KVConnector | None
+    connector: KVTier | None
     max_num_seqs: int
     long_prefill_token_threshold: int
     _transfers: list[PlannedTransfer]
@@ -40,7 +40,7 @@ class AdmissionMixin:
             if request.ledger.records or request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(request)  # a stale step of its last incarnation is still in flight
                 continue
-            loaded = kv.coordinator.has_request(request.request_id)  # its host load completed
+            loaded = kv.has_request(request.request_id)  # its host load completed
             if loaded:
                 num_hit = request.num_computed_tokens
             elif not request.sampling.skip_reading_prefix_cache:  # prompt logprobs: compute all
@@ -100,7 +100,7 @@ class AdmissionMixin:
                 request is head
                 or request.status is not RequestStatus.WAITING
                 or request.ledger.records
-                or not self.kv.coordinator.has_request(rid)
+                or not self.kv.has_request(rid)
             ):
                 continue
             if self.connector is not None:  # store what is settled first, as on preemption
@@ -128,8 +128,9 @@ class AdmissionMixin:
             return None
         self._record_lookup(request, num_hit)
         request.num_computed_tokens = num_hit + num_external
-        transfer = connector.plan_load(request, num_external)  # WAITING_FOR_REMOTE_KVS now
+        transfer = connector.plan_load(request, num_external)
         assert transfer is not None, "a host hit with room for it must plan a load"
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS  # until `complete` names it
         self._transfers.append(transfer.planned())
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
@@ -152,15 +153,17 @@ class AdmissionMixin:
         for req_id in self.connector.complete(result.finished_transfers):
             request = self.requests.get(req_id)
             if request is not None:
+                request.status = RequestStatus.WAITING  # admissible from the loaded boundary
                 self.kv.cache_blocks(request, request.num_computed_tokens)
         for tid in result.failed_transfers:
             failure = self.connector.fail(tid)
             if failure is None or failure.req_id not in self.requests:
                 continue
             request = self.requests[failure.req_id]
-            self.kv.pool.evict_blocks(failure.evict_device_block_ids)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = failure.num_good_tokens
+            self.kv.evict_blocks(failure.evict_device_block_ids)
             if failure.must_reallocate:  # a window table cannot roll back in place: start over
                 self.lifetimes.free(request)
-                request.num_computed_tokens = 0
             else:
                 self.kv.cache_blocks(request, failure.num_good_tokens)

@@ -26,7 +26,7 @@ from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
-    from kvtier.sched.connector import KVConnector
+    from kvtier.sched.connector import KVTier
 
 MAX_ASYNC_DEPTH = 3
 
@@ -51,7 +51,7 @@ class Scheduler(AdmissionMixin):
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
         settled: bool = True,
-        connector: KVConnector | None = None,
+        connector: KVTier | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be ≥ 1, got {max_num_seqs}")
@@ -114,7 +114,7 @@ class Scheduler(AdmissionMixin):
                 f"output within max_model_len={self.max_model_len}; shorten it or raise the limit"
             )
         num_tokens = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
-        if self.kv.blocks_for_requests(1, num_tokens) > self.kv.pool.num_blocks - 1:
+        if self.kv.blocks_for_requests(1, num_tokens) > self.kv.num_blocks - 1:
             raise ValueError(
                 f"request {req_id!r} needs more KV blocks than the pool holds at {num_tokens} "
                 f"tokens; lower max_tokens or add KV blocks"
@@ -161,7 +161,7 @@ class Scheduler(AdmissionMixin):
     def protections(self) -> dict[str, bool]:
         """The block-lifetime protections in force here (architecture.md §Protections; the third,
         `event`, is the runner's)."""
-        return {"settled": self.settled, "quarantine": self.kv.pool.enable_quarantine}
+        return {"settled": self.settled, "quarantine": self.kv.enable_quarantine}
 
     def can_schedule(self) -> bool:
         """True if another step may be scheduled before the oldest one is processed."""
@@ -379,7 +379,7 @@ class Scheduler(AdmissionMixin):
             self.lifetimes.free(request)
         else:
             self.waiting.remove(request)
-            if self.kv.coordinator.has_request(request.request_id):  # loading or loaded
+            if self.kv.has_request(request.request_id):  # loading or loaded
                 self.lifetimes.free(request)
         request.status = reason
         request.ledger.mark_stale()  # outputs of steps still in flight are dropped

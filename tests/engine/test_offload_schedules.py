@@ -209,7 +209,7 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
     c["load waits"] += m.num_load_waits
     c["lazy seeds with loads"] += case.store_mode == "lazy" and m.num_loaded_blocks > 0
     c["preemptions"] += stats.num_preemptions
-    c["rejected drafts"] += engine.runner.num_draft_tokens - engine.runner.num_accepted_tokens
+    c["rejected drafts"] += stats.num_draft_tokens - stats.num_accepted_tokens
     c["aborted"] += sum(engine.requests[r].finish_reason == "abort" for r in aborted)
     c["steps"] += step
 

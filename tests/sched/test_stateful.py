@@ -20,12 +20,12 @@ from hypothesis.stateful import (
 )
 
 from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
+from kvtier.sampling import StopConditions
 from kvtier.sched import (
     AccessOracle,
     FakeRunner,
     Request,
     RunnerOutput,
-    SamplingParams,
     Scheduler,
     SchedulerOutput,
 )
@@ -127,7 +127,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         req_id = f"r{self.num_ids}"
         prompt = (SHARED if shared else []) + [1000 * self.num_ids + j for j in range(prompt_len)]
         stops = (pattern_token(req_id, len(prompt) + 2),) if stop else ()
-        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, use_ngram=ngram)
+        sp = StopConditions(max_tokens=max_tokens, stop_token_ids=stops, use_ngram=ngram)
         try:
             self.s.add_request(Request(req_id, prompt, sp, priority=priority))
         except ValueError as e:  # a request that could never fit this pool is refused up front

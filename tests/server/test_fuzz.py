@@ -354,7 +354,7 @@ def test_http_api_fuzz(fuzz_server: ServerHandle) -> None:
     wait_until(lambda: handle.engine.call(lambda e: e.kv.pool.num_quarantined_refs) == 0)
     handle.engine.call(lambda e: e.check_integrity())
     assert handle.engine.call(lambda e: e.kv.usage) == 0.0
-    assert handle.engine.call(lambda e: len(e.runner.params)) == 0
+    assert handle.engine.call(lambda e: len(e.requests)) == 0
     after = _greedy(handle)
     assert after[0] == 200
     assert after[1]["choices"] == before[1]["choices"], (before, after)

@@ -46,7 +46,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerHandle) -> 
     def check(engine: object) -> tuple[float, int, int]:
         e = engine  # type: ignore[assignment]
         e.kv.check_integrity()  # type: ignore[attr-defined]
-        return e.kv.usage, e.kv.pool.num_quarantined_refs, len(e.runner.params)  # type: ignore[attr-defined]
+        return e.kv.usage, e.kv.pool.num_quarantined_refs, len(e.requests)  # type: ignore[attr-defined]
 
     wait_until(lambda: server.engine.call(check)[1] == 0)  # quarantine drains at the next step
     usage, _, num_params = server.engine.call(check)

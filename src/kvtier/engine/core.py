@@ -18,10 +18,9 @@ from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
-from kvtier.runner.logprobs import PromptLogprobs, TokenLogprobs
 from kvtier.runner.transfers import TransferFaults
 from kvtier.sched.batch_queue import BatchQueue
-from kvtier.sched.output import SchedulerOutput
+from kvtier.sched.output import PromptLogprobs, SchedulerOutput, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
@@ -154,6 +153,8 @@ class EngineCore:
             logprobs_mode=args.logprobs_mode,
         )
         self.requests: dict[str, RequestState] = {}
+        self.num_draft_tokens = 0  # drafts verified, over every step processed
+        self.num_accepted_tokens = 0
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
 
     def _plan(self, dtype_name: str) -> KVPlan:
@@ -205,10 +206,10 @@ class EngineCore:
         """Queue a request; TypeError / ValueError (nothing queued) if it can never run here."""
         prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
         use_ngram = self.args.num_speculative_tokens > 0
-        stop = params.stop_params(self.eos_token_id, use_ngram)
-        request = Request(req_id, prompt_token_ids, stop, priority=int(priority))
+        stop = params.stop_conditions(self.eos_token_id, use_ngram)
+        draw = params.draw_params()
+        request = Request(req_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
-        self.runner.add_request(req_id, params.draw_params(), params.prompt_logprobs)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             params.stop_strings,
@@ -228,7 +229,6 @@ class EngineCore:
         if state is None or state.finish_reason is not None:
             return False
         self.scheduler.abort(req_id)
-        self.runner.remove_request(req_id)
         state.finish_reason = "abort"
         return True
 
@@ -257,8 +257,10 @@ class EngineCore:
 
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)
-        logprobs = self.runner.logprobs(handle)
-        for req_id, chunk in self.runner.prompt_logprobs(handle).items():
+        self.num_draft_tokens += result.num_draft_tokens
+        self.num_accepted_tokens += result.num_accepted_tokens
+        logprobs = result.logprobs
+        for req_id, chunk in result.prompt_logprobs.items():
             state = self.requests.get(req_id)
             if state is not None and state.finish_reason is None:
                 state.add_prompt_logprobs(chunk)
@@ -279,8 +281,6 @@ class EngineCore:
             if finished:
                 new_text += state.detok.flush()
             outs.append(StepOutput(out.req_id, kept, new_text, finished))
-            if finished:
-                self.runner.remove_request(out.req_id)
         if self.args.check_integrity:
             self.check_integrity()
         return outs
@@ -337,7 +337,12 @@ class EngineCore:
         used, cached, quarantined by release step, pinned by loads and stores) and the counters.
         `stats().is_idle` holds once a drained engine left nothing behind. Changes nothing."""
         return collect_stats(
-            self.scheduler, self.kv, self.host_tier, self.runner.transfers.num_pending
+            self.scheduler,
+            self.kv,
+            self.host_tier,
+            self.runner.transfers.num_pending,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:

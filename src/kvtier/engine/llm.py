@@ -9,7 +9,7 @@ from typing import Any
 from kvtier.checks import show
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
-from kvtier.runner.logprobs import TokenLogprobs
+from kvtier.sched.output import TokenLogprobs
 
 PromptType = str | dict[str, Any]
 

@@ -1,5 +1,6 @@
-"""User-facing `SamplingParams` (vLLM's names) and `EngineArgs`; both split into the narrower
-parameter sets of the scheduler (stop conditions) and the sampler (how to draw)."""
+"""User-facing `SamplingParams` (vLLM's names) and `EngineArgs`. A request's `SamplingParams`
+splits into the narrower sets of `kvtier.sampling`: `StopConditions` for the scheduler and
+`DrawParams` for the runner and its sampler."""
 
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from kvtier.config import (
     flag,
     parse_protect,
 )
-from kvtier.model.sampler import LOGPROBS_MODES
-from kvtier.model.sampler import SamplingParams as DrawParams
+from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions
 from kvtier.sched.queues import POLICIES
-from kvtier.sched.request import SamplingParams as StopParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
 
@@ -53,11 +52,12 @@ class SamplingParams:
         put = object.__setattr__
         if self.stop_token_ids is not None:
             put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids))
-        stop = self.stop_params(None, False)  # checks max_tokens, min_tokens
-        draw = self.draw_params()  # checks temperature, top_p, top_k, min_p, seed, logprobs
+        stop = self.stop_conditions(None, False)  # checks max_tokens, min_tokens
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+        draw = DrawParams(**{name: getattr(self, name) for name in names})  # checks them
         for name in ("max_tokens", "min_tokens"):
             put(self, name, getattr(stop, name))
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+        for name in names:
             put(self, name, getattr(draw, name))
         if self.stop is not None:
             strs = check_strs("stop", self.stop)
@@ -73,6 +73,7 @@ class SamplingParams:
         return check_strs("stop", self.stop)
 
     def draw_params(self) -> DrawParams:
+        """How the sampler draws this request's tokens, which logprobs come back."""
         return DrawParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -80,10 +81,12 @@ class SamplingParams:
             min_p=self.min_p,
             seed=self.seed,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
-    def stop_params(self, eos_token_id: int | None, use_ngram: bool) -> StopParams:
-        return StopParams(
+    def stop_conditions(self, eos_token_id: int | None, use_ngram: bool) -> StopConditions:
+        """When the scheduler ends this request (with the model's EOS), whether it drafts."""
+        return StopConditions(
             max_tokens=self.max_tokens,
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -28,6 +28,8 @@ class EngineStats:
     num_pending_stores: int  # store transfers not yet completed
     num_pending_copies: int  # copies launched on the device and not yet reported
     num_preemptions: int
+    num_draft_tokens: int  # n-gram drafts verified so far
+    num_accepted_tokens: int  # of which accepted
     prefix_cache: PrefixCacheStats  # device prefix cache, counted once per admission
     host_metrics: HostTierMetrics | None  # counters of the host tier (a copy)
 
@@ -55,6 +57,8 @@ def collect_stats(
     kv: KVCacheManager,
     host_tier: HostTier | None,
     num_pending_copies: int,
+    num_draft_tokens: int = 0,
+    num_accepted_tokens: int = 0,
 ) -> EngineStats:
     """Build an `EngineStats` (reads only)."""
     num_loading = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.waiting)
@@ -74,6 +78,8 @@ def collect_stats(
         num_pending_stores=0 if host_tier is None else host_tier.num_pending_stores,
         num_pending_copies=num_pending_copies,
         num_preemptions=scheduler.num_preemptions,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_tokens=num_accepted_tokens,
         prefix_cache=replace(kv.stats),
         host_metrics=None if host_tier is None else replace(host_tier.metrics),
     )

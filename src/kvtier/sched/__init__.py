@@ -13,7 +13,7 @@ from kvtier.sched.output import (
     SchedulerOutput,
 )
 from kvtier.sched.queues import FCFSQueue, PriorityQueue, RequestQueue, make_queue
-from kvtier.sched.request import Request, RequestStatus, SamplingParams, StepLedger, StepRecord
+from kvtier.sched.request import Request, RequestStatus, StepLedger, StepRecord
 from kvtier.sched.scheduler import Scheduler
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "RequestQueue",
     "RequestStatus",
     "RunnerOutput",
-    "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
     "SettledLifetimes",

@@ -43,7 +43,7 @@ class AdmissionMixin:
             loaded = kv.has_request(request.request_id)  # its host load completed
             if loaded:
                 num_hit = request.num_computed_tokens
-            elif not request.sampling.skip_reading_prefix_cache:  # prompt logprobs: compute all
+            elif not request.stop.skip_reading_prefix_cache:  # prompt logprobs: compute all
                 hits, num_hit = kv.get_computed_blocks(request)
                 parked = self._try_load(request, num_hit, hits)
                 if parked is None:
@@ -78,7 +78,8 @@ class AdmissionMixin:
                     request.request_id,
                     list(request.all_token_ids),
                     request.num_prompt_tokens,
-                    request.sampling,
+                    request.stop,
+                    request.draw,
                     kv.get_block_ids(request.request_id),
                     num_hit,
                 )

@@ -113,7 +113,7 @@ class Scheduler(AdmissionMixin):
                 f"request {req_id!r}: prompt of {request.num_tokens} tokens leaves no room for "
                 f"output within max_model_len={self.max_model_len}; shorten it or raise the limit"
             )
-        num_tokens = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
+        num_tokens = min(request.num_tokens + request.stop.max_tokens, self.max_model_len)
         if self.kv.blocks_for_requests(1, num_tokens) > self.kv.num_blocks - 1:
             raise ValueError(
                 f"request {req_id!r} needs more KV blocks than the pool holds at {num_tokens} "
@@ -237,7 +237,7 @@ class Scheduler(AdmissionMixin):
         if num_new <= 0:
             return 0, _NO_DRAFTS, False
         drafts = _NO_DRAFTS
-        if num_new == 1 and self.proposer is not None and request.sampling.use_ngram:
+        if num_new == 1 and self.proposer is not None and request.stop.use_ngram:
             k = min(
                 request.max_new_drafts(self.num_speculative_tokens, self.max_model_len), budget - 1
             )

@@ -209,7 +209,8 @@ def test_external_tokens_past_the_window_allocate_only_in_window_blocks():
     m = manager(20, [FullAttention(BS), SlidingWindow(BS, 32)])
     seq = m.new_sequence("a", fresh_tokens(100))
     new = m.allocate_slots(seq, 4, num_external_computed_tokens=96)
-    assert new is not None and [len(g) for g in new] == [7, 3]  # window: skipped(96) = 65 → 4 null
+    assert new is not None and [len(g) for g in new] == [7, 7]  # window: skipped(96) = 65 → 4 null
+    assert [b.is_null for b in new[1]] == [b.is_null for b in m.get_blocks("a")[1]]
     assert [b.is_null for b in m.get_blocks("a")[1]] == [True] * 4 + [False] * 3
     m.check_integrity()
 

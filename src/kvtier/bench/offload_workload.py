@@ -17,8 +17,6 @@ from kvtier.bench.serve_data import Conversation, Prompt
 if TYPE_CHECKING:
     from kvtier.device.sim import SimDevice
     from kvtier.engine.core import EngineCore
-    from kvtier.offload.types import Transfer
-    from kvtier.sched.request import Request
 
 
 @dataclass(frozen=True)
@@ -122,19 +120,6 @@ def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
     from kvtier.engine import SamplingParams
 
     device = sim_device(engine)
-    host_hits: dict[str, int] = {}
-    tier = engine.host_tier
-    if tier is not None:  # which admitted prefix hits came from the host tier (per request)
-        plan_load = tier.plan_load
-
-        def counted_plan_load(request: Request, num_external_tokens: int) -> Transfer | None:
-            transfer = plan_load(request, num_external_tokens)
-            if transfer is not None and request.num_preemptions == 0:
-                host_hits[request.request_id] = num_external_tokens
-            return transfer
-
-        tier.plan_load = counted_plan_load  # type: ignore[method-assign]
-
     ready: deque[tuple[Conversation, int]] = deque((c, 0) for c in w.convs)
     prompts = {c.index: ids(c.prefix) + ids(c.questions[0]) for c in w.convs}
     inflight: dict[str, Record] = {}
@@ -157,13 +142,12 @@ def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
                 continue
             if rec.first_ns is None and out.new_token_ids:
                 rec.first_ns, rec.first_wall = device.now_ns, time.perf_counter()
-            if not out.finished:
+            if out.result is None:
                 continue
-            state = engine.requests.pop(out.req_id)
             rec.done_ns, rec.done_wall = device.now_ns, time.perf_counter()
-            rec.output = list(state.token_ids)
-            rec.cached_tokens = state.request.num_cached_tokens
-            rec.host_tokens = host_hits.pop(out.req_id, 0)
+            rec.output = list(out.result.token_ids)
+            rec.cached_tokens = out.result.num_cached_tokens
+            rec.host_tokens = out.result.num_external_cached_tokens
             del inflight[out.req_id]
             done.append(rec)
             conv = w.convs[rec.conv]

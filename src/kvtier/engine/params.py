@@ -9,7 +9,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kvtier.checks import check_bool, check_int, check_ints, check_strs, show
+from kvtier.checks import check_bool, check_int, check_ints, check_strs, show, show_ids
 from kvtier.config import (
     PROTECTIONS,
     CacheConfig,
@@ -19,6 +19,7 @@ from kvtier.config import (
     flag,
     parse_protect,
 )
+from kvtier.engine.prompts import check_prompt_ids
 from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions
 from kvtier.sched.queues import POLICIES
 
@@ -192,15 +193,7 @@ def check_request(
 ) -> list[int]:
     """The checks of a request that need the engine's limits, before anything is recorded:
     returns the prompt as a list of ints; TypeError / ValueError naming the field otherwise."""
-    tokens = list(check_ints("prompt_token_ids", prompt_token_ids, lo=None))
-    if not tokens:
-        raise ValueError("prompt_token_ids is empty; send at least one token")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"prompt_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
-            "tokenize with this model's tokenizer"
-        )
+    tokens = check_prompt_ids(prompt_token_ids, vocab_size)
     if not isinstance(params, SamplingParams):
         raise TypeError(
             f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
@@ -208,7 +201,7 @@ def check_request(
     bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"stop_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+            f"stop_token_ids {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
             "drop them or use this model's token ids"
         )
     for name in ("logprobs", "prompt_logprobs"):
@@ -220,7 +213,3 @@ def check_request(
             )
     check_int("priority", priority, hint=" (lower runs first under the priority policy)")
     return tokens
-
-
-def _ids(ids: list[int]) -> str:
-    return "[" + ", ".join(map(show, ids[:5])) + (", …]" if len(ids) > 5 else "]")

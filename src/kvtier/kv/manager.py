@@ -153,8 +153,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (+ lookahead) after the request's computed tokens.
 
         For a new request also installs its prefix hits and room for externally loaded tokens.
-        Returns the newly allocated blocks per group, or None — changing nothing — when the
-        free blocks (less the transient reserve, for a new request) do not suffice.
+        Returns, per group, the positions appended to the request's table (new blocks, and the
+        null block where a position is skipped), or None — changing nothing — when the free
+        blocks (less the transient reserve, for a new request) do not suffice.
         Out-of-window pruning is separate: `remove_skipped_blocks` on the settled count.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:

@@ -135,6 +135,7 @@ class AdmissionMixin:
         self._transfers.append(transfer.planned())
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit + num_external
+            request.num_external_cached_tokens = num_external
         return True
 
     def _record_lookup(self, request: Request, num_hit: int) -> None:

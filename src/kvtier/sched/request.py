@@ -171,6 +171,7 @@ class Request(KVSequence):
         self.last_sched_seq = 0  # the last step that scheduled tokens of this request
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_external_cached_tokens = 0  # of which loaded from a tier below the device
         self.admit_seq = 0  # the step that (re)admitted it; hit blocks may be written up to it
         self.lookup_counted = False  # its prefix lookup is in the stats (reset on preemption)
         # Scheduler memo of its last KV calls for this table (reset when the table is dropped):

@@ -265,16 +265,12 @@ class Scheduler(AdmissionMixin):
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
             return tuple([] for _ in self.lifetimes.block_sizes)
-        req_id = request.request_id
         kv, running = self.kv, self.running
-        before = [len(table) for table in kv.get_blocks(req_id)]
         while True:
-            if kv.allocate_slots(request, n) is not None:
+            appended = kv.allocate_slots(request, n)
+            if appended is not None:
                 request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
-                tables = kv.get_blocks(req_id)
-                return tuple(
-                    [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
-                )
+                return tuple([b.block_id for b in blocks] for blocks in appended)
             ending = [r.request_id for r in running if r.reaches_max_tokens(self.max_model_len)]
             if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(ending):
                 return None  # the steps in flight will return enough: wait for them

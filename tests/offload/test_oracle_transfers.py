@@ -16,7 +16,7 @@ def _engine(quarantine: bool = True) -> tuple[Scheduler, FakeEngine, AccessOracl
         [FullAttention(4)], 40, max_model_len=128, enable_quarantine=quarantine,
         max_in_flight_tokens=64,
     )  # fmt: skip
-    sched = Scheduler(kv, max_num_batched_tokens=32, async_depth=2, connector=HostTier(kv, 40))
+    sched = Scheduler(kv, max_num_batched_tokens=32, async_depth=2, tier=HostTier(kv, 40))
     oracle = AccessOracle(kv.specs, kv.get_block_ids)
     return sched, FakeEngine(sched, FakeRunner(oracle=oracle)), oracle
 
@@ -39,8 +39,8 @@ def _load_into_the_blocks_of_an_aborted_request(quarantine: bool) -> AccessOracl
     sched.abort("a")
     sched.add_request(Request("b", [*PREFIX, 77, 78], StopConditions(max_tokens=2)))
     engine.run()
-    assert sched.connector is not None
-    assert isinstance(sched.connector, HostTier) and sched.connector.metrics.num_loaded_blocks == 4
+    assert sched.tier is not None
+    assert isinstance(sched.tier, HostTier) and sched.tier.metrics.num_loaded_blocks == 4
     return oracle
 
 
@@ -67,6 +67,6 @@ def test_prefix_hits_are_not_stored_before_the_step_that_writes_them_is_processe
     sched.add_request(Request("y", [*PREFIX, *range(60, 66)], StopConditions(max_tokens=4)))
     engine.run()
     assert oracle.violations == []
-    tier = sched.connector
+    tier = sched.tier
     assert isinstance(tier, HostTier) and tier.metrics.num_stored_blocks >= 4
     assert sched.kv.stats.num_hit_tokens == 16  # y was admitted on x's blocks

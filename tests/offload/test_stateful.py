@@ -62,7 +62,14 @@ class HostTierMachine(RuleBasedStateMachine):
         ext = answer.num_tokens
         assert ext % 4 == 0 and num_hit + ext < req.num_tokens
         new = req.num_tokens - num_hit - ext
-        got = self.dev.allocate_slots(req, new, num_hit, hits, 0, ext, delay_cache_blocks=ext > 0)
+        got = self.dev.allocate_slots(
+            req,
+            new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=ext,
+            delay_cache_blocks=ext > 0,
+        )
         if got is None:
             assert self.t.plan_load(req, 0) is None
             self._track(self.t.finish_request(req))

@@ -237,7 +237,17 @@ def test_a_host_hit_extends_the_device_hit_without_the_host_holding_the_head():
     dev, t, q, hits, num_hit = _device_keeps_head_host_keeps_rest([FullAttention(16)])
     assert num_hit == 32
     assert t.lookup(q, num_hit).num_tokens == 64
-    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    assert (
+        dev.allocate_slots(
+            q,
+            1,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=64,
+            delay_cache_blocks=True,
+        )
+        is not None
+    )
     load = t.plan_load(q, 64)
     assert load is not None and load.num_blocks == 4
     check(dev, t)
@@ -249,7 +259,17 @@ def test_a_window_group_reads_across_the_device_and_host_parts_of_a_hit():
     )
     assert num_hit == 32
     assert t.lookup(q, num_hit).num_tokens == 64
-    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    assert (
+        dev.allocate_slots(
+            q,
+            1,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=64,
+            delay_cache_blocks=True,
+        )
+        is not None
+    )
     load = t.plan_load(q, 64)
     assert load is not None and 0 not in load.dst_block_ids
     # full attention: positions 2..5; the window (2 blocks before 96): positions 4, 5

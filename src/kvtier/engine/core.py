@@ -77,7 +77,7 @@ class EngineCore:
         self.scheduler = Scheduler.from_config(
             sched_cfg,
             self.kv,
-            connector=self.host_tier,
+            tier=self.host_tier,
             num_speculative_tokens=args.num_speculative_tokens,
             settled="settled" in args.protect,
             policy=args.policy,

@@ -144,6 +144,7 @@ class KVCacheManager:
         self,
         request: KVSequence,
         num_new_tokens: int,
+        *,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,

@@ -137,7 +137,7 @@ class LoadPlanner:
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 
-        Call after `device.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
+        Call after `device_kv.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
         delay_cache_blocks=True)` succeeded (or with 0 to drop the pending hit). Host sources and
         device destinations stay pinned until the transfer completes or fails.
         """

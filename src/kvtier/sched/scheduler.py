@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.kv.manager import KVCacheManager
-from kvtier.sched.admission import AdmissionMixin
+from kvtier.sched.admission import Admission
 from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
-    NewRequestData,
     PlannedTransfer,
     RequestOutput,
     RunnerOutput,
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 MAX_ASYNC_DEPTH = 3
 
 
-class Scheduler(AdmissionMixin):
+class Scheduler:
     """Continuous-batching scheduler over one `KVCacheManager`.
 
     `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous,
@@ -51,7 +50,7 @@ class Scheduler(AdmissionMixin):
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
         settled: bool = True,
-        connector: KVTier | None = None,
+        tier: KVTier | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be ≥ 1, got {max_num_seqs}")
@@ -83,8 +82,15 @@ class Scheduler(AdmissionMixin):
         self.num_arrivals = 0
         self.num_preemptions = 0
         self._finished_ids: list[ReqId] = []  # for the next SchedulerOutput
-        self.connector = connector  # the host tier, if any: loads, stores, their completions
+        self.tier = tier  # the KV tier below the device, if any: loads, stores, their completions
         self._transfers: list[PlannedTransfer] = []  # planned since the last SchedulerOutput
+        self.admission = Admission(
+            kv,
+            self.lifetimes,
+            tier,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )
 
     @classmethod
     def from_config(
@@ -146,11 +152,11 @@ class Scheduler(AdmissionMixin):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs, or the connector still has copies to report
-        (a load of a request aborted while loading pins blocks until it is reported)."""
+        """True while any request waits or runs, or the tier below the device still has copies
+        to report (a load of a request aborted while loading pins blocks until it is reported)."""
         if self.running or len(self.waiting) > 0:
             return True
-        return self.connector is not None and self.connector.has_pending_transfers
+        return self.tier is not None and self.tier.has_pending_transfers
 
     @property
     def num_unprocessed_steps(self) -> int:
@@ -206,22 +212,21 @@ class Scheduler(AdmissionMixin):
                 request, n, drafts, blocks, request.schedule_step(seq, n, len(drafts), samples)
             )
             i += 1
-        num_scheduled, budget = step.num_scheduled, step.budget
-        new_reqs: list[NewRequestData] = []
         if not step.preempted and not blocked:
-            budget = self._admit(seq, budget, num_scheduled, new_reqs)
+            self._transfers += self.admission.admit(step, self.waiting, running)
         self.sched_step_seq = seq
-        self.num_in_flight_tokens += self.max_num_batched_tokens - budget
+        total = self.max_num_batched_tokens - step.budget
+        self.num_in_flight_tokens += total
         finished, self._finished_ids = self._finished_ids, []
-        if self.connector is not None:
-            self._transfers += [t.planned() for t in self.connector.plan_stores(self.running)]
+        if self.tier is not None:
+            self._transfers += [t.planned() for t in self.tier.plan_stores(self.running)]
         transfers, self._transfers = self._transfers, []
         return SchedulerOutput(
             step_seq=seq,
-            scheduled_new_reqs=new_reqs,
+            scheduled_new_reqs=step.new,
             scheduled_cached_reqs=step.cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=step.spec_tokens,
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
@@ -288,8 +293,8 @@ class Scheduler(AdmissionMixin):
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
-        if self.connector is not None:  # store what is settled first: it may come back as a hit
-            self._transfers += [t.planned() for t in self.connector.preempt_request(request)]
+        if self.tier is not None:  # store what is settled first: it may come back as a hit
+            self._transfers += [t.planned() for t in self.tier.preempt_request(request)]
         self.lifetimes.free(request)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
@@ -319,8 +324,8 @@ class Scheduler(AdmissionMixin):
         self.processed_step_seq = seq
         self.num_in_flight_tokens -= output.total_num_scheduled_tokens
         self.kv.release_quarantine(seq)
-        if self.connector is not None:
-            self._transfers_done(result)
+        if self.tier is not None:
+            self.admission.apply_transfers(result, self.requests)
         outputs: list[RequestOutput] = []
         num_finished = 0
         sampled = result.sampled_token_ids
@@ -362,14 +367,14 @@ class Scheduler(AdmissionMixin):
 
     def _prune(self, request: Request, processed_step_seq: int) -> None:
         """Prune the request's windows, storing first what they are about to drop (mutates)."""
-        if self.connector is not None and self.lifetimes.prune_due(request):
-            self._transfers += [t.planned() for t in self.connector.store_before_prune(request)]
+        if self.tier is not None and self.lifetimes.prune_due(request):
+            self._transfers += [t.planned() for t in self.tier.store_before_prune(request)]
         self.lifetimes.prune(request, processed_step_seq)
 
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
-        if self.connector is not None:
-            self._transfers += [t.planned() for t in self.connector.finish_request(request)]
+        if self.tier is not None:
+            self._transfers += [t.planned() for t in self.tier.finish_request(request)]
         if request.status is RequestStatus.RUNNING:
             self.lifetimes.cache(request)
             self.lifetimes.free(request)

@@ -203,6 +203,7 @@ def test_the_layer_table_orders_every_package() -> None:
         "config",
         "cli_args",
         "checks",
+        "ids",
         "sampling",
         "kv",
         "sched",

@@ -11,19 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.device import (
-    COMPUTE,
-    LOAD,
-    STORE,
-    AccessSet,
-    EventId,
-    KVLayout,
-    OpMeta,
-    StreamId,
-    Work,
-    make_device,
-)
+from kvtier.device import COMPUTE, LOAD, STORE, AccessSet, KVLayout, OpMeta, Work, make_device
 from kvtier.device.sim import SimDevice
+from kvtier.ids import EventId, StreamId
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.offload import HostTier
 from kvtier.runner.transfers import TransferEngine, TransferFaults

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.config import DTYPE_BYTES, ModelConfig
+from kvtier.config import KV_DTYPES, ModelConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
@@ -126,7 +126,7 @@ class EngineCore:
     def _plan(self, dtype_name: str) -> KVPlan:
         args, cfg = self.args, self.model_config
         cache = args.cache
-        if cache.kv_cache_dtype is None and dtype_name in DTYPE_BYTES:
+        if cache.kv_cache_dtype is None and dtype_name in KV_DTYPES:
             cache = replace(cache, kv_cache_dtype=dtype_name)
         sched = args.scheduler
         if sched.max_model_len is None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockHash, BlockId, KVBlock
+from kvtier.ids import BlockHash, BlockId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent

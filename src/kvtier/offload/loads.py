@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.ids import BlockId, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.offload.context import HostContext
 from kvtier.offload.lookup import HostHit, extend_device_hit
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.connector import LoadFailure, TierLookup
-from kvtier.sched.request import ReqId, Request
+from kvtier.sched.request import Request
 
 
 @dataclass(slots=True)

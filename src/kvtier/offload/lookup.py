@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash
+from kvtier.kv.block import KVBlock
 from kvtier.kv.specs import FullAttention, KVSpec
 from kvtier.offload.context import HostContext
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash
+from kvtier.kv.block import KVBlock
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.ids import BlockId, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import KVSpec
 from kvtier.kv.stats import PoolStats
@@ -29,7 +30,7 @@ from kvtier.offload.store_records import StoreProgress
 from kvtier.offload.stores import StorePlanner
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.connector import LoadFailure, TierLookup
-from kvtier.sched.request import ReqId, Request
+from kvtier.sched.request import Request
 
 
 def lazy_scan_blocks_for(specs: Sequence[KVSpec], max_num_batched_tokens: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockHash
+from kvtier.ids import BlockHash
 from kvtier.sched.output import PlannedTransfer
 
 Key = tuple[int, BlockHash]  # (KV-cache group id, chained block hash): one host-cache entry

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.device import COMPUTE, AccessSet, Device, EventId, OpMeta, Work
+from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
+from kvtier.ids import EventId
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.transformer import CausalLM

@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvtier.ids import ReqId
 from kvtier.kv.coordinator import GroupBlocks
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.lifetimes import SettledLifetimes
 from kvtier.sched.output import NewRequestData, PlannedTransfer, RunnerOutput
 from kvtier.sched.queues import RequestQueue
-from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.kv.block import BlockId
+from kvtier.ids import BlockId, ReqId
 from kvtier.sched.output import PlannedTransfer
-from kvtier.sched.request import ReqId, Request
+from kvtier.sched.request import Request
 
 
 @dataclass(frozen=True, slots=True)

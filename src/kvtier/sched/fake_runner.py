@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.oracle import AccessOracle
-from kvtier.sched.output import RequestOutput, RunnerOutput, SchedulerOutput
+from kvtier.sched.output import RequestUpdate, RunnerOutput, SchedulerOutput
 from kvtier.sched.scheduler import Scheduler
 
 TokenFn = Callable[[str, int], int]
@@ -147,15 +147,15 @@ class FakeEngine:
     def in_flight(self) -> deque[tuple[SchedulerOutput, RunnerOutput]]:
         return self.queue.in_flight
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestUpdate]:
         """Schedule one step if allowed, else process the oldest; returns processed outputs."""
         return self._process(self.queue.advance())
 
-    def process_oldest(self) -> list[RequestOutput]:
+    def process_oldest(self) -> list[RequestUpdate]:
         """Feed the oldest in-flight step's result back to the scheduler ([] if none)."""
         return self._process(self.queue.pop_oldest())
 
-    def _process(self, item: tuple[SchedulerOutput, RunnerOutput] | None) -> list[RequestOutput]:
+    def _process(self, item: tuple[SchedulerOutput, RunnerOutput] | None) -> list[RequestUpdate]:
         if item is None:
             return []
         output, result = item

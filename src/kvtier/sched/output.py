@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.ids import BlockId, ReqId
 from kvtier.sampling import DrawParams, StopConditions
-from kvtier.sched.request import ReqId, RequestStatus
+from kvtier.sched.request import RequestStatus
 
-BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+BlockIds = tuple[list[BlockId], ...]  # one list of block ids per KV-cache group
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class RunnerOutput:
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class RequestUpdate:
     """Tokens a request gained in one update, and its finish status once it ends."""
 
     req_id: ReqId  # the request

@@ -11,11 +11,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtier.ids import ReqId
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
 from kvtier.sampling import DrawParams, StopConditions
-
-ReqId = str
 
 
 class RequestStatus(enum.Enum):

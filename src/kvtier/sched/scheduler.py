@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.admission import Admission
 from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
@@ -15,12 +16,12 @@ from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
     PlannedTransfer,
-    RequestOutput,
+    RequestUpdate,
     RunnerOutput,
     SchedulerOutput,
 )
 from kvtier.sched.queues import make_queue
-from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:
@@ -306,7 +307,7 @@ class Scheduler:
 
     # ---- update --------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Process step `output.step_seq` (mutates). Steps must be processed in schedule order.
 
         Consumes each scheduled request's ledger record, rolls back rejected drafts, delivers
@@ -326,7 +327,7 @@ class Scheduler:
         self.kv.release_quarantine(seq)
         if self.tier is not None:
             self.admission.apply_transfers(result, self.requests)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestUpdate] = []
         num_finished = 0
         sampled = result.sampled_token_ids
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -349,7 +350,7 @@ class Scheduler:
                 if not record.stale:
                     request.num_computed_tokens -= record.num_draft_tokens - (len(tokens) - 1)
                 reason, delivered = request.deliver(tokens, self.max_model_len)
-                outputs.append(RequestOutput(req_id, delivered, reason))
+                outputs.append(RequestUpdate(req_id, delivered, reason))
                 if reason is not None:
                     num_finished += status is running_status
                     self._finish(request, reason)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.ids import ReqId
 from kvtier.sched.output import BlockIds, CachedRequestData, NewRequestData
-from kvtier.sched.request import ReqId, Request, StepRecord
+from kvtier.sched.request import Request, StepRecord
 
 
 @dataclass(slots=True)

@@ -9,11 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow, cdiv
-
-ReqId = str
 
 
 class SingleTypeManager(ABC):

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvtier.kv import BlockPool, ChunkedLocal, FullAttention, KVBlock, Mamba, SlidingWindow
-from kvtier.kv.managers import SingleTypeManager, make_manager
+from kvtier.kv.single_type import SingleTypeManager, make_manager
 from kvtier.kv.specs import KVSpec
 from tests.kv.factories import ids, manager
 

@@ -5,10 +5,13 @@ protection has a fast test that fails without it."""
 
 from __future__ import annotations
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.offload import HostTier
 from kvtier.sampling import StopConditions
-from kvtier.sched import AccessOracle, FakeEngine, FakeRunner, Request, Scheduler
+from kvtier.sched import Request, Scheduler
+from tests.sched.fake_engine import FakeEngine
+from tests.sched.oracle import AccessOracle
 
 
 def _engine(quarantine: bool = True) -> tuple[Scheduler, FakeEngine, AccessOracle]:

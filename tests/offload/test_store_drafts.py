@@ -4,8 +4,9 @@ that get accepted, so the runner declares its writes from the lowest start a rol
 
 from __future__ import annotations
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.sampling import StopConditions
-from kvtier.sched import FakeRunner, Request, Scheduler
+from kvtier.sched import Request, Scheduler
 from kvtier.sched.request import StepRecord
 from tests.offload.factories import check, device, request, tier, tokens
 

@@ -8,7 +8,7 @@ from typing import Any
 from kvtier.kv import FullAttention, KVCacheManager, KVSpec
 from kvtier.sampling import StopConditions
 from kvtier.sched import Request, RunnerOutput, Scheduler, SchedulerOutput
-from kvtier.sched.invariants import check_scheduler
+from tests.sched.invariants import check_scheduler
 
 _fresh = itertools.count(1_000_000)
 

@@ -8,17 +8,14 @@ import zlib
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
 from kvtier.sampling import StopConditions
-from kvtier.sched import (
-    AccessOracle,
-    FakeEngine,
-    FakeRunner,
-    Request,
-    RequestStatus,
-)
-from kvtier.sched.invariants import check_scheduler, window_violations
+from kvtier.sched import Request, RequestStatus
 from tests.sched.factories import scheduler
+from tests.sched.fake_engine import FakeEngine
+from tests.sched.invariants import check_scheduler, window_violations
+from tests.sched.oracle import AccessOracle
 
 SPECS: dict[str, list[KVSpec]] = {
     "full": [FullAttention(16)],

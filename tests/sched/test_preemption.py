@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner, hashed_token
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.sampling import StopConditions
-from kvtier.sched import FakeEngine, FakeRunner, Request, RequestStatus, Scheduler
-from kvtier.sched.fake_runner import hashed_token
+from kvtier.sched import Request, RequestStatus, Scheduler
 from tests.sched.factories import Driver, request, scheduler
+from tests.sched.fake_engine import FakeEngine
 
 
 def test_one_missing_block_preempts_one_request_not_three() -> None:

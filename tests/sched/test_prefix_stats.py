@@ -5,9 +5,11 @@ apart (`num_preempted_*`, as vLLM's preempted counters)."""
 
 from __future__ import annotations
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.sampling import StopConditions
-from kvtier.sched import FakeEngine, FakeRunner, Request, Scheduler
+from kvtier.sched import Request, Scheduler
+from tests.sched.fake_engine import FakeEngine
 
 
 def _run(num_blocks: int) -> tuple[Scheduler, list[Request]]:

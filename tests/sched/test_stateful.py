@@ -19,17 +19,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
 from kvtier.sampling import StopConditions
-from kvtier.sched import (
-    AccessOracle,
-    FakeRunner,
-    Request,
-    RunnerOutput,
-    Scheduler,
-    SchedulerOutput,
-)
-from kvtier.sched.invariants import check_scheduler, window_violations
+from kvtier.sched import Request, RunnerOutput, Scheduler, SchedulerOutput
+from tests.sched.invariants import check_scheduler, window_violations
+from tests.sched.oracle import AccessOracle
 
 SPECS: list[list[KVSpec]] = [
     [FullAttention(4)],

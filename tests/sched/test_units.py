@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager, Mamba
 from kvtier.sampling import StopConditions
 from kvtier.sched import (
-    FakeEngine,
-    FakeRunner,
     NgramProposer,
     PriorityQueue,
     Request,
@@ -20,6 +19,7 @@ from kvtier.sched import (
     make_queue,
 )
 from tests.sched.factories import Driver, request, scheduler
+from tests.sched.fake_engine import FakeEngine
 from tests.torch_blocked import run_without_torch
 
 
@@ -218,7 +218,7 @@ def test_from_config() -> None:
 
 
 def test_sched_imports_without_torch() -> None:
-    run_without_torch("import kvtier.sched, kvtier.sched.invariants, kvtier.bench.sched\n")
+    run_without_torch("import kvtier.sched, tests.sched.invariants, kvtier.bench.sched\n")
 
 
 def test_protections_report_both_switches() -> None:

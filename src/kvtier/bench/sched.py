@@ -16,9 +16,10 @@ from collections import deque
 from typing import Any
 
 from kvtier.bench import save_json
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager, KVSpec, SlidingWindow
 from kvtier.sampling import StopConditions
-from kvtier.sched import FakeRunner, Request, RunnerOutput, Scheduler
+from kvtier.sched import Request, RunnerOutput, Scheduler
 from kvtier.sched.output import SchedulerOutput
 
 

@@ -30,5 +30,6 @@ def test_the_engine_sets_and_logs_its_thread_count(caplog: pytest.LogCaptureFixt
 
 
 def test_a_bad_thread_count_names_the_flag() -> None:
-    with pytest.raises(ValueError, match="--torch-threads must be ≥ 1"):
-        LLM(torch_threads=0)
+    for bad in (0, 10**9):
+        with pytest.raises(ValueError, match=r"--torch-threads must be in 1\.\.1024"):
+            LLM(torch_threads=bad)

@@ -140,8 +140,8 @@ class EngineArgs:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"--torch-threads must be ≥ 1, got {self.torch_threads}")
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
+            raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its

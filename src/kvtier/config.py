@@ -285,7 +285,6 @@ class ServerConfig:
     served_model_name: str | None = None  # default: --model, or "kvtier-default"
     max_waiting_requests: int = 1024  # backlog beyond free running slots; more get HTTP 429
     max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
-    torch_threads: int | None = None  # torch threads of the engine thread
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -296,8 +295,6 @@ class ServerConfig:
             raise ValueError("--max-waiting-requests must be ≥ 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be ≥ 1")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError("--torch-threads must be ≥ 1")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
@@ -333,6 +330,5 @@ FLAG_HELP = {
         "429 with Retry-After. 0: only requests that can start at once"
     ),
     "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
-    "torch_threads": "torch threads of the engine thread",
     "log_level": "debug, info, warning or error",
 }

@@ -11,6 +11,7 @@ from kvtier.config import DTYPE_BYTES, ModelConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.stats import EngineStats, collect_stats
+from kvtier.engine.threads import configure_torch_threads
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.kv.specs import blocks_for_requests
@@ -76,6 +77,7 @@ class EngineCore:
         path = args.model_path
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
+        self.torch_threads = configure_torch_threads(args.torch_threads)
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)

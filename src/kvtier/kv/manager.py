@@ -1,7 +1,8 @@
 """KVCacheManager: the scheduler's one door to the KV cache of a tier (lookup, allocate, prune, free).
 
-Request semantics on top of the coordinator: hit accounting, the shared transient reserve at
-admission, caching bounds. Never decides which request runs; never reads a clock or a device.
+Request semantics on top of the coordinator: hit accounting, admission by the sizing formula (each
+request's charge and the pool-wide transient reserve), caching bounds. Never decides which request
+runs; never reads a clock or a device.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
-from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concurrency
+from kvtier.kv.specs import (
+    SHARED,
+    AdmissionPolicy,
+    KVSpec,
+    Mamba,
+    blocks_for_requests,
+    cdiv,
+    max_concurrency,
+)
 
 
 @dataclass(slots=True)
@@ -35,8 +44,14 @@ class KVCacheManager:
     """Facade over one pool and its coordinator.
 
     `max_in_flight_tokens` bounds tokens scheduled but not yet settled across all requests
-    (async depth × token budget); it sizes the pool-wide transient reserve that window groups need
-    while steps are in flight. Admission of a new request keeps that reserve available.
+    (async depth × token budget); it sizes the transient need of window groups while steps are in
+    flight. `admission` says how that need is charged: per request (each admitted request's charge
+    beyond its steady window, at its length when admitted) and once per pool (default: a shared
+    reserve and nothing per request). A new request is admitted when the part of that reserve not
+    held by tables and its blocks fit in the free blocks — with `admit_whole_prompt` (vLLM's
+    `scheduler_reserve_full_isl`) the steady need of all its tokens so far, prefix hits aside, not
+    only of the first chunk: then admission at max length is the formula of startup sizing and
+    `max_concurrency`.
     """
 
     def __init__(
@@ -51,6 +66,8 @@ class KVCacheManager:
         hash_fn: str = "sha256",
         enable_kv_events: bool = False,
         medium: str = "device",
+        admission: AdmissionPolicy = SHARED,
+        admit_whole_prompt: bool = True,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -64,6 +81,12 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.max_in_flight_tokens = max_in_flight_tokens
+        self.admission = admission
+        self.admit_whole_prompt = admit_whole_prompt
+        # Admitted requests' charges beyond their steady windows (per-request policies only).
+        # INVARIANT: num_extra_blocks == Σ _extras.values(); keys are the admitted requests.
+        self._extras: dict[str, int] = {}
+        self.num_extra_blocks = 0
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_fn)
         self.stats = PrefixCacheStats()
         self._no_hits: GroupBlocks = [[] for _ in self.specs]
@@ -93,21 +116,49 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def reserve_shortfall(self, num_new_requests: int = 0, num_new_excess_blocks: int = 0) -> int:
-        """Blocks of the pool-wide transient reserve not currently held (≥ 0).
+    def reserve_shortfall(
+        self,
+        num_new_requests: int = 0,
+        num_new_excess_blocks: int = 0,
+        num_new_extra_blocks: int = 0,
+    ) -> int:
+        """Blocks of the transient reserve not currently held (≥ 0).
 
-        Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests, max_model_len)`; held: blocks
-        tables keep beyond their steady charge, quarantined blocks that will come back free, and
-        `num_new_excess_blocks` that a request being admitted will hold beyond its steady charge.
+        Reserve: what the admission policy charges the pool for its requests plus what it
+        charged each admitted request beyond its steady window (`num_new_extra_blocks` for one
+        being admitted); held: blocks tables keep beyond their steady charge, quarantined blocks
+        that will come back free, and `num_new_excess_blocks` that a request being admitted will
+        hold beyond its steady charge.
         """
-        if self.max_in_flight_tokens <= 0:
-            return 0
         n = self.coordinator.num_requests + num_new_requests
-        reserve = sum(
-            s.transient_blocks(self.max_in_flight_tokens, n, self.max_model_len) for s in self.specs
-        )
+        reserve = self.pool_reserve(n) + self.num_extra_blocks + num_new_extra_blocks
+        if reserve == 0:
+            return 0
         held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
         return max(0, reserve - held - self.pool.num_quarantined_freeable())
+
+    def pool_reserve(self, num_requests: int) -> int:
+        """Blocks the admission policy charges once for the pool with `num_requests` requests."""
+        if self.max_in_flight_tokens <= 0:
+            return 0
+        f, n = self.max_in_flight_tokens, num_requests
+        return sum(self.admission.pool_blocks(s, f, n, self.max_model_len) for s in self.specs)
+
+    def extra_charge(self, num_tokens: int) -> int:
+        """Blocks the admission policy charges one request of `num_tokens` beyond its steady
+        windows (all groups; 0 for the shared reserve)."""
+        n, f = min(num_tokens, self.max_model_len), self.max_in_flight_tokens
+        return sum(self.admission.request_blocks(s, n, f) - s.steady_blocks(n) for s in self.specs)
+
+    def _steady_need(self, num_tokens: int, hits: GroupBlocks) -> int:
+        """Blocks a new request's steady windows at `num_tokens` take from the free queue: prefix
+        hits other tables already hold are not taken again."""
+        n = min(num_tokens, self.max_model_len)
+        need = 0
+        for spec, group_hits in zip(self.specs, hits, strict=True):
+            held = sum(1 for b in group_hits if not b.is_null and b.ref_cnt > 0)
+            need += max(0, spec.steady_blocks(n) - held)
+        return need
 
     def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
         """Real blocks a new request's table will hold beyond each group's steady charge: they
@@ -152,11 +203,17 @@ class KVCacheManager:
         )
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-        if is_new:
-            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
+        if is_new:  # the reserve and its whole steady need (not only this chunk's) must fit
+            excess = self._excess_of_new(num_tokens, total_computed)
+            extra = self.extra_charge(request.num_tokens)
+            if self.admit_whole_prompt:
+                need = max(need, self._steady_need(request.num_tokens, hits) + excess)
+            need += self.reserve_shortfall(1, excess, extra)
         if need > self.pool.num_free_blocks:
             return None
         if is_new:
+            self._extras[req_id] = extra
+            self.num_extra_blocks += extra
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
         new_blocks = self.coordinator.allocate_new_blocks(req_id, num_tokens, total_computed)
         if self.enable_caching and not delay_cache_blocks:
@@ -178,8 +235,10 @@ class KVCacheManager:
         return self.coordinator.remove_skipped_blocks(request_id, num_settled_tokens, last_step_seq)
 
     def free(self, request_id: str, last_step_seq: int | None = None) -> None:
-        """Release every block of the request (tail first), quarantined until `last_step_seq`."""
+        """Release every block of the request (tail first), quarantined until `last_step_seq`,
+        and its admission charge."""
         self.coordinator.free(request_id, last_step_seq)
+        self.num_extra_blocks -= self._extras.pop(request_id, 0)
 
     def release_quarantine(self, processed_step_seq: int) -> int:
         """Steps up to `processed_step_seq` are processed; returns references released."""
@@ -204,10 +263,13 @@ class KVCacheManager:
     def max_concurrency(self, num_tokens: int | None = None) -> int:
         """Requests of `num_tokens` (default max_model_len) that fit; same formula as admission."""
         n = self.max_model_len if num_tokens is None else num_tokens
-        return max_concurrency(self.specs, self.pool.num_blocks - 1, n, self.max_in_flight_tokens)
+        usable = self.pool.num_blocks - 1
+        return max_concurrency(self.specs, usable, n, self.max_in_flight_tokens, self.admission)
 
     def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
-        return blocks_for_requests(self.specs, num_requests, num_tokens, self.max_in_flight_tokens)
+        """What `num_requests` requests of `num_tokens` need under this manager's admission."""
+        f = self.max_in_flight_tokens
+        return blocks_for_requests(self.specs, num_requests, num_tokens, f, self.admission)
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -217,8 +279,11 @@ class KVCacheManager:
 
     def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
         """Assert pool invariants and that every reference has a holder (I1, I5): tables,
-        quarantine, and `num_pinned` references held by others (e.g. transfers)."""
+        quarantine, and `num_pinned` references held by others (e.g. transfers); and that every
+        admitted request carries its admission charge."""
         self.pool.check_integrity()
+        assert self._extras.keys() == self.coordinator.managers[0].req_to_blocks.keys()
+        assert self.num_extra_blocks == sum(self._extras.values()), "admission charges drifted"
         holders: dict[BlockId, int] = dict(num_pinned or {})
         for mgr in self.coordinator.managers:
             for req_id, table in mgr.req_to_blocks.items():

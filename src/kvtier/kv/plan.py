@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.kv.specs import (
+    SHARED,
+    AdmissionPolicy,
     ChunkedLocal,
     FullAttention,
     KVSpec,
     SlidingWindow,
+    admission_policy,
     blocks_for_requests,
     max_concurrency,
 )
@@ -49,6 +52,7 @@ class KVPlan:
     max_model_len: int
     max_in_flight_tokens: int
     tiers: tuple[TierPlan, ...]
+    admission: AdmissionPolicy = SHARED  # what sizing and admission charge (--admission)
 
     @property
     def specs(self) -> list[KVSpec]:
@@ -66,12 +70,22 @@ class KVPlan:
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` needs, its share of the transient reserve included."""
-        return blocks_for_requests(self.specs, 1, num_tokens, self.max_in_flight_tokens)
+        return blocks_for_requests(
+            self.specs, 1, num_tokens, self.max_in_flight_tokens, self.admission
+        )
+
+    def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
+        """Blocks `num_requests` requests of `num_tokens` need under the plan's admission."""
+        return blocks_for_requests(
+            self.specs, num_requests, num_tokens, self.max_in_flight_tokens, self.admission
+        )
 
     def max_concurrency(self, tier: str = "device", num_tokens: int | None = None) -> int:
+        """Requests of `num_tokens` (default max_model_len) that `tier` holds at once, as
+        runtime admission charges them."""
         n = self.max_model_len if num_tokens is None else num_tokens
         blocks = next(t.num_blocks for t in self.tiers if t.name == tier)
-        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens)
+        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens, self.admission)
 
 
 def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
@@ -129,6 +143,7 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         max_model_len,
         sched.max_in_flight_tokens,
         tuple(tiers),
+        admission_policy(cache.admission, sched.max_num_batched_tokens),
     )
     need = plan.blocks_per_request(max_model_len)
     if device_blocks - 1 < need:

@@ -12,7 +12,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = ("kv", "device", "sched", "throughput", "garble", "serve", "offload", "compare")
+BENCHMARKS = (
+    "kv",
+    "device",
+    "sched",
+    "throughput",
+    "garble",
+    "serve",
+    "offload",
+    "compare",
+    "admission",
+)
 
 
 def save_json(result: dict[str, Any], out: str | Path) -> Path:

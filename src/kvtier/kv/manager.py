@@ -40,18 +40,26 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Charge:
+    """What admission charged one request: steady blocks per group, and blocks beyond them."""
+
+    steady: tuple[int, ...]
+    extra: int
+
+
 class KVCacheManager:
     """Facade over one pool and its coordinator.
 
     `max_in_flight_tokens` bounds tokens scheduled but not yet settled across all requests
     (async depth × token budget); it sizes the transient need of window groups while steps are in
-    flight. `admission` says how that need is charged: per request (each admitted request's charge
-    beyond its steady window, at its length when admitted) and once per pool (default: a shared
-    reserve and nothing per request). A new request is admitted when the part of that reserve not
-    held by tables and its blocks fit in the free blocks — with `admit_whole_prompt` (vLLM's
-    `scheduler_reserve_full_isl`) the steady need of all its tokens so far, prefix hits aside, not
-    only of the first chunk: then admission at max length is the formula of startup sizing and
-    `max_concurrency`.
+    flight. `admission` says how that need is charged: per request (beyond its steady window, at
+    its length when admitted) and once per pool (default: one shared reserve, nothing per request).
+    A new request is admitted when its blocks and the part of that reserve not held by tables fit
+    in the free blocks. With `admit_whole_prompt` (vLLM's `scheduler_reserve_full_isl`) they must
+    also hold the steady windows of its whole prompt, not only of this chunk, beside what admitted
+    requests were promised and have not allocated yet: admission is then the sizing formula
+    (`blocks_for_requests`, `max_concurrency`) over the prompts of the requests admitted.
     """
 
     def __init__(
@@ -67,7 +75,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         medium: str = "device",
         admission: AdmissionPolicy = SHARED,
-        admit_whole_prompt: bool = True,
+        admit_whole_prompt: bool = False,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -83,9 +91,10 @@ class KVCacheManager:
         self.max_in_flight_tokens = max_in_flight_tokens
         self.admission = admission
         self.admit_whole_prompt = admit_whole_prompt
-        # Admitted requests' charges beyond their steady windows (per-request policies only).
-        # INVARIANT: num_extra_blocks == Σ _extras.values(); keys are the admitted requests.
-        self._extras: dict[str, int] = {}
+        # What each admitted request was charged when admitted: its steady blocks per group at
+        # its prompt length, and blocks beyond them (per-request policies only).
+        # INVARIANT: keys are the coordinator's requests; num_extra_blocks == Σ extra.
+        self._charges: dict[str, _Charge] = {}
         self.num_extra_blocks = 0
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_fn)
         self.stats = PrefixCacheStats()
@@ -150,15 +159,24 @@ class KVCacheManager:
         n, f = min(num_tokens, self.max_model_len), self.max_in_flight_tokens
         return sum(self.admission.request_blocks(s, n, f) - s.steady_blocks(n) for s in self.specs)
 
-    def _steady_need(self, num_tokens: int, hits: GroupBlocks) -> int:
-        """Blocks a new request's steady windows at `num_tokens` take from the free queue: prefix
-        hits other tables already hold are not taken again."""
-        n = min(num_tokens, self.max_model_len)
+    def _steady_need(self, steady: tuple[int, ...], hits: GroupBlocks) -> int:
+        """Blocks a new request's `steady` windows take from the free queue: prefix hits other
+        tables already hold are not taken again."""
         need = 0
-        for spec, group_hits in zip(self.specs, hits, strict=True):
+        for blocks, group_hits in zip(steady, hits, strict=True):
             held = sum(1 for b in group_hits if not b.is_null and b.ref_cnt > 0)
-            need += max(0, spec.steady_blocks(n) - held)
+            need += max(0, blocks - held)
         return need
+
+    def num_promised_blocks(self) -> int:
+        """Steady blocks admitted requests were charged for and have not allocated yet (their
+        prompts still prefilling): free now, but theirs."""
+        managers = self.coordinator.managers
+        return sum(
+            max(0, blocks - mgr.num_real_blocks(req_id))
+            for req_id, charge in self._charges.items()
+            for blocks, mgr in zip(charge.steady, managers, strict=True)
+        )
 
     def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
         """Real blocks a new request's table will hold beyond each group's steady charge: they
@@ -203,17 +221,21 @@ class KVCacheManager:
         )
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-        if is_new:  # the reserve and its whole steady need (not only this chunk's) must fit
+        if is_new:  # the reserve not held must stay free beside its blocks
             excess = self._excess_of_new(num_tokens, total_computed)
-            extra = self.extra_charge(request.num_tokens)
-            if self.admit_whole_prompt:
-                need = max(need, self._steady_need(request.num_tokens, hits) + excess)
-            need += self.reserve_shortfall(1, excess, extra)
+            length = min(request.num_tokens, self.max_model_len)
+            charge = _Charge(
+                tuple(s.steady_blocks(length) for s in self.specs), self.extra_charge(length)
+            )
+            if self.admit_whole_prompt:  # and the steady windows of its whole prompt
+                need = max(need, self._steady_need(charge.steady, hits) + excess)
+                need += self.num_promised_blocks()
+            need += self.reserve_shortfall(1, excess, charge.extra)
         if need > self.pool.num_free_blocks:
             return None
         if is_new:
-            self._extras[req_id] = extra
-            self.num_extra_blocks += extra
+            self._charges[req_id] = charge
+            self.num_extra_blocks += charge.extra
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
         new_blocks = self.coordinator.allocate_new_blocks(req_id, num_tokens, total_computed)
         if self.enable_caching and not delay_cache_blocks:
@@ -238,7 +260,9 @@ class KVCacheManager:
         """Release every block of the request (tail first), quarantined until `last_step_seq`,
         and its admission charge."""
         self.coordinator.free(request_id, last_step_seq)
-        self.num_extra_blocks -= self._extras.pop(request_id, 0)
+        charge = self._charges.pop(request_id, None)
+        if charge is not None:
+            self.num_extra_blocks -= charge.extra
 
     def release_quarantine(self, processed_step_seq: int) -> int:
         """Steps up to `processed_step_seq` are processed; returns references released."""
@@ -282,8 +306,9 @@ class KVCacheManager:
         quarantine, and `num_pinned` references held by others (e.g. transfers); and that every
         admitted request carries its admission charge."""
         self.pool.check_integrity()
-        assert self._extras.keys() == self.coordinator.managers[0].req_to_blocks.keys()
-        assert self.num_extra_blocks == sum(self._extras.values()), "admission charges drifted"
+        assert self._charges.keys() == self.coordinator.managers[0].req_to_blocks.keys()
+        extra = sum(c.extra for c in self._charges.values())
+        assert self.num_extra_blocks == extra, "admission charges drifted"
         holders: dict[BlockId, int] = dict(num_pinned or {})
         for mgr in self.coordinator.managers:
             for req_id, table in mgr.req_to_blocks.items():

@@ -157,7 +157,8 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
             raise ValueError(f"{have}, fewer than one per KV-cache group ({len(groups)}): {more}")
         raise ValueError(
             f"{have}, but one request of --max-model-len {max_model_len} needs {need} + 1 null "
-            f"blocks: {more}, or lower --max-model-len to ≤ {fit}"
+            f"blocks under --admission {plan.admission.name}: {more}, or lower --max-model-len "
+            f"to ≤ {fit}"
         )
     return plan
 

@@ -32,6 +32,7 @@ def test_admission_bench_at_toy_size(tmp_path: Path) -> None:
         )
         for (name, protect), row in rows.items():
             assert row["requests"] == num and row["output_tokens"] == num * 16
+            assert row["peak_running"] <= row["max_concurrency_at_prompt_len"], name
             if protect != "none":  # the protections hold whatever admission charges
                 assert (row["garbled"], row["hazards"], row["preemptions"]) == (0, 0, 0), name
         # blocks NaN-poisoned when handed out: without the protections the race is reported
@@ -45,8 +46,8 @@ def test_admission_bench_at_toy_size(tmp_path: Path) -> None:
     near_max = {r["admission"]: r for r in result["workloads"][0]["rows"] if r["protect"] != "none"}
     conc = {name: r["max_concurrency_at_max_len"] for name, r in near_max.items()}
     assert conc["per-request"] < conc["optimistic"] <= conc["shared"], conc
-    for r in near_max.values():  # near max length admission reaches the reported concurrency
-        assert r["peak_running"] == r["max_concurrency_at_max_len"]
+    for r in near_max.values():  # near max length admission reaches the formula's concurrency
+        assert r["peak_running"] == r["max_concurrency_at_prompt_len"]
     assert (tmp_path / "a.png").stat().st_size > 0
 
 

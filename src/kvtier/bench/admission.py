@@ -262,6 +262,10 @@ def run_row(
         "protect": kw["protect"],
         "requests": len(records),
         "max_concurrency_at_max_len": engine.plan.max_concurrency(),
+        # admission charges a request's prompt: the formula at the workload's prompt length
+        "max_concurrency_at_prompt_len": engine.plan.max_concurrency(
+            num_tokens=w.max_len - args.output_len
+        ),
         "peak_running": max(r for _, r in samples),
         "mean_running": weighted / (end_ns - t0_ns),
         "duration_s": duration,

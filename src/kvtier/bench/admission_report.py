@@ -33,7 +33,7 @@ def print_rows(label: str, rows: list[dict[str, Any]]) -> None:
     ratios = compare(rows)
     print(f"-- requests at {label}")
     print(
-        f"{'admission':27s} {'conc@max':>8s} {'peak':>4s} {'mean':>5s} "
+        f"{'admission':27s} {'conc@max':>8s} {'@prompt':>7s} {'peak':>4s} {'mean':>5s} "
         f"{'out tok/s':>9s} {'tot tok/s':>9s} {'dur s':>7s} {'TTFT ms':>8s} {'p99':>8s} "
         f"{'preempt':>7s} {'garbled':>9s} {'hazards':>7s} {'vs optimistic':>26s} {'wall s':>6s}"
     )
@@ -46,7 +46,8 @@ def print_rows(label: str, rows: list[dict[str, Any]]) -> None:
             else ""
         )
         print(
-            f"{name:27s} {r['max_concurrency_at_max_len']:8d} {r['peak_running']:4d} "
+            f"{name:27s} {r['max_concurrency_at_max_len']:8d} "
+            f"{r['max_concurrency_at_prompt_len']:7d} {r['peak_running']:4d} "
             f"{r['mean_running']:5.1f} {r['output_tok_s']:9.0f} {r['total_tok_s']:9.0f} "
             f"{r['duration_s']:7.3f} {r['ttft_ms']['mean']:8.1f} {r['ttft_ms']['p99']:8.1f} "
             f"{r['preemptions']:7d} {r['garbled']:4d}/{r['requests']:<4d} {r['hazards']:7d} "

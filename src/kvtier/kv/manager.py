@@ -287,13 +287,13 @@ class KVCacheManager:
     def max_concurrency(self, num_tokens: int | None = None) -> int:
         """Requests of `num_tokens` (default max_model_len) that fit; same formula as admission."""
         n = self.max_model_len if num_tokens is None else num_tokens
-        usable = self.pool.num_blocks - 1
-        return max_concurrency(self.specs, usable, n, self.max_in_flight_tokens, self.admission)
+        usable, f = self.pool.num_blocks - 1, self.max_in_flight_tokens
+        return max_concurrency(self.specs, usable, n, f, self.admission, self.max_model_len)
 
     def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
         """What `num_requests` requests of `num_tokens` need under this manager's admission."""
-        f = self.max_in_flight_tokens
-        return blocks_for_requests(self.specs, num_requests, num_tokens, f, self.admission)
+        f, cap = self.max_in_flight_tokens, self.max_model_len
+        return blocks_for_requests(self.specs, num_requests, num_tokens, f, self.admission, cap)
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()

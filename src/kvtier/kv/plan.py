@@ -70,14 +70,13 @@ class KVPlan:
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` needs, its share of the transient reserve included."""
-        return blocks_for_requests(
-            self.specs, 1, num_tokens, self.max_in_flight_tokens, self.admission
-        )
+        return self.blocks_for_requests(1, num_tokens)
 
     def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
         """Blocks `num_requests` requests of `num_tokens` need under the plan's admission."""
+        f, policy = self.max_in_flight_tokens, self.admission
         return blocks_for_requests(
-            self.specs, num_requests, num_tokens, self.max_in_flight_tokens, self.admission
+            self.specs, num_requests, num_tokens, f, policy, self.max_model_len
         )
 
     def max_concurrency(self, tier: str = "device", num_tokens: int | None = None) -> int:
@@ -85,7 +84,8 @@ class KVPlan:
         runtime admission charges them."""
         n = self.max_model_len if num_tokens is None else num_tokens
         blocks = next(t.num_blocks for t in self.tiers if t.name == tier)
-        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens, self.admission)
+        f, policy = self.max_in_flight_tokens, self.admission
+        return max_concurrency(self.specs, blocks - 1, n, f, policy, self.max_model_len)
 
 
 def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
@@ -169,10 +169,12 @@ def block_size_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
 
 
 def _longest_fitting(plan: KVPlan, usable_blocks: int) -> int:
+    """The longest --max-model-len at which one request fits in `usable_blocks`."""
+    f, policy = plan.max_in_flight_tokens, plan.admission
     lo, hi = 0, plan.max_model_len
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan.blocks_per_request(mid) <= usable_blocks:
+        if blocks_for_requests(plan.specs, 1, mid, f, policy) <= usable_blocks:
             lo = mid
         else:
             hi = mid - 1

@@ -238,15 +238,18 @@ def blocks_for_requests(
     num_tokens: int,
     max_in_flight_tokens: int,
     policy: AdmissionPolicy = SHARED,
+    max_model_len: int | None = None,
 ) -> int:
     """Blocks (all groups, one shared pool) that `num_requests` requests of `num_tokens` need.
 
     The single sizing formula: per request what `policy` charges each, once what it charges the
-    pool.
+    pool — capped by what requests of `max_model_len` (default `num_tokens`) can hold, as the
+    runtime caps it: it cannot know that a request will stay shorter than that.
     """
+    cap_len = num_tokens if max_model_len is None else max_model_len
     return sum(
         num_requests * policy.request_blocks(s, num_tokens, max_in_flight_tokens)
-        + policy.pool_blocks(s, max_in_flight_tokens, num_requests, num_tokens)
+        + policy.pool_blocks(s, max_in_flight_tokens, num_requests, cap_len)
         for s in specs
     )
 
@@ -254,16 +257,21 @@ def blocks_for_requests(
 def max_concurrency(
     specs: Sequence[KVSpec],
     num_usable_blocks: int,
-    max_model_len: int,
+    num_tokens: int,
     max_in_flight_tokens: int,
     policy: AdmissionPolicy = SHARED,
+    max_model_len: int | None = None,
 ) -> int:
-    """Largest number of `max_model_len`-token requests that fit in `num_usable_blocks` (≥ 0)."""
+    """Largest number of `num_tokens`-token requests that fit in `num_usable_blocks` (≥ 0), in a
+    pool for requests of up to `max_model_len` (default `num_tokens`)."""
     lo, hi = 0, max(1, num_usable_blocks)
     while lo < hi:  # blocks_for_requests is monotone in num_requests
         mid = (lo + hi + 1) // 2
-        need = blocks_for_requests(specs, mid, max_model_len, max_in_flight_tokens, policy)
-        if need <= num_usable_blocks:
+        f = max_in_flight_tokens
+        if (
+            blocks_for_requests(specs, mid, num_tokens, f, policy, max_model_len)
+            <= num_usable_blocks
+        ):
             lo = mid
         else:
             hi = mid - 1

@@ -57,32 +57,48 @@ def print_rows(label: str, rows: list[dict[str, Any]]) -> None:
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
+    """Four panels per policy and workload: throughput against `optimistic`, mean TTFT, mean
+    running requests, and sanitizer hazards labelled with the garbled completions."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [row_name(r) for r in results[0]["rows"]]
-    panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
-        ("output tokens/s (modelled device time)", lambda r: r["output_tok_s"]),
-        ("mean TTFT (modelled ms)", lambda r: r["ttft_ms"]["mean"]),
-        ("mean running requests", lambda r: r["mean_running"]),
-        ("garbled completions (%)", lambda r: 100 * r["garbled"] / r["requests"]),
+
+    def change(res: dict[str, Any]) -> Callable[[dict[str, Any]], float]:
+        return lambda r: (
+            100 * res["vs_optimistic"].get(row_name(r), {}).get("throughput_change", 0.0)
+        )
+
+    panels: tuple[tuple[str, Callable[[dict[str, Any]], Callable[[dict[str, Any]], float]]], ...]
+    panels = (
+        ("tokens/s vs optimistic (%, modelled device time)", change),
+        ("mean TTFT (modelled ms)", lambda res: lambda r: r["ttft_ms"]["mean"]),
+        ("mean running requests", lambda res: lambda r: r["mean_running"]),
+        ("sanitizer hazards (label: garbled)", lambda res: lambda r: r["hazards"]),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.8))
     width = 0.8 / len(results)
-    for ax, (title, value) in zip(axes, panels, strict=True):
+    for k, (ax, (title, value_of)) in enumerate(zip(axes, panels, strict=True)):
         for i, res in enumerate(results):
             xs = [j + (i - (len(results) - 1) / 2) * width for j in range(len(names))]
-            label = f"{res['fraction']:.0%} of max length"
-            ax.bar(xs, [value(r) for r in res["rows"]], width=width, label=label)
+            value = value_of(res)
+            label = f"requests at {res['fraction']:.0%} of max length"
+            bars = ax.bar(xs, [value(r) for r in res["rows"]], width=width, label=label)
+            if k == len(panels) - 1:
+                garbled = [f"{r['garbled']}/{r['requests']}" for r in res["rows"]]
+                ax.bar_label(bars, garbled, fontsize=7)
         ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
         ax.set_title(title, fontsize=10)
-    axes[0].legend()
+        ax.axhline(0, color="black", linewidth=0.6)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=9)
     fig.suptitle(
         "kvtier bench admission: shared reserve vs per-request (vLLM after its fix) vs "
-        "optimistic (before), sim device"
+        "optimistic (before), sim device",
+        x=0.4,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

@@ -14,8 +14,8 @@ from kvtier.cli import main
 from kvtier.config import ADMISSION_POLICIES
 
 TOY = [
-    "--max-model-len", "256", "--num-requests", "8,16", "--output-len", "16",
-    "--pool-requests", "3", "--concurrency", "16", "--hidden-size", "32",
+    "--max-model-len", "128", "--num-requests", "6,12", "--output-len", "8",
+    "--pool-requests", "3", "--concurrency", "12", "--hidden-size", "32",
 ]  # fmt: skip
 
 
@@ -25,13 +25,13 @@ def test_admission_bench_at_toy_size(tmp_path: Path) -> None:
     assert rc == 0
     result = json.loads(out.read_text())
     assert [w["fraction"] for w in result["workloads"]] == [0.97, 0.25]
-    for w, num in zip(result["workloads"], (8, 16), strict=True):
+    for w, num in zip(result["workloads"], (6, 12), strict=True):
         rows = {(r["admission"], r["protect"]): r for r in w["rows"]}
         assert sorted(rows) == sorted(
             [(p, "event,settled,quarantine") for p in ADMISSION_POLICIES] + [("optimistic", "none")]
         )
         for (name, protect), row in rows.items():
-            assert row["requests"] == num and row["output_tokens"] == num * 16
+            assert row["requests"] == num and row["output_tokens"] == num * 8
             assert row["peak_running"] <= row["max_concurrency_at_prompt_len"], name
             if protect != "none":  # the protections hold whatever admission charges
                 assert (row["garbled"], row["hazards"], row["preemptions"]) == (0, 0, 0), name

@@ -24,6 +24,8 @@ LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
+# What admission charges window groups for tokens in flight (kv.specs.AdmissionPolicy)
+ADMISSION_POLICIES = ("shared", "per-request", "optimistic")
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
@@ -211,6 +213,7 @@ class CacheConfig:
     kv_offloading_size: float | None = None  # host tier, GiB
     num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
+    admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -242,6 +245,10 @@ class CacheConfig:
                 "blocks, so with --no-enable-prefix-caching it would store nothing; enable prefix "
                 "caching or drop the host tier"
             )
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"--admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,8 @@ class SchedulerConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
     async_depth: int = 2  # unprocessed steps allowed at once when async_scheduling is on
+    # Admit a request only when its whole prompt fits (vLLM's flag), not only its first chunk
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -317,11 +326,19 @@ FLAG_HELP = {
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
         "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"
     ),
+    "admission": (
+        "what admission charges window groups for tokens in flight: shared (steady window per "
+        "request + one pool-wide reserve), per-request (W-1+in-flight tokens each, vLLM after "
+        "its settled-basis fix) or optimistic (W-1+one step each, vLLM before it)"
+    ),
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's max positions)",
     "async_scheduling": "schedule the next step while the device runs this one",
     "async_depth": "unprocessed steps allowed at once with async scheduling (1-3)",
+    "scheduler_reserve_full_isl": (
+        "admit a request only when the blocks of its whole prompt fit (not only its first chunk)"
+    ),
     "host": "address to listen on",
     "port": "port to listen on",
     "served_model_name": "model id clients send (default: --model, or kvtier-default)",

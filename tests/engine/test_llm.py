@@ -61,7 +61,13 @@ def test_greedy_tokens_match_transformers(arch: str, request: pytest.FixtureRequ
         assert got == ids[0, len(tokens) :].tolist()
 
 
-TIGHT = {"num_device_blocks": 70, "max_model_len": 64, "max_num_batched_tokens": 16}
+# Admitting on the first chunk alone (not the whole prompt) over-admits into this pool: preemptions
+TIGHT = {
+    "num_device_blocks": 70,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 16,
+    "scheduler_reserve_full_isl": False,
+}
 SIM = {"device": "sim", "poison": True, "sanitize": True}
 # The equivalence matrix of every scheduling mode on cpu and sim: tests/engine/test_matrix.py.
 

@@ -19,7 +19,8 @@ from kvtier.model.testing import write_tiny_model
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 64}
 CHECKED = {"sanitize": True, "poison": True, "check_integrity": True}
-TIGHT = {"num_device_blocks": 70, "max_num_batched_tokens": 16}
+# admitting on the first chunk alone over-admits into this pool: preemptions
+TIGHT = {"num_device_blocks": 70, "max_num_batched_tokens": 16, "scheduler_reserve_full_isl": False}
 HOST = {"num_device_blocks": 80, "num_host_blocks": 400}
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"async_scheduling": False},

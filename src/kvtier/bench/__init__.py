@@ -23,6 +23,7 @@ BENCHMARKS = (
     "compare",
     "preempt",
     "overlap",
+    "admission",
 )
 
 

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s; "
         f"KV: {engine.kv.pool.num_blocks} blocks of {engine.plan.block_size} tokens, "
-        f"{len(engine.plan.groups)} groups]",
+        f"{len(engine.plan.groups)} groups, max concurrency at max length "
+        f"{engine.plan.max_concurrency()} (admission {engine.plan.admission.name})]",
         file=sys.stderr,
     )
     return 0

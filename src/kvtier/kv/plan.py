@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.kv.specs import (
+    SHARED,
+    AdmissionPolicy,
     ChunkedLocal,
     FullAttention,
     KVSpec,
     SlidingWindow,
+    admission_policy,
     blocks_for_requests,
     max_concurrency,
 )
@@ -49,6 +52,7 @@ class KVPlan:
     max_model_len: int
     max_in_flight_tokens: int
     tiers: tuple[TierPlan, ...]
+    admission: AdmissionPolicy = SHARED  # what sizing and admission charge (--admission)
 
     @property
     def specs(self) -> list[KVSpec]:
@@ -66,12 +70,22 @@ class KVPlan:
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` needs, its share of the transient reserve included."""
-        return blocks_for_requests(self.specs, 1, num_tokens, self.max_in_flight_tokens)
+        return self.blocks_for_requests(1, num_tokens)
+
+    def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
+        """Blocks `num_requests` requests of `num_tokens` need under the plan's admission."""
+        f, policy = self.max_in_flight_tokens, self.admission
+        return blocks_for_requests(
+            self.specs, num_requests, num_tokens, f, policy, self.max_model_len
+        )
 
     def max_concurrency(self, tier: str = "device", num_tokens: int | None = None) -> int:
+        """Requests of `num_tokens` (default max_model_len) that `tier` holds at once, as
+        runtime admission charges them."""
         n = self.max_model_len if num_tokens is None else num_tokens
         blocks = next(t.num_blocks for t in self.tiers if t.name == tier)
-        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens)
+        f, policy = self.max_in_flight_tokens, self.admission
+        return max_concurrency(self.specs, blocks - 1, n, f, policy, self.max_model_len)
 
 
 def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
@@ -129,6 +143,7 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         max_model_len,
         sched.max_in_flight_tokens,
         tuple(tiers),
+        admission_policy(cache.admission, sched.max_num_batched_tokens),
     )
     need = plan.blocks_per_request(max_model_len)
     if device_blocks - 1 < need:
@@ -142,7 +157,8 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
             raise ValueError(f"{have}, fewer than one per KV-cache group ({len(groups)}): {more}")
         raise ValueError(
             f"{have}, but one request of --max-model-len {max_model_len} needs {need} + 1 null "
-            f"blocks: {more}, or lower --max-model-len to ≤ {fit}"
+            f"blocks under --admission {plan.admission.name}: {more}, or lower --max-model-len "
+            f"to ≤ {fit}"
         )
     return plan
 
@@ -153,10 +169,12 @@ def block_size_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
 
 
 def _longest_fitting(plan: KVPlan, usable_blocks: int) -> int:
+    """The longest --max-model-len at which one request fits in `usable_blocks`."""
+    f, policy = plan.max_in_flight_tokens, plan.admission
     lo, hi = 0, plan.max_model_len
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan.blocks_per_request(mid) <= usable_blocks:
+        if blocks_for_requests(plan.specs, 1, mid, f, policy) <= usable_blocks:
             lo = mid
         else:
             hi = mid - 1

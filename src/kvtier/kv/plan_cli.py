@@ -45,6 +45,7 @@ def plan_summary(model: ModelConfig, plan: KVPlan) -> dict[str, Any]:
         "block_size": plan.block_size,
         "max_model_len": plan.max_model_len,
         "max_in_flight_tokens": plan.max_in_flight_tokens,
+        "admission": plan.admission.name,
         "layers_per_group": plan.layers_per_group,
         "page_bytes": plan.page_bytes,
         "padding_fraction": plan.padding_fraction,
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         f"(async depth × --max-num-batched-tokens)"
     )
     print(
-        f"one max-length request needs {s['blocks_per_max_len_request']} blocks (reserve included)"
+        f"one max-length request needs {s['blocks_per_max_len_request']} blocks (reserve included; "
+        f"--admission {plan.admission.name})"
     )
     for t in s["tiers"]:
         print(

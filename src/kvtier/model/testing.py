@@ -29,6 +29,8 @@ def tiny_config(
     window: int = 8,
     chunk: int = 8,
     dtype: str = "float32",
+    sliding_window_pattern: int = 3,  # gemma3: every n-th layer global, the others sliding
+    max_position_embeddings: int = 1024,
 ) -> dict[str, Any]:
     """A HF config.json dict for `arch` (one of ARCHITECTURES) at toy size."""
     if arch not in ARCHITECTURES:
@@ -41,7 +43,7 @@ def tiny_config(
         "num_key_value_heads": num_kv_heads,
         "head_dim": hidden_size // num_heads,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -71,7 +73,7 @@ def tiny_config(
             cfg |= {"attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0}
         else:
             cfg |= {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-            pattern = 3
+            pattern = sliding_window_pattern
             cfg |= {"sliding_window_pattern": pattern, "rope_local_base_freq": 100.0}
             cfg["layer_types"] = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention"

@@ -377,5 +377,5 @@ def layout_summary(engine: EngineCore) -> str:
     return (
         f"KV layout: {len(plan.groups)} groups [{'; '.join(groups)}], block {plan.block_size} "
         f"tokens, max_model_len {plan.max_model_len}; tiers: {tiers}; max concurrency at max "
-        f"length {plan.max_concurrency()}"
+        f"length {plan.max_concurrency()} (admission {plan.admission.name})"
     )

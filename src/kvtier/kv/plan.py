@@ -11,6 +11,7 @@ from kvtier.kv.specs import (
     ChunkedLocal,
     FullAttention,
     KVSpec,
+    Mamba,
     SlidingWindow,
     blocks_for_requests,
     max_concurrency,
@@ -83,13 +84,16 @@ def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
     if kind == "chunked":
         assert model.attention_chunk_size is not None
         return ChunkedLocal(block_size, model.attention_chunk_size)
-    raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan yet (mamba state layout)")
+    if kind == "mamba":
+        return Mamba(block_size)
+    raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan")
 
 
 def group_layers(model: ModelConfig, block_size: int) -> tuple[tuple[KVGroup, ...], int]:
-    """Split layers into groups of equal slot count (the smallest kind's layer count), full first."""
+    """Split cache layers (`ModelConfig.cache_layers`: attention and Mamba mixers) into groups of
+    equal slot count (the smallest kind's layer count), full attention first."""
     by_spec: dict[KVSpec, list[int]] = defaultdict(list)
-    for i, kind in enumerate(model.layer_kinds):
+    for i, kind in model.cache_layers():
         by_spec[layer_spec(model, kind, block_size)].append(i)
     slots = min(len(v) for v in by_spec.values())
     groups: list[KVGroup] = []

@@ -78,6 +78,58 @@ class HybridKV:
             self._prune(seq)
         return list(logits.split(scheduled))
 
+    def verify(self, seq: str, tokens: list[int], num_accepted: int) -> torch.Tensor:
+        """A draft-verification step: `tokens` (the last sampled token, then drafts) run with the
+        state after each token sent to a scratch block, then only 1 + `num_accepted` of them are
+        kept: the state after the last kept token is copied to the table's block for that count
+        (what the runner does once verification is known) and the scratch blocks are freed.
+        Returns the logits [len(tokens), vocab]."""
+        done, bs = self.num_computed[seq], self.block_size
+        end = done + len(tokens)
+        tables = self.tables[seq]
+        for g, table in enumerate(tables):
+            if g not in self.state_groups:
+                while len(table) < -(-end // bs):
+                    table.append(self.free.pop())
+        scratch = {g: [self.free.pop() for _ in tokens] for g in self.state_groups}
+        groups = range(len(self.model.kv_groups))
+        width = -(-end // bs)  # state tables stay as they are; attention ignores them
+        block_ids = [[tables[g] + [0] * (width - len(tables[g]))] for g in groups]
+        meta = AttentionMetadata.build([done], [len(tokens)], block_ids, bs)
+        state_meta = StateMetadata.build(
+            [done],
+            [len(tokens)],
+            {g: block_ids[g] for g in self.state_groups},  # dst unused: a slot per token
+            bs,
+            token_slots={g: {0: slots} for g, slots in scratch.items()},
+        )
+        with torch.no_grad():
+            hidden = self.model(
+                torch.tensor(tokens, dtype=torch.long),
+                meta.query_positions(),
+                self.kv_caches,
+                meta,
+                self.state_caches,
+                state_meta,
+            )
+            logits = self.model.compute_logits(hidden)
+        kept = done + 1 + num_accepted
+        last = (kept - 1) // bs
+        for g in self.state_groups:
+            table = tables[g]
+            while len(table) <= last:
+                table.append(self.free.pop() if len(table) == last else 0)
+            for layer, group in self.model.state_group.items():
+                if group == g:
+                    state = self.state_caches[layer]
+                    state.conv[table[last]] = state.conv[scratch[g][num_accepted]]
+                    state.ssm[table[last]] = state.ssm[scratch[g][num_accepted]]
+            for block in scratch[g]:
+                self._free(block)
+        self.num_computed[seq] = kept
+        self._prune(seq)
+        return logits
+
     def release(self, seq: str) -> None:
         for table in self.tables.pop(seq):
             for b in table:

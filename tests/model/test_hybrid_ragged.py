@@ -128,3 +128,30 @@ def test_state_metadata_addresses_the_last_token_position(computed, scheduled, s
     table = [7, 8, 9, 6]  # block id per table position, block size 4
     meta = StateMetadata.build(computed, scheduled, {2: [table]}, block_size=4)
     assert meta.src_slots[2] == tuple(src) and meta.dst_slots[2] == tuple(dst)
+
+
+@pytest.mark.parametrize("num_accepted", [0, 1, 3])
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_a_rejected_draft_leaves_the_state_as_if_it_never_ran(tiny_model_dir, arch, num_accepted):
+    """Verify 1 + 3 tokens from 14 (crossing the block boundary at 16), keep 1 + num_accepted:
+    the kept tokens' logits, the states and everything after equal a run that never saw the
+    rejected ones (to float64 rounding: a 4-query step batches its matmuls differently)."""
+    model = model64(tiny_model_dir(arch))
+    seqs = sequences(model.config.vocab_size)
+    prompt, verified, more = seqs["a"][:14], seqs["b"][:4], seqs["c"][:3]
+    drafted = HybridKV(model, num_blocks=64, block_size=4)
+    drafted.step([("s", prompt)])
+    got = drafted.verify("s", verified, num_accepted)[: 1 + num_accepted]
+    got = torch.cat([got, *(drafted.step([("s", [t])])[0] for t in more)])
+    plain = HybridKV(model, num_blocks=64, block_size=4)
+    plain.step([("s", prompt)])
+    kept = verified[: 1 + num_accepted]
+    expected = torch.cat([plain.step([("s", [t])])[0] for t in kept + more])
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+    for a, b in zip(live_states(drafted, "s"), live_states(plain, "s"), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_token_slots_need_one_slot_per_scheduled_token():
+    with pytest.raises(ValueError, match=r"token_slots\[2\]\[0\] has 2 slots for 3 scheduled"):
+        StateMetadata.build([4], [3], {2: [[7, 8]]}, block_size=4, token_slots={2: {0: [5, 6]}})

@@ -1,18 +1,22 @@
 """The Mamba2 mixer (gated, grouped heads, conv state + SSM state) and how one forward addresses its
 states: `StateMetadata` (per Mamba KV group, the slot each sequence reads its state from and the
-slot it writes the new state to) and `StatePlan` (that, split into decodes and prefill chunks).
+slot it writes the new state to, or a slot per token) and `StatePlan` (that, split into decodes,
+prefill chunks and token-by-token queries).
 
 States live in `MambaCache` slot tensors passed to every forward; the mixer holds only weights.
 A slot is a block id of the group's table: the state after n tokens is kept at table position
 (n - 1) // block_size (kv/specs.py `Mamba`), so a step that crosses a block boundary reads one
 block and writes another, and a step ending on a boundary leaves a prefix-cache snapshot.
+A query given a slot per token (a draft verification) runs the recurrence one token at a time and
+leaves the state after each of its tokens: continuing from the state after the last accepted token
+is exactly as if the rejected tokens never ran.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,8 @@ class StatePlan:
     decode_dst: torch.Tensor  # [n] slot receiving its state after the token
     decode_fresh: torch.Tensor  # [n] bool: no tokens before (start from the zero state)
     prefills: tuple[tuple[int, int, int, int, bool], ...]  # (first token, end, src, dst, fresh)
+    # (first token, end, src, fresh, one dst slot per token): the state after every token
+    stepwise: tuple[tuple[int, int, int, bool, tuple[int, ...]], ...] = ()
 
     def to(self, device: torch.device) -> StatePlan:
         """The plan with its index tensors on `device`."""
@@ -51,6 +57,7 @@ class StatePlan:
             self.decode_dst.to(device),
             self.decode_fresh.to(device),
             self.prefills,
+            self.stepwise,
         )
 
 
@@ -62,6 +69,8 @@ class StateMetadata:
     num_computed_tokens: tuple[int, ...]  # [num_seqs] tokens before this forward's
     src_slots: Mapping[int, tuple[int, ...]]  # per Mamba group: slot of the state to start from
     dst_slots: Mapping[int, tuple[int, ...]]  # per Mamba group: slot for the state at the end
+    # per Mamba group, per sequence index: a slot for the state after each of its tokens
+    token_slots: Mapping[int, Mapping[int, tuple[int, ...]]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -70,10 +79,12 @@ class StateMetadata:
         num_scheduled_tokens: Sequence[int],
         block_ids: Mapping[int, Sequence[Sequence[int]]],
         block_size: int,
+        token_slots: Mapping[int, Mapping[int, Sequence[int]]] | None = None,
     ) -> StateMetadata:
         """From the block tables of the Mamba groups (`block_ids[group][seq]`): the state after n
         tokens is at table position (n - 1) // block_size. A sequence with no tokens before
-        starts from zeros (its src is never read)."""
+        starts from zeros (its src is never read). `token_slots[group][seq]` (one slot per
+        scheduled token) sends that sequence's state after each token there instead."""
         loc = [0]
         for n in num_scheduled_tokens:
             loc.append(loc[-1] + n)
@@ -88,7 +99,18 @@ class StateMetadata:
                 t[(c - 1) // block_size] if c else d
                 for t, c, d in zip(tables, num_computed_tokens, dst[group], strict=True)
             )
-        return cls(tuple(loc), tuple(num_computed_tokens), src, dst)
+        per_token = {
+            g: {i: tuple(slots) for i, slots in seqs.items()}
+            for g, seqs in (token_slots or {}).items()
+        }
+        for g, seqs in per_token.items():
+            for i, slots in seqs.items():
+                if len(slots) != num_scheduled_tokens[i]:
+                    raise ValueError(
+                        f"token_slots[{g}][{i}] has {len(slots)} slots for "
+                        f"{num_scheduled_tokens[i]} scheduled tokens; give one per token"
+                    )
+        return cls(tuple(loc), tuple(num_computed_tokens), src, dst, per_token)
 
     @functools.cached_property
     def query_lens(self) -> list[int]:
@@ -96,13 +118,21 @@ class StateMetadata:
         return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
 
     def plan(self, group: int) -> StatePlan:
-        """Decodes (one token) batched, longer queries one by one; idle sequences skipped."""
+        """Decodes (one token) batched, longer queries one by one, queries with a slot per token
+        token by token; idle sequences skipped."""
         src, dst = self.src_slots[group], self.dst_slots[group]
-        decodes = [i for i, q in enumerate(self.query_lens) if q == 1]
+        per_token = self.token_slots.get(group, {})
+        loc, computed = self.query_start_loc, self.num_computed_tokens
+        decodes = [i for i, q in enumerate(self.query_lens) if q == 1 and i not in per_token]
         prefills = tuple(
-            (self.query_start_loc[i], self.query_start_loc[i + 1], src[i], dst[i], not c)
-            for i, (q, c) in enumerate(zip(self.query_lens, self.num_computed_tokens))
-            if q > 1
+            (loc[i], loc[i + 1], src[i], dst[i], not computed[i])
+            for i, q in enumerate(self.query_lens)
+            if q > 1 and i not in per_token
+        )
+        stepwise = tuple(
+            (loc[i], loc[i + 1], src[i], not computed[i], slots)
+            for i, slots in sorted(per_token.items())
+            if slots
         )
         return StatePlan(
             decode_tokens=torch.tensor(
@@ -112,6 +142,7 @@ class StateMetadata:
             decode_dst=torch.tensor([dst[i] for i in decodes], dtype=torch.long),
             decode_fresh=torch.tensor([not self.num_computed_tokens[i] for i in decodes]),
             prefills=prefills,
+            stepwise=stepwise,
         )
 
 
@@ -169,25 +200,25 @@ class Mamba2Mixer(nn.Module):
         d = self.D.to(compute)
         weight, bias = self.conv1d.weight[:, 0, :], self.conv1d.bias
         y = x.new_empty(num_tokens, s.num_heads, s.head_dim, dtype=compute)
-        if (n := plan.decode_tokens.numel()) > 0:
+        if plan.decode_tokens.numel() > 0:
             tokens, fresh = plan.decode_tokens, plan.decode_fresh[:, None, None]
             conv = torch.where(fresh, 0.0, cache.conv.index_select(0, plan.decode_src))
-            out, conv = causal_conv(xbc.index_select(0, tokens)[:, None], conv, weight, bias)
-            cache.conv.index_copy_(0, plan.decode_dst, conv.to(cache.conv.dtype))
-            xs, b, c = torch.split(F.silu(out[:, 0]).to(compute), [s.intermediate_size, gn, gn], -1)
             ssm = cache.ssm.index_select(0, plan.decode_src).to(compute)
             ssm = torch.where(fresh[..., None], 0.0, ssm)
-            yd, ssm = ssm_step(
-                xs.view(n, s.num_heads, s.head_dim),
-                dt.index_select(0, tokens).to(compute),
-                a,
-                b.view(n, s.num_groups, s.state_size),
-                c.view(n, s.num_groups, s.state_size),
-                d,
-                ssm,
+            yd, conv, ssm = self._step(
+                xbc.index_select(0, tokens), dt.index_select(0, tokens), conv, ssm, a, d
             )
+            cache.conv.index_copy_(0, plan.decode_dst, conv.to(cache.conv.dtype))
             cache.ssm.index_copy_(0, plan.decode_dst, ssm.to(cache.ssm.dtype))
             y.index_copy_(0, tokens, yd)
+        for start, end, src, is_fresh, slots in plan.stepwise:
+            conv, ssm = cache.conv[src : src + 1], cache.ssm[src : src + 1].to(compute)
+            if is_fresh:  # a fresh sequence's slot may hold poison: not read
+                conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
+            for t, slot in zip(range(start, end), slots, strict=True):
+                y[t : t + 1], conv, ssm = self._step(xbc[t : t + 1], dt[t : t + 1], conv, ssm, a, d)
+                cache.conv[slot] = conv[0].to(cache.conv.dtype)
+                cache.ssm[slot] = ssm[0].to(cache.ssm.dtype)
         for start, end, src, dst, is_fresh in plan.prefills:
             length = end - start
             conv = cache.conv[src : src + 1]  # a fresh sequence's slot may hold poison: not read
@@ -212,3 +243,30 @@ class Mamba2Mixer(nn.Module):
         gated = F.silu(z.to(compute)) * flat if self.norm is None else self.norm(flat, z)
         out_proj: torch.Tensor = self.out_proj(gated.to(x.dtype))
         return out_proj
+
+    def _step(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        a: torch.Tensor,
+        d: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token of n sequences: xbc [n, conv_dim], dt [n, H], conv [n, conv_dim, K - 1],
+        ssm [n, H, P, N] → (y [n, H, P], new conv, new ssm)."""
+        s, n = self.shape, xbc.shape[0]
+        gn = s.num_groups * s.state_size
+        bias = self.conv1d.bias
+        out, conv = causal_conv(xbc[:, None], conv, self.conv1d.weight[:, 0, :], bias)
+        xs, b, c = torch.split(F.silu(out[:, 0]).to(ssm.dtype), [s.intermediate_size, gn, gn], -1)
+        y, ssm = ssm_step(
+            xs.view(n, s.num_heads, s.head_dim),
+            dt.to(ssm.dtype),
+            a,
+            b.view(n, s.num_groups, s.state_size),
+            c.view(n, s.num_groups, s.state_size),
+            d,
+            ssm,
+        )
+        return y, conv, ssm

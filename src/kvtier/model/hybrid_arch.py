@@ -56,7 +56,6 @@ class HybridSpec:
     family: str  # falcon_h1 | granitemoehybrid
     attention: ArchSpec  # attention, MLP and norms, shared with the plain decoder's modules
     mixer: MixerSpec
-    use_rope: bool  # Granite 4.0 hybrids use no position embedding (NoPE)
     embedding_multiplier: float
     logits_multiplier: float  # Falcon-H1 lm_head_multiplier; Granite 1 / logits_scaling
     num_experts: int  # routed MoE experts per layer (Granite; 0 = dense)
@@ -95,7 +94,11 @@ def hybrid_spec(config: ModelConfig) -> HybridSpec:
     use_rope = falcon or cfg.get("position_embedding_type") == "rope"
     attention = ArchSpec(
         family=family,
-        intermediate_size=int(cfg["intermediate_size" if falcon else "shared_intermediate_size"]),
+        intermediate_size=int(  # transformers' defaults
+            cfg.get("intermediate_size", 14336)
+            if falcon
+            else cfg.get("shared_intermediate_size", 1024)
+        ),
         rms_norm_eps=eps,
         activation="silu",
         qkv_bias=bias,
@@ -109,14 +112,13 @@ def hybrid_spec(config: ModelConfig) -> HybridSpec:
         attn_softcap=None,
         final_softcap=None,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        layer_ropes=rope_specs(config, family) if use_rope else (),
+        layer_ropes=rope_specs(config, family) if use_rope else (),  # Granite 4.0-H: NoPE
     )
     experts = 0 if falcon else int(cfg.get("num_local_experts", 8))
     return HybridSpec(
         family=family,
         attention=attention,
         mixer=mixer,
-        use_rope=use_rope,
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         logits_multiplier=(
             float(cfg.get("lm_head_multiplier", 1.0))
@@ -125,7 +127,7 @@ def hybrid_spec(config: ModelConfig) -> HybridSpec:
         ),
         num_experts=experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)) if experts else 0,
-        expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
+        expert_intermediate_size=int(cfg.get("intermediate_size", 11008)) if experts else 0,
         multipliers=_multipliers(cfg, config.source)
         if falcon
         else Multipliers(residual=_num(cfg, "residual_multiplier")),

@@ -75,6 +75,49 @@ def _describe(kinds: tuple[type, ...]) -> str:
     return " or ".join(words.get(k, k.__name__) for k in kinds)
 
 
+@dataclass(frozen=True)
+class MambaShape:
+    """Geometry of one Mamba2 mixer: what its conv and SSM state hold per request."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int  # N: the SSM state of one head is [head_dim, state_size]
+    num_groups: int  # B and C are shared by num_heads // num_groups heads
+    conv_kernel: int  # the conv state keeps the last conv_kernel - 1 inputs
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"mamba {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(
+                f"mamba_n_heads {self.num_heads} must be a multiple of mamba_n_groups "
+                f"{self.num_groups}"
+            )
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, B and C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def conv_state_elems(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def ssm_state_elems(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def state_elems(self) -> int:
+        """Elements of one request's state in one layer (conv + SSM)."""
+        return self.conv_state_elems + self.ssm_state_elems
+
+
 _HF_LAYER_TYPES = {
     "full_attention": "full",
     "sliding_attention": "sliding",
@@ -101,6 +144,16 @@ class ModelConfig:
     dtype: str = "float32"
     source: str = ""  # where the configuration came from (folder, file or preset name)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    mamba: MambaShape | None = None  # the Mamba2 mixers' geometry (hybrid models)
+    parallel_mamba: bool = False  # every layer also runs a Mamba2 mixer beside its attention
+
+    def cache_layers(self) -> tuple[tuple[int, str], ...]:
+        """(layer index, kind) of every sublayer that keeps a cache: each layer's attention or
+        mixer, plus the parallel Mamba2 mixer of every layer when `parallel_mamba` (Falcon-H1)."""
+        kinds = tuple(enumerate(self.layer_kinds))
+        if self.parallel_mamba:
+            kinds += tuple((i, "mamba") for i in range(self.num_layers))
+        return kinds
 
     def __post_init__(self) -> None:
         if len(self.layer_kinds) != self.num_layers:
@@ -118,10 +171,13 @@ class ModelConfig:
             raise ValueError(
                 f"{self.source}: dtype {self.dtype!r} unsupported; use {list(DTYPE_BYTES)}"
             )
+        if ("mamba" in self.layer_kinds or self.parallel_mamba) and self.mamba is None:
+            raise ValueError(f"{self.source}: mamba layers but no mamba_* sizes in config.json")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
-        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text)."""
+        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text,
+        Falcon-H1, Granite 4.0 hybrid)."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "")]
         arch = str(archs[0])
         try:
@@ -131,6 +187,7 @@ class ModelConfig:
         except KeyError as exc:
             raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
         kinds = _layer_kinds(arch, cfg, num_layers, source)
+        parallel = arch.startswith("FalconH1For")
         window = cfg.get("sliding_window") if "sliding" in kinds else None
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         return cls(
@@ -148,6 +205,8 @@ class ModelConfig:
             dtype=dtype,
             source=source,
             hf_config=cfg,
+            mamba=_mamba_shape(cfg, hidden, source) if "mamba" in kinds or parallel else None,
+            parallel_mamba=parallel,
         )
 
     @classmethod
@@ -171,7 +230,41 @@ class ModelConfig:
         return cls.from_hf_dict(cfg, source=str(model))
 
 
+def _mamba_shape(cfg: dict[str, Any], hidden: int, source: str) -> MambaShape:
+    """Falcon-H1 / Granite hybrid `mamba_*` keys; a head size of "auto" divides the inner width."""
+    heads = int(cfg.get("mamba_n_heads", 128))  # the defaults are transformers' own
+    inner = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = int(inner) // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != int(inner):
+        raise ValueError(
+            f"{source}: mamba_n_heads {heads} × mamba_d_head {head_dim} != the Mamba inner width "
+            f"{inner} (mamba_d_ssm, or mamba_expand × hidden_size)"
+        )
+    return MambaShape(
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=int(cfg.get("mamba_d_state", 256)),
+        num_groups=int(cfg.get("mamba_n_groups", 1)),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+    )
+
+
+_GRANITE_LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba"}
+_GRANITE_LAYER_TYPES |= {"attention": "full", "full_attention": "full"}
+
+
 def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
+    if arch.startswith("FalconH1For"):  # attention in every layer; the Mamba2 mixer runs beside it
+        return ("full",) * n
+    if arch.startswith("GraniteMoeHybridFor"):
+        types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+        try:
+            return tuple(_GRANITE_LAYER_TYPES[t] for t in types)
+        except KeyError as exc:
+            raise ValueError(
+                f"{source}: unknown layer type {exc.args[0]!r} in layer_types"
+            ) from None
     if cfg.get("layer_types"):
         try:
             return tuple(_HF_LAYER_TYPES[t] for t in cfg["layer_types"])
@@ -196,7 +289,7 @@ def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[s
         return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
     raise ValueError(
         f"{source}: architecture {arch!r} is not supported; supported: Llama, Qwen2, Mistral, "
-        "Gemma2, Gemma3 (text)"
+        "Gemma2, Gemma3 (text), Falcon-H1, GraniteMoeHybrid"
     )
 
 

@@ -265,6 +265,9 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "async_depth": st.integers(1, 3),
     "kv_cache_memory_bytes": st.one_of(st.none(), st.integers(1 << 16, 1 << 22)),
     "kv_offloading_size": st.one_of(st.none(), st.sampled_from([0.0005, 0.002])),  # GiB
+    "torch_threads": st.one_of(st.none(), st.just(1)),  # more would slow the suite down
+    "admission": st.sampled_from(["shared", "per-request", "optimistic"]),
+    "scheduler_reserve_full_isl": st.booleans(),
     "block_sise": HOSTILE,  # not an engine argument
 }
 ENGINE_FIELDS = (

@@ -130,7 +130,12 @@ def run_engine(path: Path, **config: object) -> dict[str, FinishedRequest]:
     "config",
     [
         {"async_depth": 3, "num_speculative_tokens": 2},
-        {"num_device_blocks": 70, "max_num_batched_tokens": 16},  # preempts the one asking
+        # preempts the one asking (admitting on first chunks over-admits into this pool)
+        {
+            "num_device_blocks": 70,
+            "max_num_batched_tokens": 16,
+            "scheduler_reserve_full_isl": False,
+        },
         {"async_scheduling": False, "device": "cpu", "sanitize": False},
     ],
     ids=["async3-drafts", "tight-pool", "cpu-sync"],

@@ -494,10 +494,17 @@ def test_long_request_admission_gate_under_async_and_sync(max_in_flight, num_fre
     assert m.coordinator.has_request("long") == admitted
 
 
-def test_max_concurrency_for_a_shorter_length_and_an_empty_pool():
+def test_max_concurrency_for_a_shorter_length_is_what_admission_admits():
+    """A 100-token request never holds more than its 7 blocks, but admission cannot know that it
+    stays short: the pool keeps the reserve max-length requests could need (64 + 1 per request),
+    and the formula at 100 tokens counts it too."""
     m = swa_manager(1000, 512, 1024)
-    # A 100-token request never holds more than its 7 blocks, so no reserve is kept for it.
-    assert m.max_concurrency(100) == 999 // 7
+    n = m.max_concurrency(100)
+    assert n == (1000 - 64) // (7 + 1)
+    admitted = 0
+    while m.allocate_slots(m.new_sequence(f"r{admitted}", fresh_tokens(100)), 100) is not None:
+        admitted += 1
+    assert admitted == n
     assert swa_manager(10, 512, 1024).max_concurrency() == 0
 
 

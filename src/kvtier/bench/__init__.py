@@ -22,6 +22,8 @@ BENCHMARKS = (
     "offload",
     "compare",
     "preempt",
+    "overlap",
+    "admission",
 )
 
 

@@ -104,7 +104,7 @@ def run_config(
 ) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
     from kvtier.engine import LLM
 
-    llm = LLM(args.model, **engine_kw)
+    llm = LLM(args.model, torch_threads=args.torch_threads, **engine_kw)
     engine = llm.engine
     device = sim_device(engine)
     device.cost_model = cost_model(args)
@@ -213,10 +213,6 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.kv.plan import plan_kv
     from kvtier.kv.specs import blocks_for_requests
 
-    if args.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     modes = store_modes(args)
     path = Path(args.model) if args.model else DEFAULT_MODEL
     cfg = ModelConfig.from_pretrained(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,8 +116,14 @@ def sim_device(engine: EngineCore) -> SimDevice:
     return device
 
 
-def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
-    """Run the closed loop to the end; return one record per request, in completion order."""
+def drive(
+    engine: EngineCore,
+    w: Workload,
+    concurrency: int,
+    after_step: Callable[[], None] | None = None,
+) -> list[Record]:
+    """Run the closed loop to the end; return one record per request, in completion order.
+    `after_step` is called after every engine step (e.g. to sample `engine.stats()`)."""
     from kvtier.engine import SamplingParams
 
     device = sim_device(engine)
@@ -154,7 +161,12 @@ def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
             if rec.round + 1 < len(conv.questions):
                 prompts[rec.conv] += rec.output + ids(conv.questions[rec.round + 1])
                 ready.append((conv, rec.round + 1))
-    engine.drain()  # stores still in flight (not counted in the measured span)
+        if after_step is not None:
+            after_step()
+    while engine.has_unfinished_requests():  # stores still in flight (not in the measured span)
+        engine.step()
+        if after_step is not None:
+            after_step()
     return done
 
 

@@ -51,10 +51,14 @@ def tiny_llama(folder: Path) -> Path:
     return write_tiny_model(folder, "llama", hidden_size=256, num_layers=4, vocab_size=1024)
 
 
-def _model_path(name: str, tmp: Path, default: Path) -> Path:
+def resolve_model(name: str, tmp: Path) -> Path:
+    """A model folder for a benchmark's --models entry: `tiny-llama` (written under `tmp`),
+    `default` (the embedded model) or a folder path."""
+    from kvtier.engine.params import DEFAULT_MODEL
+
     if name == "tiny-llama":
         return tiny_llama(tmp / "tiny-llama")
-    return default if name == "default" else Path(name)
+    return DEFAULT_MODEL if name == "default" else Path(name)
 
 
 def random_prompts(seed: int, num: int, length: int, vocab: int) -> list[list[int]]:
@@ -133,12 +137,11 @@ def run_transformers(
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.config import ModelConfig
-    from kvtier.engine.params import DEFAULT_MODEL
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            path = _model_path(name, Path(tmp), DEFAULT_MODEL)
+            path = resolve_model(name, Path(tmp))
             cfg = ModelConfig.from_pretrained(path)
             prompts = random_prompts(args.seed, args.num_prompts, args.input_len, cfg.vocab_size)
             for dtype in args.dtypes.split(","):

@@ -25,6 +25,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-logprobs", type=int, default=20, help="most logprobs a request may ask for"
     )
     parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch kernel threads (default: the usable cores but one, left to the host)",
+    )
+    parser.add_argument(
         "--protect",
         default=",".join(PROTECTIONS),
         help="block-lifetime protections: any of event,settled,quarantine, or none",
@@ -43,6 +49,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
         max_logprobs=args.max_logprobs,
+        torch_threads=args.torch_threads,
         protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),
@@ -97,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s; "
         f"KV: {engine.plan.tiers[0].num_blocks} blocks of {engine.plan.block_size} tokens, "
-        f"{len(engine.plan.groups)} groups]",
+        f"{len(engine.plan.groups)} groups, max concurrency at max length "
+        f"{engine.plan.max_concurrency()} (admission {engine.plan.admission.name})]",
         file=sys.stderr,
     )
     return 0

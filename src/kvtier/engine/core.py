@@ -17,9 +17,9 @@ from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
+from kvtier.engine.threads import configure_torch_threads
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
-from kvtier.kv.specs import blocks_for_requests
 from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
@@ -41,6 +41,7 @@ class EngineCore:
         path = args.model_path
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
+        self.torch_threads = configure_torch_threads(args.torch_threads)
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
@@ -57,6 +58,8 @@ class EngineCore:
             enable_quarantine="quarantine" in args.protect,
             max_in_flight_tokens=sched_cfg.max_in_flight_tokens,
             hash_fn=args.cache.prefix_caching_hash_algo,
+            admission=self.plan.admission,
+            admit_whole_prompt=sched_cfg.scheduler_reserve_full_isl,
         )
         host = [t for t in self.plan.tiers if t.name == "host"]
         num_host_blocks = host[0].num_blocks if host else 0
@@ -135,9 +138,7 @@ class EngineCore:
             # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
             # requests can use (small models would otherwise carry millions of idle blocks).
             plan = plan_kv(cfg, replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES), sched)
-            wanted = blocks_for_requests(
-                plan.specs, sched.max_num_seqs, plan.max_model_len, plan.max_in_flight_tokens
-            )
+            wanted = plan.blocks_for_requests(sched.max_num_seqs, plan.max_model_len)
             cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
         plan = plan_kv(cfg, cache, sched)
         self.args = replace(args, cache=cache, scheduler=sched)

@@ -116,6 +116,8 @@ class EngineArgs:
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
     max_logprobs: int = 20  # most logprobs a request may ask for (as vLLM's default)
+    # torch's kernel threads; None: the usable cores but one, left to the host (engine/threads.py)
+    torch_threads: int | None = None
     logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -142,6 +144,8 @@ class EngineArgs:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
+            raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its

@@ -108,12 +108,10 @@ class EngineLoop:
         self,
         args: EngineArgs,
         max_waiting_requests: int,
-        torch_threads: int | None = None,
         fail_at_step: int | None = None,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
-        self.torch_threads = torch_threads
         # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
         # (1-based), exactly where a real step failure would surface.
         self.fail_at_step = fail_at_step
@@ -178,11 +176,7 @@ class EngineLoop:
 
     def _main(self) -> None:
         try:
-            if self.torch_threads:
-                import torch
-
-                torch.set_num_threads(self.torch_threads)
-            engine = EngineCore(self.args)
+            engine = EngineCore(self.args)  # sets torch's threads (args.torch_threads)
             self.max_model_len = engine.plan.max_model_len
             self.vocab_size = engine.model_config.vocab_size
             self.tokenizer = engine.tokenizer
@@ -382,5 +376,5 @@ def layout_summary(engine: EngineCore) -> str:
     return (
         f"KV layout: {len(plan.groups)} groups [{'; '.join(groups)}], block {plan.block_size} "
         f"tokens, max_model_len {plan.max_model_len}; tiers: {tiers}; max concurrency at max "
-        f"length {plan.max_concurrency()}"
+        f"length {plan.max_concurrency()} (admission {plan.admission.name})"
     )

@@ -30,6 +30,12 @@ class EngineMetrics:
             tier,
             registry=r,
         )
+        self.max_concurrency = Gauge(
+            "kvtier:max_concurrency",
+            "Requests of max_model_len tokens the tier holds at once, as admission charges them",
+            tier,
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "kvtier:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache (denominator of hits)",
@@ -114,6 +120,7 @@ class EngineMetrics:
     def set_layout(self, engine: EngineCore) -> None:
         for t in engine.plan.tiers:
             self.kv_blocks.labels(t.name).set(t.num_blocks - 1)
+            self.max_concurrency.labels(t.name).set(engine.plan.max_concurrency(t.name))
         self.update(engine.stats())
 
     # ---- engine thread ---------------------------------------------------------------------------

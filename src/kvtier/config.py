@@ -18,7 +18,18 @@ from kvtier.checks import check_float, check_int, check_strs, is_int, show
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# Bytes per element of every dtype kvtier sizes or stores (fp8 is for KV sizing only: no device
+# buffer holds it yet). The one table; the device layer reads it too.
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int64": 8,
+    "int32": 4,
+}
+KV_DTYPES = ("float64", "float32", "bfloat16", "float16", "fp8")  # a model's or KV cache's dtype
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
@@ -167,9 +178,9 @@ class ModelConfig:
             raise ValueError(f"{self.source}: sliding-window layers but no `sliding_window` size")
         if "chunked" in self.layer_kinds and not self.attention_chunk_size:
             raise ValueError(f"{self.source}: chunked layers but no `attention_chunk_size`")
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype not in KV_DTYPES:
             raise ValueError(
-                f"{self.source}: dtype {self.dtype!r} unsupported; use {list(DTYPE_BYTES)}"
+                f"{self.source}: dtype {self.dtype!r} unsupported; use {list(KV_DTYPES)}"
             )
         if ("mamba" in self.layer_kinds or self.parallel_mamba) and self.mamba is None:
             raise ValueError(f"{self.source}: mamba layers but no mamba_* sizes in config.json")
@@ -316,8 +327,8 @@ class CacheConfig:
             raise ValueError(f"--num-device-blocks must be ≥ 2, got {self.num_device_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("--kv-cache-memory-bytes must be positive")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_BYTES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(DTYPE_BYTES)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(KV_DTYPES)}")
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:

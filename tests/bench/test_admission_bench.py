@@ -105,11 +105,15 @@ def test_reported_max_concurrency_is_what_admission_admits_at_max_length(
     metrics = EngineMetrics()
     metrics.set_layout(engine)
     assert metrics.registry.get_sample_value("kvtier:max_concurrency", {"tier": "device"}) == n
-    samples = admission.sample_running(engine)
-    prompts = [
-        {"prompt_token_ids": [3 + (7 * i + t) % 250 for t in range(255)]} for i in range(n + 2)
-    ]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    samples: list[tuple[int, int]] = []
+    sample = admission.sample_running(engine, samples)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for i in range(n + 2):
+        engine.add_request(f"r{i}", [3 + (7 * i + t) % 250 for t in range(255)], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.req_id: o.result for o in engine.step() if o.result is not None}
+        sample()
+    assert len(done) == n + 2 and all(len(r.token_ids) == 1 for r in done.values())
     assert max(running for _, running in samples) == n
-    assert engine.scheduler.num_preemptions == 0
+    assert engine.stats().num_preemptions == 0

@@ -41,8 +41,8 @@ def generate(
 ) -> list[list[int]]:
     llm = LLM(str(model), **{**SMALL, **kw})
     outs = llm.generate([{"prompt_token_ids": t} for t in tokens], params, use_tqdm=False)
-    assert all(not h for h in llm.engine.device.hazards)
-    llm.engine.kv.check_integrity()
+    assert llm.engine.stats().num_hazards == 0
+    llm.engine.check_integrity()
     return [o.outputs[0].token_ids for o in outs]
 
 

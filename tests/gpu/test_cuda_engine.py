@@ -44,7 +44,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def generate(model: Path, params: SamplingParams = GREEDY, **kw: Any) -> list[list[int]]:
     llm = LLM(str(model), **{**SMALL, **CUDA, **kw})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    assert not llm.engine.device.hazards
+    assert llm.engine.stats().num_hazards == 0
     llm.engine.check_integrity()
     return [o.outputs[0].token_ids for o in outs]
 
@@ -128,5 +128,6 @@ def test_offload_on_and_off_give_the_same_greedy_tokens(model: Path) -> None:
         for _ in range(2)
     ]
     assert on == off
-    assert llm.engine.host_tier is not None and llm.engine.host_tier.metrics.num_hit_tokens > 0
-    assert not llm.engine.device.hazards
+    m = llm.engine.stats().host_metrics
+    assert m is not None and m.num_hit_tokens > 0
+    assert llm.engine.stats().num_hazards == 0

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.config import ADMISSION_POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
 from kvtier.kv.plan import GIB, group_layers, plan_kv
@@ -21,8 +22,9 @@ from kvtier.kv.specs import (
     blocks_for_requests,
     max_concurrency,
 )
-from kvtier.sched import FakeEngine, FakeRunner, Request, RequestStatus, Scheduler, SchedulerOutput
-from kvtier.sched import SamplingParams as StopParams
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RequestStatus, Scheduler, SchedulerOutput
+from tests.sched.fake_engine import FakeEngine
 
 
 def gemma3() -> ModelConfig:
@@ -273,7 +275,7 @@ def run_max_length_requests(
         kv, max_num_batched_tokens=budget, async_depth=depth, long_prefill_token_threshold=chunk
     )
     reqs = [
-        Request(f"r{i}", [1000 * i + t for t in range(length - 1)], StopParams(max_tokens=1))
+        Request(f"r{i}", [1000 * i + t for t in range(length - 1)], StopConditions(max_tokens=1))
         for i in range(n + 2)
     ]
     for r in reqs:
@@ -325,7 +327,7 @@ def test_first_chunk_admission_over_admits_at_max_length() -> None:
     )  # fmt: skip
     sched = PeakScheduler(kv, max_num_batched_tokens=budget, long_prefill_token_threshold=16)
     for i in range(5):
-        sched.add_request(Request(f"r{i}", [1000 * i + t for t in range(255)], StopParams(1)))
+        sched.add_request(Request(f"r{i}", [1000 * i + t for t in range(255)], StopConditions(1)))
     engine = FakeEngine(sched, FakeRunner())
     while engine.in_flight or sched.has_unfinished_requests():
         engine.step()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,17 +220,15 @@ def reference(args: argparse.Namespace, model: Path, w: Workload) -> dict[int, l
     return {c.index: o.outputs[0].token_ids for c, o in zip(w.convs, outs, strict=True)}
 
 
-def sample_running(engine: EngineCore) -> list[tuple[int, int]]:
-    """(device time, requests running) after every engine step, appended as the engine steps."""
-    device, samples, step = sim_device(engine), [], engine.step
+def sample_running(engine: EngineCore, samples: list[tuple[int, int]]) -> Callable[[], None]:
+    """A `drive` hook appending (device time, requests running) after every engine step."""
 
-    def sampled_step() -> Any:
-        out = step()
-        samples.append((device.now_ns, len(engine.scheduler.running)))
-        return out
+    def sample() -> None:
+        stats = engine.stats()
+        assert stats.device_time_ns is not None, "bench admission runs on the sim device"
+        samples.append((stats.device_time_ns, stats.num_running))
 
-    engine.step = sampled_step  # type: ignore[method-assign]
-    return samples
+    return sample
 
 
 def run_row(
@@ -243,9 +242,9 @@ def run_row(
 
     engine = LLM(str(model), **kw).engine
     device = sim_device(engine)
-    samples = sample_running(engine)
+    samples: list[tuple[int, int]] = []
     t0_ns, t0_wall = device.now_ns, time.perf_counter()
-    records = drive(engine, w, args.concurrency)
+    records = drive(engine, w, args.concurrency, sample_running(engine, samples))
     wall = time.perf_counter() - t0_wall
     end_ns = max(r.done_ns or 0 for r in records)
     duration = (end_ns - t0_ns) / 1e9
@@ -256,7 +255,7 @@ def run_row(
         last = max(last, now)
     out_tokens = sum(len(r.output or []) for r in records)
     prompt_tokens = sum(r.prompt_tokens for r in records)
-    sanitizer = engine.device.sanitizer
+    stats = engine.stats()
     return {
         "admission": kw["admission"],
         "protect": kw["protect"],
@@ -273,10 +272,10 @@ def run_row(
         "output_tok_s": out_tokens / duration,
         "total_tok_s": (out_tokens + prompt_tokens) / duration,
         "ttft_ms": percentiles([r.ttft_device_ms for r in records]),
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": stats.num_preemptions,
         "garbled": sum(r.output != ref[r.conv] for r in records),
-        "hazards": sanitizer.num_hazards if sanitizer is not None else 0,
-        "hazard_kinds": dict(sanitizer.counts) if sanitizer is not None else {},
+        "hazards": stats.num_hazards,
+        "hazard_kinds": stats.hazards,
         "wall_s": wall,
     }
 

@@ -94,17 +94,16 @@ def run(args: argparse.Namespace) -> int:
             if stream:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
-            elif out.finished:
-                state = engine.requests[out.req_id]
+            elif out.result is not None:
                 i = ids.index(out.req_id)
-                print(f"--- [{i}] {args.prompts[i]!r} ({state.finish_reason})")
-                print(args.prompts[i] + state.detok.text)
+                print(f"--- [{i}] {args.prompts[i]!r} ({out.result.finish_reason})")
+                print(args.prompts[i] + out.result.text)
     elapsed = time.perf_counter() - t0
     if stream:
         print()
     print(
         f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s; "
-        f"KV: {engine.kv.pool.num_blocks} blocks of {engine.plan.block_size} tokens, "
+        f"KV: {engine.plan.tiers[0].num_blocks} blocks of {engine.plan.block_size} tokens, "
         f"{len(engine.plan.groups)} groups, max concurrency at max length "
         f"{engine.plan.max_concurrency()} (admission {engine.plan.admission.name})]",
         file=sys.stderr,

@@ -7,10 +7,11 @@ runs; never reads a clock or a device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.ids import BlockHash, BlockId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
@@ -25,6 +26,7 @@ from kvtier.kv.specs import (
     cdiv,
     max_concurrency,
 )
+from kvtier.kv.stats import PoolStats
 
 
 @dataclass(slots=True)
@@ -212,6 +214,7 @@ class KVCacheManager:
         self,
         request: KVSequence,
         num_new_tokens: int,
+        *,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
@@ -221,8 +224,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (+ lookahead) after the request's computed tokens.
 
         For a new request also installs its prefix hits and room for externally loaded tokens.
-        Returns the newly allocated blocks per group, or None — changing nothing — when the
-        free blocks (less the transient reserve, for a new request) do not suffice.
+        Returns, per group, the positions appended to the request's table (new blocks, and the
+        null block where a position is skipped), or None — changing nothing — when the free
+        blocks (less the transient reserve, for a new request) do not suffice.
         Out-of-window pruning is separate: `remove_skipped_blocks` on the settled count.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:
@@ -309,7 +313,48 @@ class KVCacheManager:
         """Steps up to `processed_step_seq` are processed; returns references released."""
         return self.pool.release_quarantine(processed_step_seq)
 
+    # ---- pins: references held by copies between tiers ------------------------------------------
+
+    def pin(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one reference on each block for a holder outside the tables (a copy in flight;
+        mutates). A pinned block is never reallocated; `unpin` drops the reference."""
+        self.pool.touch(blocks)
+
+    def unpin(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the references `pin` took (at once: the copy that held them has ended)."""
+        self.pool.free(blocks)
+
+    def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop these blocks from the prefix cache (their content is bad, e.g. a failed load);
+        holders keep them, but no lookup finds them again (mutates)."""
+        self.pool.evict_blocks(block_ids)
+
     # ---- views ---------------------------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request holds a block table here."""
+        return self.coordinator.has_request(request_id)
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> KVBlock | None:
+        """The block caching `block_hash` in group `group_id`, if any (touches nothing)."""
+        return self.pool.get_cached_block(group_id, block_hash)
+
+    def eviction_order(self) -> Iterator[KVBlock]:
+        """Free blocks, the next to be reused first (read-only; do not allocate meanwhile)."""
+        return iter(self.pool.free_queue)
+
+    def pool_stats(self) -> PoolStats:
+        """A snapshot of the pool (`BlockPool.stats`). Changes nothing."""
+        return self.pool.stats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
+        return self.pool.num_blocks
+
+    @property
+    def enable_quarantine(self) -> bool:
+        return self.pool.enable_quarantine
 
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return self.coordinator.get_blocks(request_id)

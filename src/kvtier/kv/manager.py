@@ -294,6 +294,16 @@ class KVCacheManager:
                 request.request_id, request.block_hashes, num_tokens, request.all_token_ids
             )
 
+    def cache_verified(self, request: KVSequence, num_tokens: int) -> None:
+        """The device holds exactly `num_tokens` of the request's tokens: a processed step's
+        end (rejected drafts excluded) or a landed load. A state group whose block ends there
+        marks it as a snapshot; every group publishes its full blocks up to there (mutates;
+        nothing with caching off). Snapshots are never marked on scheduled ends, which a
+        rejected draft may never reach (architecture.md §Rollback)."""
+        if self.enable_caching:
+            self.coordinator.mark_snapshots(request.request_id, num_tokens)
+            self.cache_blocks(request, num_tokens)
+
     def remove_skipped_blocks(
         self, request_id: str, num_settled_tokens: int, last_step_seq: int | None = None
     ) -> int:

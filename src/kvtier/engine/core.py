@@ -93,6 +93,7 @@ class EngineCore:
             cfg.num_kv_heads,
             cfg.head_dim,
             dtype_name,
+            page_bytes=self.plan.page_bytes if self.plan.state_page_bytes else 0,
         )
         sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
         modes: dict[object, SanitizerMode | None] = {True: "raise", "raise": "raise"}

@@ -84,7 +84,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
         pool = device.kv("device")
-        self.kv_caches = [pool[s] for s in model.layer_slots()]
+        views = [t.view(device.layout.slot_shape(t.shape[0])) for t in pool]  # attention's view
+        self.kv_caches = [views[s] for s in model.layer_slots()]
         self.num_groups = len(model.kv_groups)
         self.torch_device = device.torch_device
         # device side, touched only inside ops; one spare row: see DeviceState.apply_diffs

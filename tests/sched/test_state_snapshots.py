@@ -28,26 +28,29 @@ def test_a_draft_step_scheduled_to_a_boundary_but_rolled_back_publishes_no_snaps
     request = Request("r", [1, 2, 3, 1, 2, 3], StopConditions(max_tokens=8, use_ngram=True))
     sched.add_request(request)
     driver = Driver(sched)
-    driver.schedule()
-    driver.process(1, {"r": [1]})  # 6 computed; tokens 1 2 3 1 2 3 1
+    assert driver.schedule().num_scheduled_tokens == {"r": 4}  # chunks end on boundaries
+    driver.process(1)
+    assert driver.schedule().num_scheduled_tokens == {"r": 2}
+    driver.process(2, {"r": [1]})  # 6 computed; tokens 1 2 3 1 2 3 1
     out = driver.schedule()
     assert out.scheduled_spec_decode_tokens == {"r": [2]}  # positions 6, 7: ends at 8
-    driver.process(2, {"r": [3]})  # draft 2 rejected: 7 computed
+    driver.process(3, {"r": [3]})  # draft 2 rejected: 7 computed
     assert request.num_computed_tokens == 7
     out = driver.schedule()
     assert out.scheduled_spec_decode_tokens == {"r": [1]}  # positions 7, 8: ends at 9
-    driver.process(3, {"r": [1, 7]})  # draft accepted: 9 computed, verified
+    driver.process(4, {"r": [1, 7]})  # draft accepted: 9 computed, verified
     assert request.num_computed_tokens == 9
     assert _published(driver, request, 0) == [0, 1]
-    assert 1 not in _published(driver, request, 1), "a snapshot no step ended at was published"
+    assert _published(driver, request, 1) == [0], "a snapshot no step ended at was published"
 
 
 def test_a_step_ending_on_a_boundary_publishes_its_snapshot_once_processed() -> None:
-    sched = scheduler(32, SPECS, depth=2, budget=4)
+    """And prefill chunks end on state-block boundaries (architecture.md §Snapshots)."""
+    sched = scheduler(32, SPECS, depth=2, budget=6)
     request = Request("r", list(range(10, 20)), StopConditions(max_tokens=4))
     sched.add_request(request)
     driver = Driver(sched)
-    driver.schedule()  # prefill chunk 0..4
+    assert driver.schedule().num_scheduled_tokens == {"r": 4}  # prefill chunk 0..4
     driver.schedule()  # prefill chunk 4..8, scheduled before the first is processed
     assert _published(driver, request, 1) == []  # nothing verified yet
     driver.process(1)

@@ -20,8 +20,9 @@ from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
-from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
+from kvtier.model import IncrementalDetokenizer, load_tokenizer
 from kvtier.model.loader import resolve_dtype
+from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.transfers import TransferFaults
@@ -45,7 +46,7 @@ class EngineCore:
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
-        self.model = load_model(path, dtype).eval()
+        self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
         self.plan = self._plan(dtype_name)
         sched_cfg = args.scheduler
@@ -113,6 +114,7 @@ class EngineCore:
             self.model,
             self.device,
             block_size=self.plan.block_size,
+            group_block_sizes=[spec.block_size for spec in self.plan.specs],
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.plan.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -132,6 +134,12 @@ class EngineCore:
         cache = args.cache
         if cache.kv_cache_dtype is None and dtype_name in KV_DTYPES:
             cache = replace(cache, kv_cache_dtype=dtype_name)
+        if cfg.mamba is not None and cache.kv_cache_dtype not in (None, dtype_name):
+            raise ValueError(
+                f"kv_cache_dtype (--kv-cache-dtype) {cache.kv_cache_dtype} differs from the "
+                f"hybrid model's dtype {dtype_name}: its Mamba states share the KV pages in the "
+                "model's dtype; leave --kv-cache-dtype unset"
+            )
         sched = args.scheduler
         if sched.max_model_len is None:
             sched = replace(sched, max_model_len=cfg.max_position_embeddings)

@@ -203,10 +203,10 @@ class KVCacheManager:
         are its share of the transient reserve, not a second charge on top of it."""
         excess = 0
         for spec in self.specs:
-            if isinstance(spec, Mamba):
-                continue  # one live state block: never beyond its steady charge
             bs = spec.block_size
             real = cdiv(num_tokens, bs) - spec.num_skipped_tokens(total_computed) // bs
+            if isinstance(spec, Mamba):  # the page it starts from (a hit) and the one it writes
+                real = min(2, real)
             excess += max(0, real - spec.steady_blocks(1 << 62))
         return excess
 

@@ -21,8 +21,9 @@ import torch
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.mamba2 import StateMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
-from kvtier.model.transformer import CausalLM
+from kvtier.model.served import ServedModel
 from kvtier.runner.logprobs import LogprobRows
 from kvtier.runner.state import DeviceRequest, DeviceState
 from kvtier.runner.transfers import TransferEngine
@@ -62,14 +63,20 @@ class StepHandle:
 
 
 class ModelRunner:
-    """Executes steps of a `CausalLM` through a `Device` (KV in the device tier's layer slots)."""
+    """Executes steps of a model (`ServedModel`: a plain decoder or a Mamba2 hybrid) through a
+    `Device` (KV and states in the device tier's layer slots).
+
+    `group_block_sizes`: tokens per block of each KV group (default `block_size` for all; a
+    state group without prefix caching has one page per request, architecture.md §Snapshots).
+    """
 
     def __init__(
         self,
-        model: CausalLM,
+        model: ServedModel,
         device: Device,
         *,
         block_size: int,
+        group_block_sizes: Sequence[int] | None = None,
         max_num_seqs: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
@@ -83,10 +90,16 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
-        pool = device.kv("device")
-        views = [t.view(device.layout.slot_shape(t.shape[0])) for t in pool]  # attention's view
-        self.kv_caches = [views[s] for s in model.layer_slots()]
+        self.pool = device.kv("device")  # flat page slots
+        self.caches = model.bind(self.pool, block_size)  # each layer's view of its slot
         self.num_groups = len(model.kv_groups)
+        self.group_block_sizes = list(group_block_sizes or [block_size] * self.num_groups)
+        if len(self.group_block_sizes) != self.num_groups:
+            raise ValueError(
+                f"group_block_sizes has {len(self.group_block_sizes)} sizes for "
+                f"{self.num_groups} KV groups; give one per group"
+            )
+        self.state_groups = model.state_groups
         self.torch_device = device.torch_device
         # device side, touched only inside ops; one spare row: see DeviceState.apply_diffs
         self.state = DeviceState(
@@ -180,32 +193,39 @@ class ModelRunner:
     def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
         """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
         tables = self._tables
+        sizes = self.group_block_sizes
         for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
             tables.pop(req_id, None)
         fresh: list[int] = []
-        starts: dict[str, int] = {}
-        ends: dict[str, int] = {}  # the scheduler's start of each request's step
+        lowest: dict[str, int] = {}  # the lowest start the device may have (rejected drafts)
+        starts: dict[str, int] = {}  # the scheduler's (optimistic) start of each request's step
         for new in output.scheduled_new_reqs:
             tables[new.req_id] = [list(ids) for ids in new.block_ids]
-            starts[new.req_id] = ends[new.req_id] = new.num_computed_tokens
-            fresh += _new_ids(new.block_ids, new.num_computed_tokens, self.block_size)
+            lowest[new.req_id] = starts[new.req_id] = new.num_computed_tokens
+            fresh += _new_ids(new.block_ids, new.num_computed_tokens, sizes)
         for cached in output.scheduled_cached_reqs:
             for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
                 table.extend(ids)
                 fresh += [b for b in ids if b]
             # drafts of earlier steps may still be rejected: it may start as low as this
-            starts[cached.req_id] = cached.lowest_start
-            ends[cached.req_id] = cached.num_computed_tokens
+            lowest[cached.req_id] = cached.lowest_start
+            starts[cached.req_id] = cached.num_computed_tokens
         if fresh:
             self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
-        bs = self.block_size
         kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
-            lo = starts[req_id]
-            hi = ends[req_id] + n  # the scheduler's end; the device's is never later
-            for kind, table in zip(kinds, tables[req_id], strict=True):
+            lo, start = lowest[req_id], starts[req_id]
+            hi = start + n  # the scheduler's end; the device's is never later
+            for kind, table, bs in zip(kinds, tables[req_id], sizes, strict=True):
+                if kind is None:  # a state group: the page of the start count, then of the end
+                    if start:
+                        reads.update(
+                            b for b in table[(max(lo, 1) - 1) // bs : (start - 1) // bs + 1] if b
+                        )
+                    writes.update(b for b in table[lo // bs : (hi - 1) // bs + 1] if b)
+                    continue
                 # What attention gathers: from the window (or chunk) start of the first query.
                 reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)
                 writes.update(b for b in table[lo // bs : -(-hi // bs)] if b)
@@ -246,15 +266,19 @@ class ModelRunner:
             return
         if draft_ids:
             state.tokens.index_put_(self._index(draft_rows, draft_pos), self._index(draft_ids)[0])
-        meta = AttentionMetadata.build(
-            [p.start for p in plan],
-            [p.num_real + len(p.drafts) for p in plan],
-            [[p.state.tables[g] for p in plan] for g in range(self.num_groups)],
-            self.block_size,
-        )
+        starts = [p.start for p in plan]
+        counts = [p.num_real + len(p.drafts) for p in plan]
+        tables = [[p.state.tables[g] for p in plan] for g in range(self.num_groups)]
+        attention_tables = [None if g in self.state_groups else t for g, t in enumerate(tables)]
+        meta = AttentionMetadata.build(starts, counts, attention_tables, self.block_size)
+        state_meta = None
+        if self.state_groups:  # each sequence's state page by the device's own start
+            sizes = {g: self.group_block_sizes[g] for g in self.state_groups}
+            state_tables = {g: tables[g] for g in self.state_groups}
+            state_meta = StateMetadata.build(starts, counts, state_tables, sizes)
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
         positions = meta.query_positions().to(self.torch_device, non_blocking=True)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
         sampled_rows = self._sample(plan, meta, hidden, results)
         # queued copies to host memory; the host reads them once the step's event completed
@@ -418,6 +442,10 @@ def _banned_before_min_tokens(
     return rows, cols
 
 
-def _new_ids(block_ids: tuple[list[int], ...], num_computed: int, bs: int) -> list[int]:
+def _new_ids(
+    block_ids: tuple[list[int], ...], num_computed: int, sizes: Sequence[int]
+) -> list[int]:
     """Blocks a new request's step will write (prefix hits before num_computed are shared)."""
-    return [b for ids in block_ids for b in ids[num_computed // bs :] if b]
+    return [
+        b for ids, bs in zip(block_ids, sizes, strict=True) for b in ids[num_computed // bs :] if b
+    ]

@@ -76,6 +76,7 @@ class Admission:
             n = min(request.num_tokens - num_hit, step.budget)
             if 0 < self.long_prefill_token_threshold < n:
                 n = self.long_prefill_token_threshold
+            n = self.lifetimes.align_chunk(num_hit, n)
             allocated = (
                 kv.allocate_slots(request, n)
                 if loaded

@@ -254,8 +254,10 @@ class Scheduler:
             num_new += len(drafts)
             target += len(drafts)
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
-        if not drafts and 0 < self.long_prefill_token_threshold < num_new:
-            num_new = self.long_prefill_token_threshold
+        if not drafts:
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            num_new = self.lifetimes.align_chunk(request.num_computed_tokens, num_new)
         return num_new, drafts, request.num_computed_tokens + num_new == target
 
     def _allocate_or_preempt(self, request: Request, n: int, step: StepBuild) -> BlockIds | None:

@@ -33,6 +33,10 @@ MODES: dict[str, dict[str, Any]] = {
     "tight-pool-preempts-sync": {**TIGHT, "async_scheduling": False},
     "chunked-prefill": {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 5},
     "chunked-prefill-odd": {"max_num_batched_tokens": 7},
+    "ngram-drafts-sync": {"num_speculative_tokens": 2, "async_scheduling": False},
+    "ngram-drafts": {"num_speculative_tokens": 3},
+    "ngram-drafts-async3": {"num_speculative_tokens": 2, "async_depth": 3},
+    "ngram-drafts-no-prefix-cache": {"num_speculative_tokens": 3, "enable_prefix_caching": False},
 }
 ARCHS = ["falcon_h1", "granite_hybrid"]
 DEVICES = ["cpu", "sim"]
@@ -107,3 +111,14 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
         assert stats.num_preemptions > 0
     if config.get("enable_prefix_caching", True):
         assert stats.prefix_cache.num_hit_tokens > 0
+    if "num_speculative_tokens" in config:  # some drafts rejected, some accepted
+        assert 0 < llm.engine.num_accepted_tokens < llm.engine.num_draft_tokens
+
+
+def test_a_verification_step_longer_than_a_state_block_is_refused(
+    models: dict[str, Path],
+) -> None:
+    """A rejected draft lands its state on the page of its start or of its end: a step of k + 1
+    tokens must fit one state block (architecture.md §Rollback)."""
+    with pytest.raises(ValueError, match="num_speculative_tokens 8"):
+        LLM(str(models["falcon_h1"]), **SMALL, num_speculative_tokens=8)

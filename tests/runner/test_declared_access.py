@@ -57,7 +57,10 @@ def test_forward_and_result_reads_declare_every_buffer_they_touch(
         assert {name for name, _ in access.reads} == {f"sampled_host_{seq % ring}"}
 
 
-@pytest.mark.parametrize("config", [{"async_depth": 3}, {"enable_prefix_caching": False}])
+@pytest.mark.parametrize(
+    "config",
+    [{"async_depth": 3}, {"enable_prefix_caching": False}, {"num_speculative_tokens": 3}],
+)
 def test_a_hybrid_forward_declares_every_state_page_it_reads_and_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
 ) -> None:

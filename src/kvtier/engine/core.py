@@ -25,6 +25,7 @@ from kvtier.model.loader import resolve_dtype
 from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
+from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.transfers import TransferFaults
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput, TokenLogprobs
@@ -99,10 +100,15 @@ class EngineCore:
         sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
         modes: dict[object, SanitizerMode | None] = {True: "raise", "raise": "raise"}
         mode = modes.get(sanitize, "collect" if sanitize == "collect" else None)
+        # a hybrid verifying drafts keeps the states after drafted tokens in pool rows beyond the
+        # KV manager's blocks (runner/draft_states.py)
+        draft_pages = DraftStates.num_pages(
+            len(self.model.state_groups), args.num_speculative_tokens, sched_cfg.max_num_seqs
+        )
         self.device = make_device(
             args.device,  # type: ignore[arg-type]
             layout,
-            num_blocks,
+            num_blocks + draft_pages,
             num_host_blocks,
             sanitize=mode,
             poison=args.poison,
@@ -115,6 +121,7 @@ class EngineCore:
             self.device,
             block_size=self.plan.block_size,
             group_block_sizes=[spec.block_size for spec in self.plan.specs],
+            num_kv_blocks=num_blocks,
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.plan.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,

@@ -24,6 +24,7 @@ from kvtier.model.attention import AttentionMetadata
 from kvtier.model.mamba2 import StateMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.served import ServedModel
+from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.logprobs import LogprobRows
 from kvtier.runner.state import DeviceRequest, DeviceState
 from kvtier.runner.transfers import TransferEngine
@@ -68,6 +69,8 @@ class ModelRunner:
 
     `group_block_sizes`: tokens per block of each KV group (default `block_size` for all; a
     state group without prefix caching has one page per request, architecture.md §Snapshots).
+    `num_kv_blocks`: the device pool's blocks the KV manager owns (default all); a hybrid with
+    drafts keeps its draft pages in the rows after them (`DraftStates.num_pages`).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class ModelRunner:
         *,
         block_size: int,
         group_block_sizes: Sequence[int] | None = None,
+        num_kv_blocks: int | None = None,
         max_num_seqs: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
@@ -100,6 +104,20 @@ class ModelRunner:
                 f"{self.num_groups} KV groups; give one per group"
             )
         self.state_groups = model.state_groups
+        first = device.num_blocks("device") if num_kv_blocks is None else num_kv_blocks
+        self.drafts = DraftStates(
+            first, num_speculative_tokens, self.state_groups, self.group_block_sizes, max_num_seqs
+        )
+        if self.drafts.enabled:
+            need = first + DraftStates.num_pages(
+                len(self.state_groups), num_speculative_tokens, max_num_seqs
+            )
+            if device.num_blocks("device") < need:
+                raise ValueError(
+                    f"the device pool has {device.num_blocks('device')} blocks; a hybrid with "
+                    f"{num_speculative_tokens} speculative tokens needs {need} (the KV "
+                    "manager's and the draft pages, DraftStates.num_pages)"
+                )
         self.torch_device = device.torch_device
         # device side, touched only inside ops; one spare row: see DeviceState.apply_diffs
         self.state = DeviceState(
@@ -229,6 +247,11 @@ class ModelRunner:
                 # What attention gathers: from the window (or chunk) start of the first query.
                 reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)
                 writes.update(b for b in table[lo // bs : -(-hi // bs)] if b)
+        if self.drafts.enabled:  # the states after drafted tokens (architecture.md §Rollback)
+            drafting = [
+                r for r in output.num_scheduled_tokens if output.scheduled_spec_decode_tokens.get(r)
+            ]
+            writes.update(self.drafts.all_pages(len(drafting)))
         return reads, writes
 
     # ---- device side (runs inside the forward op) ---------------------------------------------
@@ -272,18 +295,38 @@ class ModelRunner:
         attention_tables = [None if g in self.state_groups else t for g, t in enumerate(tables)]
         meta = AttentionMetadata.build(starts, counts, attention_tables, self.block_size)
         state_meta = None
+        drafting = [i for i, p in enumerate(plan) if p.drafts] if self.drafts.enabled else []
         if self.state_groups:  # each sequence's state page by the device's own start
             sizes = {g: self.group_block_sizes[g] for g in self.state_groups}
             state_tables = {g: tables[g] for g in self.state_groups}
-            state_meta = StateMetadata.build(starts, counts, state_tables, sizes)
+            token_slots: dict[int, dict[int, list[int]]] = {g: {} for g in self.state_groups}
+            for q, i in enumerate(drafting):  # drafts: the state after each token
+                p = plan[i]
+                got = self.drafts.token_slots(q, p.start, p.num_real, len(p.drafts), p.state.tables)
+                for g, slots in got.items():
+                    token_slots[g][i] = slots
+            state_meta = StateMetadata.build(starts, counts, state_tables, sizes, token_slots)
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
         positions = meta.query_positions().to(self.torch_device, non_blocking=True)
         hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
         sampled_rows = self._sample(plan, meta, hidden, results)
+        if drafting:
+            self._land_draft_states(plan, drafting)
         # queued copies to host memory; the host reads them once the step's event completed
         results.sampled = None if sampled_rows is None else sampled_rows.to_host()
         results.prompt = None if prompt_rows is None else prompt_rows.to_host()
+
+    def _land_draft_states(self, plan: list[_Planned], drafting: list[int]) -> None:
+        """After the drafts are accepted: each state page of the device's new count holds the
+        state after exactly that many tokens (architecture.md §Rollback)."""
+        landings = []
+        for q, i in enumerate(drafting):
+            p = plan[i]
+            last = p.state.position - p.start - 1  # token index of the last accepted token
+            if last < p.num_real + len(p.drafts) - 1:  # some rejected
+                landings.append((q, p.start, max(p.num_real - 1, 0), last, p.state.tables))
+        self.drafts.land(self.pool, landings, self.torch_device)
 
     def _index(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """Host-built int64 index tensors on the device (no wait: the host knows them)."""

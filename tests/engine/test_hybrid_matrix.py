@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
+import torch
+
 from kvtier.engine import LLM, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from tests.model.reference import hf_logits, hf_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # Small states: with --block-size 4 the hybrid block size is raised to 8 (an attention page of
@@ -75,6 +78,18 @@ def alone(folder: Path) -> tuple[tuple[int, ...], ...]:
         got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
         out.append(tuple(got[0].outputs[0].token_ids))
     return tuple(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_reference_run_is_transformers_greedy(arch: str, models: dict[str, Path]) -> None:
+    """Each prompt alone through the engine gives `transformers`' greedy continuation (one full
+    forward per token, no cache), so every mode below is checked against the model itself."""
+    reference = hf_model(models[arch], torch.float32)
+    for prompt, got in zip(prompts(), alone(models[arch]), strict=True):
+        tokens = list(prompt)
+        for _ in range(GREEDY.max_tokens or 0):
+            tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
+        assert list(got) == tokens[len(prompt) :]
 
 
 def rounds(llm: LLM, n: int) -> list[list[tuple[int, ...]]]:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import torch
 
-from kvtier.engine import LLM, SamplingParams
+from kvtier.engine import LLM, SamplingParams, TransferFaults
 from kvtier.model.testing import write_tiny_model
+from kvtier.offload.loads import LoadPlanner
+from kvtier.offload.types import Transfer
 from tests.model.reference import hf_logits, hf_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -26,6 +27,9 @@ CHECKED = {"sanitize": True, "poison": True, "check_integrity": True}
 # admitting on the first chunk alone over-admits into a pool this small: preemptions
 TIGHT = {"max_num_batched_tokens": 8, "scheduler_reserve_full_isl": False}
 TIGHT_BLOCKS = {"falcon_h1": 14, "granite_hybrid": 21}  # one max-length request needs 13, 20
+# the host tier: a device pool that evicts the shared prefix between rounds, a large host pool
+HOST = {"num_host_blocks": 400}
+HOST_BLOCKS = {"falcon_h1": 28, "granite_hybrid": 42}
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"async_scheduling": False},
     "async2": {"async_depth": 2},
@@ -40,6 +44,9 @@ MODES: dict[str, dict[str, Any]] = {
     "ngram-drafts": {"num_speculative_tokens": 3},
     "ngram-drafts-async3": {"num_speculative_tokens": 2, "async_depth": 3},
     "ngram-drafts-no-prefix-cache": {"num_speculative_tokens": 3, "enable_prefix_caching": False},
+    "host-eager": HOST,
+    "host-lazy": {**HOST, "kv_offload_store_mode": "lazy"},
+    "host-async3-drafts": {**HOST, "async_depth": 3, "num_speculative_tokens": 2},
 }
 ARCHS = ["falcon_h1", "granite_hybrid"]
 DEVICES = ["cpu", "sim"]
@@ -116,14 +123,21 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     config = MODES[mode]
     if mode.startswith("tight-pool"):
         config = {**config, "num_device_blocks": TIGHT_BLOCKS[arch]}
+    host = "num_host_blocks" in config
+    if host:
+        config = {**config, "num_device_blocks": HOST_BLOCKS[arch]}
     folder = models[arch]
     llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": device, **config})
-    # a second round restores the shared prefix from state snapshots (prefix caching on)
-    assert rounds(llm, 2) == [list(alone(folder))] * 2
+    # later rounds restore the shared prefix from state snapshots (prefix caching on), from the
+    # host tier too when it is on
+    n = 3 if host else 2
+    assert rounds(llm, n) == [list(alone(folder))] * n
     check_clean(llm)
     stats = llm.engine.stats()
-    if "num_device_blocks" in config:
+    if "num_device_blocks" in config and not host:
         assert stats.num_preemptions > 0
+    if host:
+        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
     if config.get("enable_prefix_caching", True):
         assert stats.prefix_cache.num_hit_tokens > 0
     if "num_speculative_tokens" in config:  # some drafts rejected, some accepted
@@ -137,3 +151,39 @@ def test_a_verification_step_longer_than_a_state_block_is_refused(
     tokens must fit one state block (architecture.md §Rollback)."""
     with pytest.raises(ValueError, match="num_speculative_tokens 8"):
         LLM(str(models["falcon_h1"]), **SMALL, num_speculative_tokens=8)
+
+
+FAULTS = {  # the host tier with failing or slow copies
+    "failing-loads": TransferFaults(fail_loads_every=2),
+    "slow-copies": TransferFaults(delay_polls=2),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_host_tier_loads_each_state_snapshot_with_its_attention_blocks(
+    arch: str, fault: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """architecture.md §Tiering: a load restores one boundary for every group — the attention
+    blocks up to it and, per state group, the one snapshot page at it — or nothing; failing or
+    slow copies change no token (a failed load recomputes from 0)."""
+    loads: list[Transfer] = []
+    plan_load = LoadPlanner.plan_load
+
+    def record(self: LoadPlanner, *args: Any) -> Transfer | None:
+        transfer = plan_load(self, *args)
+        if transfer is not None:
+            loads.append(transfer)
+        return transfer
+
+    monkeypatch.setattr(LoadPlanner, "plan_load", record)
+    config = {**SMALL, **CHECKED, **HOST, "num_device_blocks": HOST_BLOCKS[arch], "device": "sim"}
+    llm = LLM(str(models[arch]), **config)
+    llm.engine.set_transfer_faults(FAULTS[fault])
+    assert rounds(llm, 3) == [list(alone(models[arch]))] * 3
+    check_clean(llm)
+    state_groups = llm.engine.runner.state_groups
+    assert loads and state_groups
+    for transfer in loads:
+        assert set(transfer.group_ids) == set(range(len(llm.engine.plan.specs)))
+        assert all(transfer.group_ids.count(g) == 1 for g in state_groups)

@@ -187,3 +187,15 @@ def test_the_host_tier_loads_each_state_snapshot_with_its_attention_blocks(
     for transfer in loads:
         assert set(transfer.group_ids) == set(range(len(llm.engine.plan.specs)))
         assert all(transfer.group_ids.count(g) == 1 for g in state_groups)
+
+
+def test_states_are_planned_in_the_run_dtype_not_the_configs(models: dict[str, Path]) -> None:
+    """--dtype float64 on a float32 folder: the state pages hold float64 states (found by
+    `kvtier bench garble`, which runs in float64: 'a page of 512 elements cannot hold a state of
+    920')."""
+    llm = LLM(str(models["falcon_h1"]), **SMALL, **CHECKED, device="sim", dtype="float64")
+    mamba = llm.engine.model_config.mamba
+    assert mamba is not None and llm.engine.plan.state_page_bytes == mamba.state_elems * 8
+    out = llm.generate({"prompt_token_ids": prompts()[0]}, GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    check_clean(llm)

@@ -147,6 +147,8 @@ class EngineCore:
                 f"hybrid model's dtype {dtype_name}: its Mamba states share the KV pages in the "
                 "model's dtype; leave --kv-cache-dtype unset"
             )
+        if cfg.mamba is not None:  # states are kept in the run's dtype, not the folder's
+            cfg = replace(cfg, dtype=dtype_name)
         sched = args.scheduler
         if sched.max_model_len is None:
             sched = replace(sched, max_model_len=cfg.max_position_embeddings)

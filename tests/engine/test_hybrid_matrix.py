@@ -52,15 +52,22 @@ ARCHS = ["falcon_h1", "granite_hybrid"]
 DEVICES = ["cpu", "sim"]
 
 
+# Falcon-H1 with sliding-window attention in two of its three layers (a kvtier toy: `layer_types`
+# is not a Falcon-H1 key in transformers): window, full and state groups side by side
+WINDOWED = {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+
+
 @functools.cache
 def model(arch: str, folder: Path) -> Path:
+    if arch == "falcon_h1_windowed":
+        return write_tiny_model(folder / arch, "falcon_h1", **STATE, **WINDOWED, sliding_window=12)
     return write_tiny_model(folder / arch, arch, **STATE)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hybrid-matrix")
-    return {arch: model(arch, root) for arch in ARCHS}
+    return {arch: model(arch, root) for arch in [*ARCHS, "falcon_h1_windowed"]}
 
 
 def prompts() -> list[list[int]]:
@@ -198,4 +205,19 @@ def test_states_are_planned_in_the_run_dtype_not_the_configs(models: dict[str, P
     assert mamba is not None and llm.engine.plan.state_page_bytes == mamba.state_elems * 8
     out = llm.generate({"prompt_token_ids": prompts()[0]}, GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    check_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["async3", "ngram-drafts-async3", "host-async3-drafts"])
+def test_window_full_and_state_groups_together(mode: str, models: dict[str, Path]) -> None:
+    """The windowed Falcon-H1 toy (the garble benchmark's hybrid): three kinds of group, pruned
+    windows beside state snapshots, on sim with the sanitizer raising."""
+    folder = models["falcon_h1_windowed"]
+    config = MODES[mode]
+    if "num_host_blocks" in config:
+        config = {**config, "num_device_blocks": 98}  # one max-length request needs 49
+    llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": "sim", **config})
+    kinds = {type(spec).__name__ for spec in llm.engine.plan.specs}
+    assert kinds == {"FullAttention", "SlidingWindow", "Mamba"}
+    assert rounds(llm, 2) == [list(alone(folder))] * 2
     check_clean(llm)

@@ -199,7 +199,23 @@ def run_variant(
         "preemptions": stats.num_preemptions,
         "hazards": stats.num_hazards,
         "hazard_kinds": stats.hazards,
+        **state_hazards(engine),
     }
+
+
+def state_hazards(engine: Any) -> dict[str, Any]:
+    """Of the hazards the sanitizer kept (its first `max_kept`), how many touch a state (Mamba)
+    page: a block either op's step declared as a state page (`ModelRunner.state_pages`)."""
+    sanitizer = engine.device.sanitizer
+    kept = [] if sanitizer is None else sanitizer.hazards
+    runner = engine.runner
+
+    def on_state(hazard: Any) -> bool:
+        steps = {op.meta.step_seq for op in (hazard.first, hazard.second)} - {None}
+        pages = frozenset().union(*(runner.state_pages(s) for s in steps))
+        return any(b in pages for b in hazard.block_ids)
+
+    return {"hazards_kept": len(kept), "state_hazards": sum(map(on_state, kept))}
 
 
 def parse_protect_checked(variant: str) -> tuple[str, ...]:
@@ -227,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if "sliding" not in cfg.layer_kinds:
         raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
     scenario = SCENARIOS[args.scenario]
+    hybrid = cfg.mamba is not None  # state groups beside the window groups: attribute hazards
     tokenizer = load_tokenizer(path)
     batch = [{"prompt_token_ids": p} for p in prompts(tokenizer, args)]
     params = sampling_params(args, tokenizer)
@@ -297,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
             f"device {r['device_s']:7.2f}s  tok/s {r['tok_s_wall']:7.1f} (device "
             f"{(r['tok_s_device'] or 0):8.1f})  KV {r['mean_kv_usage']:.2f}  waiting "
             f"{r['mean_waiting']:5.1f}  host hits {r['host_hit_rate']:.2%}  preempt "
-            f"{r['preemptions']:3d}  hazards {r['hazards']} {r['hazard_kinds']}",
+            f"{r['preemptions']:3d}  hazards {r['hazards']} {r['hazard_kinds']}"
+            + (f" on state pages {r['state_hazards']}/{r['hazards_kept']}" if hybrid else ""),
             flush=True,
         )
     result = {

@@ -63,6 +63,9 @@ class StepHandle:
         return list(self.output.num_scheduled_tokens)
 
 
+STATE_PAGES_KEPT = 1 << 16  # steps whose declared state pages `ModelRunner.state_pages` keeps
+
+
 class ModelRunner:
     """Executes steps of a model (`ServedModel`: a plain decoder or a Mamba2 hybrid) through a
     `Device` (KV and states in the device tier's layer slots).
@@ -124,6 +127,8 @@ class ModelRunner:
             max_num_seqs + 1, max_model_len, self.torch_device, num_speculative_tokens > 0
         )
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
+        # per recent step: the state pages its forward declares (hazard attribution, §State)
+        self._state_pages: dict[int, frozenset[int]] = {}
         self.eos_token_ids = tuple(eos_token_ids)
         self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
@@ -232,6 +237,7 @@ class ModelRunner:
             self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
+        state: set[int] = set()
         kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
             lo, start = lowest[req_id], starts[req_id]
@@ -239,10 +245,13 @@ class ModelRunner:
             for kind, table, bs in zip(kinds, tables[req_id], sizes, strict=True):
                 if kind is None:  # a state group: the page of the start count, then of the end
                     if start:
-                        reads.update(
-                            b for b in table[(max(lo, 1) - 1) // bs : (start - 1) // bs + 1] if b
-                        )
-                    writes.update(b for b in table[lo // bs : (hi - 1) // bs + 1] if b)
+                        first, last = (max(lo, 1) - 1) // bs, (start - 1) // bs
+                        read = [b for b in table[first : last + 1] if b]
+                        reads.update(read)
+                        state.update(read)
+                    pages = [b for b in table[lo // bs : (hi - 1) // bs + 1] if b]
+                    writes.update(pages)
+                    state.update(pages)
                     continue
                 # What attention gathers: from the window (or chunk) start of the first query.
                 reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)
@@ -251,8 +260,18 @@ class ModelRunner:
             drafting = [
                 r for r in output.num_scheduled_tokens if output.scheduled_spec_decode_tokens.get(r)
             ]
+            state.update(self.drafts.all_pages(len(drafting)))
             writes.update(self.drafts.all_pages(len(drafting)))
+        if state:
+            self._state_pages[output.step_seq] = frozenset(state)
+            if len(self._state_pages) > STATE_PAGES_KEPT:
+                del self._state_pages[next(iter(self._state_pages))]
         return reads, writes
+
+    def state_pages(self, step_seq: int) -> frozenset[int]:
+        """The state (Mamba) pages the forward of step `step_seq` declared, for one of the last
+        `STATE_PAGES_KEPT` steps (empty otherwise): which hazards touch state pages."""
+        return self._state_pages.get(step_seq, frozenset())
 
     # ---- device side (runs inside the forward op) ---------------------------------------------
 

@@ -204,15 +204,17 @@ def run_variant(
 
 
 def state_hazards(engine: Any) -> dict[str, Any]:
-    """Of the hazards the sanitizer kept (its first `max_kept`), how many touch a state (Mamba)
-    page: a block either op's step declared as a state page (`ModelRunner.state_pages`)."""
+    """Of the hazards the sanitizer kept (its first `max_kept`), how many a state group causes:
+    the earlier access (the op racing ahead of the block's reuse) is to a block its step declared
+    as a state (Mamba) page (`ModelRunner.state_pages`), not a window or full-attention block
+    that was later handed to a state group."""
     sanitizer = engine.device.sanitizer
     kept = [] if sanitizer is None else sanitizer.hazards
     runner = engine.runner
 
     def on_state(hazard: Any) -> bool:
-        steps = {op.meta.step_seq for op in (hazard.first, hazard.second)} - {None}
-        pages = frozenset().union(*(runner.state_pages(s) for s in steps))
+        step = hazard.first.meta.step_seq
+        pages = runner.state_pages(step) if step is not None else frozenset()
         return any(b in pages for b in hazard.block_ids)
 
     return {"hazards_kept": len(kept), "state_hazards": sum(map(on_state, kept))}

@@ -1,5 +1,6 @@
-"""Building blocks of the decoder: RMSNorm (Llama and Gemma flavours), rotary tables and their
-application, the gated MLP. Numerics follow `transformers`' eager modules so goldens match."""
+"""Building blocks of the decoder: linear layers with prepacked bfloat16 weights on CPU, RMSNorm
+(Llama and Gemma flavours), rotary tables and their application, the gated MLP. Numerics follow
+`transformers`' eager modules so goldens match."""
 
 from __future__ import annotations
 
@@ -10,6 +11,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.model.arch import RopeSpec
+
+
+def _can_pack_bf16() -> bool:
+    return bool(
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emulated)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose bfloat16 weight on a CPU is multiplied through a copy prepacked once in
+    oneDNN's blocked layout: `F.linear` reorders the weight on every call, which costs 1.3–2.4×
+    at decode sizes (measured on AVX-512/AMX). The copy is derived from the weight, not state:
+    it is rebuilt whenever the weight tensor is another one (loading, `.to()`). Results are the
+    same bits as `F.linear`."""
+
+    _packed: torch.Tensor | None = None
+    _packed_of: tuple[int, torch.dtype] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not (PACK_BF16 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
+            return F.linear(x, w, self.bias)
+        if x.device.type != "cpu" or w.device.type != "cpu":
+            return F.linear(x, w, self.bias)
+        key = (w.data_ptr(), w.dtype)
+        if self._packed is None or self._packed_of != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._packed_of = key
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self._packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,8 +113,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, activation: str, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

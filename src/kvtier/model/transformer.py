@@ -7,14 +7,14 @@ argument; the module holds only weights and static tables, nothing per step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvtier.config import ModelConfig
 from kvtier.kv.plan import KVGroup, group_layers
+from kvtier.model import native
 from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
-from kvtier.model.layers import GatedMLP, RMSNorm, apply_rope, inv_freq, rope_tables
+from kvtier.model.layers import GatedMLP, Linear, RMSNorm, apply_rope, inv_freq, rope_tables
 from kvtier.model.paged import GroupPlan, paged_attention, plan_group
 
 
@@ -24,8 +24,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
         self.split = (q_size, kv_size, kv_size)
@@ -94,12 +94,16 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder with an LM head; parameter names follow HF except the fused qkv / gate_up."""
 
-    def __init__(self, config: ModelConfig, spec: ArchSpec | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: ArchSpec | None = None, *, native_attention: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
+        # decodes through model/native.py's kernel where it serves (else the torch paths)
+        self.native_attention = native_attention
         self.spec = spec = spec or arch_spec(config)
         self.model = DecoderModel(config, spec)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_groups: tuple[KVGroup, ...] = group_layers(config, 1)[0]
@@ -149,8 +153,13 @@ class CausalLM(nn.Module):
         """
         kvh = self.config.num_kv_heads
         group_size = self.config.num_heads // kvh
+        own = self.spec.attn_softcap is None  # SDPA has no softcap
+        weight = self.model.embed_tokens.weight  # of the queries' dtype and device
+        use_native = self.native_attention and native.usable(weight, kv_caches[0])
         plans = [
-            plan_group(attn_metadata, g, kind, kvh, group_size).to(input_ids.device)
+            plan_group(attn_metadata, g, kind, kvh, group_size, own_keys=own, native=use_native).to(
+                input_ids.device
+            )
             for g, kind in enumerate(self.group_kinds)
         ]
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -171,7 +180,7 @@ class CausalLM(nn.Module):
         """Logits [n, vocab] of the selected rows of `hidden_states` (all rows when None)."""
         if token_indices is not None:
             hidden_states = hidden_states[token_indices]
-        logits = F.linear(hidden_states, self.lm_head.weight)
+        logits: torch.Tensor = self.lm_head(hidden_states)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

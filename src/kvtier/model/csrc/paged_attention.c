@@ -1,0 +1,361 @@
+/* Paged attention for few queries per sequence (decodes, draft verification) straight from the KV
+ * cache: no gather copy, each key and value block read once per (sequence, KV head), float32
+ * accumulation with an online softmax. Built and loaded by kvtier/model/native.py (plain C, no
+ * Python or torch headers); called through ctypes, which releases the GIL.
+ *
+ * Cache layout [num_blocks, 2, block_size, kv_heads, head_dim] (K then V per block), contiguous.
+ * q is [tokens, heads, head_dim] with a token stride (a view of the fused qkv output); out is
+ * contiguous [tokens, heads, head_dim]. Query head h reads KV head h / group. Each query row r of
+ * a sequence attends to key positions [lo[r], hi[r]) (causal, window and chunk masks are all
+ * one range per query). Element type: 0 float32, 1 bfloat16 (round to nearest even on output).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *q;
+    int64_t q_stride;
+    const void *cache;
+    void *out;
+    const int64_t *tables; /* [num_seqs, table_stride] block ids */
+    int64_t table_stride;
+    const int64_t *seq_token; /* [num_seqs] batch index of each sequence's first query */
+    const int64_t *seq_qlen;  /* [num_seqs] queries of each sequence */
+    const int64_t *seq_row;   /* [num_seqs] index of its first query in lo / hi */
+    const int64_t *lo, *hi;   /* [rows] key range of each query */
+    int64_t num_heads, kv_heads, head_dim, block_size;
+    float scale, softcap;
+    int dtype;
+    int64_t begin, end; /* work items (sequence * kv_heads + kv head) of this thread */
+    int status;         /* 0, or -1: out of memory (its rows of out are not written) */
+} Args;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void load_row(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+#define CHUNK 16 /* keys scored together: one AVX-512 register of float32 scores */
+
+/* The three steps on a chunk of up to CHUNK consecutive keys of one block and KV head:
+ *   keys_t:  keys transposed to kt [D, CHUNK] float32 (key j in lane j) and values to
+ *            vf [CHUNK, D] float32;
+ *   softmax: scores of one query row sc[j] = q . k_j, then the online-softmax update of the
+ *            row's running max m, sum l and accumulator acc [D] with keys [lo, hi) of the chunk.
+ * An AVX-512 version (gathers, masked lanes, scalef-based exp) and a portable one. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
+                   int64_t D, int dtype, float *kt, float *vf) {
+    const __mmask16 live = (__mmask16)((1u << n) - 1u);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    if (dtype == 1) {
+        const uint16_t *k = (const uint16_t *)cache + kbase;
+        const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(stride * 2)));
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (int64_t d = 0; d < D; d += 2) { /* one dword holds elements d and d + 1 */
+            const __m512i v =
+                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, k + d, 1);
+            _mm512_store_ps(kt + d * CHUNK, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_store_ps(kt + (d + 1) * CHUNK, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        }
+        const uint16_t *v = (const uint16_t *)cache + vbase;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(v + j * stride + d));
+                const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+                _mm512_store_ps(vf + j * D + d, _mm512_castsi512_ps(w));
+            }
+    } else {
+        const float *k = (const float *)cache + kbase;
+        const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)stride));
+        for (int64_t d = 0; d < D; d++)
+            _mm512_store_ps(kt + d * CHUNK,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, k + d, 4));
+        const float *v = (const float *)cache + vbase;
+        for (int64_t j = 0; j < n; j++) memcpy(vf + j * D, v + j * stride, sizeof(float) * D);
+    }
+}
+
+static inline __m512 exp_nonpositive(__m512 x) { /* about 2 ulp; 0 below -87 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* R query rows at once (R a constant after inlining: 4, 2 or 1), so each key and value vector
+ * loaded serves R rows. Row g is qr + g * D, its state m[g], l[g], acc + g * D. */
+static inline __attribute__((always_inline)) void softmax_rows(
+    const int R, const float *qr, const float *kt, const float *vf, int64_t D, int64_t lo,
+    int64_t hi, float softcap, float *m, float *l, float *acc) {
+    __m512 sc[4], p[4];
+    for (int g = 0; g < R; g++) sc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k = _mm512_load_ps(kt + d * CHUNK);
+        for (int g = 0; g < R; g++) sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qr[g * D + d]), k, sc[g]);
+    }
+    const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    for (int g = 0; g < R; g++) {
+        if (softcap > 0.0f) {
+            float tmp[CHUNK];
+            _mm512_storeu_ps(tmp, sc[g]);
+            for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            sc[g] = _mm512_loadu_ps(tmp);
+        }
+        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
+        const float mx = cmax > m[g] ? cmax : m[g];
+        if (mx > m[g]) {
+            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+            l[g] *= c;
+            float *ag = acc + g * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
+            m[g] = mx;
+        }
+        p[g] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
+        l[g] += _mm512_reduce_add_ps(p[g]);
+    }
+    float pj[4][CHUNK];
+    for (int g = 0; g < R; g++) _mm512_storeu_ps(pj[g], p[g]);
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 t[4];
+        for (int g = 0; g < R; g++) t[g] = _mm512_load_ps(acc + g * D + d);
+        for (int64_t j = lo; j < hi; j++) {
+            const __m512 v = _mm512_load_ps(vf + j * D + d);
+            for (int g = 0; g < R; g++) t[g] = _mm512_fmadd_ps(_mm512_set1_ps(pj[g][j]), v, t[g]);
+        }
+        for (int g = 0; g < R; g++) _mm512_store_ps(acc + g * D + d, t[g]);
+    }
+}
+
+static void softmax(int64_t rows, const float *qr, const float *kt, const float *vf, int64_t D,
+                    int64_t lo, int64_t hi, float softcap, float *m, float *l, float *acc) {
+    int64_t g = 0;
+    for (; g + 4 <= rows; g += 4)
+        softmax_rows(4, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+    if (g + 2 <= rows) {
+        softmax_rows(2, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+        g += 2;
+    }
+    if (g < rows) softmax_rows(1, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+}
+#else
+static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
+                   int64_t D, int dtype, float *kt, float *vf) {
+    float row[512];
+    for (int64_t j = 0; j < CHUNK; j++) {
+        if (j >= n) {
+            for (int64_t d = 0; d < D; d++) kt[d * CHUNK + j] = 0.0f;
+            continue;
+        }
+        load_row(cache, kbase + j * stride, D, dtype, row);
+        for (int64_t d = 0; d < D; d++) kt[d * CHUNK + j] = row[d];
+        load_row(cache, vbase + j * stride, D, dtype, vf + j * D);
+    }
+}
+
+static inline float exp_nonpositive(float x) { /* about 2 ulp; 0 below -87 */
+    if (x < -87.0f) return 0.0f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return ldexpf(p * r * r + r + 1.0f, (int)n);
+}
+
+static void softmax_row(const float *qr, const float *kt, const float *vf, int64_t D, int64_t lo,
+                        int64_t hi, float softcap, float *m, float *l, float *acc) {
+    float sc[CHUNK] = {0};
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < CHUNK; j++) sc[j] += qr[d] * kt[d * CHUNK + j];
+    float mx = *m;
+    for (int64_t j = lo; j < hi; j++) {
+        if (softcap > 0.0f) sc[j] = softcap * tanhf(sc[j] / softcap);
+        mx = sc[j] > mx ? sc[j] : mx;
+    }
+    if (mx > *m) {
+        const float c = *m == -INFINITY ? 0.0f : expf(*m - mx);
+        *l *= c;
+        for (int64_t d = 0; d < D; d++) acc[d] *= c;
+        *m = mx;
+    }
+    for (int64_t j = lo; j < hi; j++) {
+        const float p = exp_nonpositive(sc[j] - mx);
+        *l += p;
+        for (int64_t d = 0; d < D; d++) acc[d] += p * vf[j * D + d];
+    }
+}
+
+static void softmax(int64_t rows, const float *qr, const float *kt, const float *vf, int64_t D,
+                    int64_t lo, int64_t hi, float softcap, float *m, float *l, float *acc) {
+    for (int64_t g = 0; g < rows; g++)
+        softmax_row(qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+}
+#endif
+
+static void prefetch_chunk(const void *cache, const int64_t *table, int64_t c0, int64_t kmax,
+                           int64_t bs, int64_t kvh, int64_t D, int64_t h, int dtype) {
+    const int64_t off = c0 % bs, size = dtype == 1 ? 2 : 4;
+    int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
+    cn = cn < CHUNK ? cn : CHUNK;
+    const char *k = (const char *)cache + (((table[c0 / bs] * 2 * bs) + off) * kvh * D + h * D) * size;
+    const int64_t stride = kvh * D * size, value = bs * stride;
+    for (int64_t j = 0; j < cn; j++)
+        for (int64_t b = 0; b < D * size; b += 64) {
+            __builtin_prefetch(k + j * stride + b);
+            __builtin_prefetch(k + value + j * stride + b);
+        }
+}
+
+static void run(Args *a) {
+    const int64_t D = a->head_dim, bs = a->block_size, kvh = a->kv_heads;
+    const int64_t G = a->num_heads / kvh;
+    int64_t max_rows = 0;
+    for (int64_t w = a->begin; w < a->end; w++) {
+        int64_t rows = a->seq_qlen[w / kvh] * G;
+        if (rows > max_rows) max_rows = rows;
+    }
+    a->status = 0;
+    if (max_rows == 0) return;
+    /* qf, acc: [rows, D]; kt: [D, CHUNK] (keys transposed); vf: [CHUNK, D]; m, l: [rows] */
+    float *buf = NULL;
+    const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
+    if (posix_memalign((void **)&buf, 64, sizeof(float) * floats) != 0) {
+        a->status = -1;
+        return;
+    }
+    float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
+    float *m = vf + CHUNK * D, *l = m + max_rows;
+    for (int64_t w = a->begin; w < a->end; w++) {
+        const int64_t seq = w / kvh, h = w % kvh, nq = a->seq_qlen[seq];
+        const int64_t rows = nq * G, tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
+        if (nq == 0) continue;
+        int64_t kmin = INT64_MAX, kmax = 0;
+        for (int64_t j = 0; j < nq; j++) {
+            if (a->lo[row0 + j] < kmin) kmin = a->lo[row0 + j];
+            if (a->hi[row0 + j] > kmax) kmax = a->hi[row0 + j];
+        }
+        for (int64_t j = 0; j < nq; j++)
+            for (int64_t g = 0; g < G; g++) {
+                float *qr = qf + (j * G + g) * D;
+                load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
+                for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
+            }
+        memset(acc, 0, sizeof(float) * (size_t)(rows * D));
+        for (int64_t r = 0; r < rows; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        const int64_t *table = a->tables + seq * a->table_stride;
+        for (int64_t c0 = kmin; c0 < kmax;) { /* chunks of consecutive keys within one block */
+            const int64_t off = c0 % bs;
+            int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
+            cn = cn < CHUNK ? cn : CHUNK;
+            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + off) * kvh * D + h * D;
+            if (c0 + cn < kmax) /* the next chunk's lines, while this one computes */
+                prefetch_chunk(a->cache, table, c0 + cn, kmax, bs, kvh, D, h, a->dtype);
+            keys_t(a->cache, kbase, kbase + bs * kvh * D, kvh * D, cn, D, a->dtype, kt, vf);
+            for (int64_t qi = 0; qi < nq; qi++) {
+                const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+                const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+                if (lo >= hi) continue;
+                const int64_t r = qi * G; /* the query's G rows, one per head of the group */
+                softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r, acc + r * D);
+            }
+            c0 += cn;
+        }
+        for (int64_t qi = 0; qi < nq; qi++)
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = qi * G + g;
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+                if (a->dtype == 1) {
+                    uint16_t *dst = (uint16_t *)a->out + o;
+                    for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
+                } else {
+                    float *dst = (float *)a->out + o;
+                    for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+                }
+            }
+    }
+    free(buf);
+}
+
+static void *run_thread(void *arg) {
+    run((Args *)arg);
+    return NULL;
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
+int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, void *out,
+                           const int64_t *tables, int64_t table_stride, const int64_t *seq_token,
+                           const int64_t *seq_qlen, const int64_t *seq_row, const int64_t *lo,
+                           const int64_t *hi, int64_t num_seqs, int64_t num_heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           float softcap, int dtype, int num_threads) {
+    const int64_t items = num_seqs * kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
+    Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
+                 seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
+                 block_size, scale,  softcap, dtype,      0,          items,        0};
+    if (num_threads == 1) {
+        run(&base);
+        return base.status;
+    }
+    Args args[num_threads];
+    pthread_t threads[num_threads];
+    int started[num_threads];
+    for (int t = 0; t < num_threads; t++) {
+        args[t] = base;
+        args[t].begin = items * t / num_threads;
+        args[t].end = items * (t + 1) / num_threads;
+        started[t] = t > 0 && pthread_create(&threads[t], NULL, run_thread, &args[t]) == 0;
+        if (t > 0 && !started[t]) run(&args[t]);
+    }
+    run(&args[0]);
+    for (int t = 1; t < num_threads; t++)
+        if (started[t]) pthread_join(threads[t], NULL);
+    int status = 0;
+    for (int t = 0; t < num_threads; t++)
+        if (args[t].status) status = args[t].status;
+    return status;
+}

@@ -68,11 +68,13 @@ class Kernels:
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the native kernels can serve queries of `q`'s dtype and device (any tensor of
-    them) over `kv_cache`, and were built."""
+    them) over `kv_cache`, and were built (head_dim a multiple of 16, at most 512)."""
     return (
         q.device.type == "cpu"
         and q.dtype in DTYPES
         and kv_cache.dtype == q.dtype
+        and kv_cache.shape[-1] % 16 == 0
+        and kv_cache.shape[-1] <= 512
         and kernels() is not None
     )
 
@@ -97,7 +99,12 @@ def _cpu_signature() -> str:
 
 @functools.cache
 def kernels() -> Kernels | None:
-    """The built library, building it on first use; None where it cannot be built."""
+    """The library built for this CPU, building it on first use; None where it cannot be."""
+    return build(FLAGS)
+
+
+def build(flags: tuple[str, ...]) -> Kernels | None:
+    """Build (or find in the cache) and load the kernels compiled with `flags`."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (cc): native attention off, using the torch path")
@@ -111,10 +118,10 @@ def kernels() -> Kernels | None:
         log.warning("C compiler %s unusable (%s): native attention off", compiler, exc)
         return None
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     path = cache_dir() / f"paged_attention-{key}.so"
-    if not path.is_file() and not _build(compiler, path):
+    if not path.is_file() and not _build(compiler, flags, path):
         return None
     try:
         library = ctypes.CDLL(str(path))
@@ -129,11 +136,11 @@ def kernels() -> Kernels | None:
     return Kernels(library, path)
 
 
-def _build(compiler: str, path: Path) -> bool:
+def _build(compiler: str, flags: tuple[str, ...], path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm", "-lpthread"]
+    cmd = [compiler, *flags, "-o", tmp, str(SOURCE), "-lm", "-lpthread"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         ok, err = res.returncode == 0, res.stderr

@@ -119,9 +119,9 @@ def plan_group(
 ) -> GroupPlan:
     """Precompute the writes and reads of KV group `group` for this forward (on the host).
 
-    `own_keys=False` sends first chunks through the gather path too (softcapped attention,
-    which SDPA cannot do, and tests comparing the paths); `native=True` gives sequences with
-    few queries to the native kernel (the caller checks `native.usable`)."""
+    `own_keys=False` sends first chunks through the gather path too (tests comparing the
+    paths); `native=True` gives sequences with few queries to the native kernel (the caller
+    checks `native.usable`)."""
     bs = meta.block_size
     table, slots = meta.block_tables[group].cpu(), meta.slot_mappings[group].cpu()
     write_tokens = None
@@ -255,7 +255,7 @@ def paged_attention(
         ob = _attend_gathered(q, kv_cache, g, scale, softcap)  # [n * Q, H, D]
         pieces.append((ob, 0) if g.in_order else (ob.index_select(0, g.out_rows), g.out_tokens))
     for o in plan.owns:
-        own = _attend_own(q, k, v, kv_cache.dtype, o, scale)  # [n * q, H, D]
+        own = _attend_own(q, k, v, kv_cache.dtype, o, scale, softcap)  # [n * q, H, D]
         pieces.append((own, o.tokens if o.token_start is None else o.token_start))
     if out is None and len(pieces) == 1 and pieces[0][0].shape[0] == num_tokens:
         rows, where = pieces[0]
@@ -306,6 +306,7 @@ def _attend_own(
     cache_dtype: torch.dtype,
     o: OwnPlan,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """First chunks over their own keys → [n * q, H, D], causal (or the plan's mask)."""
     _, num_heads, dim = q.shape
@@ -321,9 +322,15 @@ def _attend_own(
     qs = qs.view(n, nq, num_heads, dim).transpose(1, 2)  # [n, H, q, D]
     ks = ks.view(n, nq, kvh, dim).transpose(1, 2)  # [n, KVH, q, D]
     vs = vs.view(n, nq, kvh, dim).transpose(1, 2)
-    os = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=o.mask, is_causal=o.mask is None, scale=scale, enable_gqa=True
-    )  # [n, H, q, D]
+    if softcap is None:
+        os = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=o.mask, is_causal=o.mask is None, scale=scale, enable_gqa=True
+        )  # [n, H, q, D]
+    else:  # one KV head per query head, and the mask (causal when the plan has none)
+        group = num_heads // kvh
+        mask = o.mask if o.mask is not None else torch.ones(nq, nq, dtype=torch.bool).tril()
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        os = _attend_eager(qs, ks, vs, mask.to(q.device), scale, softcap)
     return os.transpose(1, 2).reshape(n * nq, num_heads, dim)
 
 

@@ -153,11 +153,10 @@ class CausalLM(nn.Module):
         """
         kvh = self.config.num_kv_heads
         group_size = self.config.num_heads // kvh
-        own = self.spec.attn_softcap is None  # SDPA has no softcap
         weight = self.model.embed_tokens.weight  # of the queries' dtype and device
         use_native = self.native_attention and native.usable(weight, kv_caches[0])
         plans = [
-            plan_group(attn_metadata, g, kind, kvh, group_size, own_keys=own, native=use_native).to(
+            plan_group(attn_metadata, g, kind, kvh, group_size, native=use_native).to(
                 input_ids.device
             )
             for g, kind in enumerate(self.group_kinds)

@@ -29,7 +29,7 @@ typedef struct {
     int64_t num_heads, kv_heads, head_dim, block_size;
     float scale, softcap;
     int dtype;
-    int64_t begin, end; /* work items (sequence * kv_heads + kv head) of this thread */
+    int64_t begin, end; /* the sequences of this thread */
     int status;         /* 0, or -1: out of memory (its rows of out are not written) */
 } Args;
 
@@ -231,31 +231,33 @@ static void softmax(int64_t rows, const float *qr, const float *kt, const float 
 }
 #endif
 
-static void prefetch_chunk(const void *cache, const int64_t *table, int64_t c0, int64_t kmax,
-                           int64_t bs, int64_t kvh, int64_t D, int64_t h, int dtype) {
-    const int64_t off = c0 % bs, size = dtype == 1 ? 2 : 4;
+/* Keys c0.. of the chunk starting at c0 (at most CHUNK, within one block) */
+static int64_t chunk_len(int64_t c0, int64_t kmax, int64_t bs) {
+    const int64_t off = c0 % bs;
     int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
-    cn = cn < CHUNK ? cn : CHUNK;
-    const char *k = (const char *)cache + (((table[c0 / bs] * 2 * bs) + off) * kvh * D + h * D) * size;
-    const int64_t stride = kvh * D * size, value = bs * stride;
-    for (int64_t j = 0; j < cn; j++)
-        for (int64_t b = 0; b < D * size; b += 64) {
-            __builtin_prefetch(k + j * stride + b);
-            __builtin_prefetch(k + value + j * stride + b);
-        }
+    return cn < CHUNK ? cn : CHUNK;
 }
 
+static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(k + value + b);
+    }
+}
+
+/* Work item w = one sequence, every KV head: its keys are read as whole contiguous rows
+ * [kv_heads, head_dim] of each block, which the hardware prefetchers follow. */
 static void run(Args *a) {
     const int64_t D = a->head_dim, bs = a->block_size, kvh = a->kv_heads;
-    const int64_t G = a->num_heads / kvh;
+    const int64_t G = a->num_heads / kvh, size = a->dtype == 1 ? 2 : 4;
     int64_t max_rows = 0;
     for (int64_t w = a->begin; w < a->end; w++) {
-        int64_t rows = a->seq_qlen[w / kvh] * G;
+        int64_t rows = a->seq_qlen[w] * G * kvh;
         if (rows > max_rows) max_rows = rows;
     }
     a->status = 0;
     if (max_rows == 0) return;
-    /* qf, acc: [rows, D]; kt: [D, CHUNK] (keys transposed); vf: [CHUNK, D]; m, l: [rows] */
+    /* qf, acc: [kv_heads, queries, G, D]; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows] */
     float *buf = NULL;
     const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
     if (posix_memalign((void **)&buf, 64, sizeof(float) * floats) != 0) {
@@ -264,57 +266,66 @@ static void run(Args *a) {
     }
     float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
     float *m = vf + CHUNK * D, *l = m + max_rows;
-    for (int64_t w = a->begin; w < a->end; w++) {
-        const int64_t seq = w / kvh, h = w % kvh, nq = a->seq_qlen[seq];
-        const int64_t rows = nq * G, tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
+    for (int64_t seq = a->begin; seq < a->end; seq++) {
+        const int64_t nq = a->seq_qlen[seq], tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
+        const int64_t rows = nq * G; /* per KV head, ordered (query, g) */
         if (nq == 0) continue;
         int64_t kmin = INT64_MAX, kmax = 0;
         for (int64_t j = 0; j < nq; j++) {
             if (a->lo[row0 + j] < kmin) kmin = a->lo[row0 + j];
             if (a->hi[row0 + j] > kmax) kmax = a->hi[row0 + j];
         }
-        for (int64_t j = 0; j < nq; j++)
-            for (int64_t g = 0; g < G; g++) {
-                float *qr = qf + (j * G + g) * D;
-                load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
-                for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
-            }
-        memset(acc, 0, sizeof(float) * (size_t)(rows * D));
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t j = 0; j < nq; j++)
+                for (int64_t g = 0; g < G; g++) {
+                    float *qr = qf + ((h * nq + j) * G + g) * D;
+                    load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
+                    for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
+                }
+        memset(acc, 0, sizeof(float) * (size_t)(kvh * rows * D));
+        for (int64_t r = 0; r < kvh * rows; r++) {
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
         const int64_t *table = a->tables + seq * a->table_stride;
+        const int64_t row_size = kvh * D; /* elements of one key (every head) */
         for (int64_t c0 = kmin; c0 < kmax;) { /* chunks of consecutive keys within one block */
-            const int64_t off = c0 % bs;
-            int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
-            cn = cn < CHUNK ? cn : CHUNK;
-            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + off) * kvh * D + h * D;
-            if (c0 + cn < kmax) /* the next chunk's lines, while this one computes */
-                prefetch_chunk(a->cache, table, c0 + cn, kmax, bs, kvh, D, h, a->dtype);
-            keys_t(a->cache, kbase, kbase + bs * kvh * D, kvh * D, cn, D, a->dtype, kt, vf);
-            for (int64_t qi = 0; qi < nq; qi++) {
-                const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
-                const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
-                if (lo >= hi) continue;
-                const int64_t r = qi * G; /* the query's G rows, one per head of the group */
-                softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r, acc + r * D);
+            const int64_t cn = chunk_len(c0, kmax, bs);
+            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
+            if (c0 + cn < kmax) { /* the next chunk's lines, while this one computes */
+                const int64_t n1 = c0 + cn, cn1 = chunk_len(n1, kmax, bs);
+                const int64_t k1 = ((table[n1 / bs] * 2 * bs) + n1 % bs) * row_size;
+                prefetch_chunk((const char *)a->cache + k1 * size, cn1 * row_size * size,
+                               bs * row_size * size);
+            }
+            for (int64_t h = 0; h < kvh; h++) {
+                keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
+                       a->dtype, kt, vf);
+                for (int64_t qi = 0; qi < nq; qi++) {
+                    const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+                    const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+                    if (lo >= hi) continue;
+                    const int64_t r = (h * nq + qi) * G; /* the query's G rows of head h */
+                    softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r,
+                            acc + r * D);
+                }
             }
             c0 += cn;
         }
-        for (int64_t qi = 0; qi < nq; qi++)
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t r = qi * G + g;
-                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-                const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
-                if (a->dtype == 1) {
-                    uint16_t *dst = (uint16_t *)a->out + o;
-                    for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
-                } else {
-                    float *dst = (float *)a->out + o;
-                    for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t qi = 0; qi < nq; qi++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = (h * nq + qi) * G + g;
+                    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                    const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+                    if (a->dtype == 1) {
+                        uint16_t *dst = (uint16_t *)a->out + o;
+                        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
+                    } else {
+                        float *dst = (float *)a->out + o;
+                        for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+                    }
                 }
-            }
     }
     free(buf);
 }
@@ -331,7 +342,7 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
                            const int64_t *hi, int64_t num_seqs, int64_t num_heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            float softcap, int dtype, int num_threads) {
-    const int64_t items = num_seqs * kv_heads;
+    const int64_t items = num_seqs;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
     Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,

@@ -25,7 +25,9 @@ KINDS = [LayerKind(), LayerKind(window=5), LayerKind(chunk=6)]
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
-def make_case(batch: list[tuple[int, int]], bs: int, dtype: torch.dtype, seed: int = 0):
+def make_case(
+    batch: list[tuple[int, int]], bs: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM
+):
     """Metadata, q/k/v of the new tokens and a cache holding each prefix (NaN elsewhere)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // bs) for c, n in batch]
@@ -35,16 +37,16 @@ def make_case(batch: list[tuple[int, int]], bs: int, dtype: torch.dtype, seed: i
         tables.append(ids[at : at + n].tolist())
         at += n
     meta = AttentionMetadata.build([c for c, _ in batch], [n for _, n in batch], [tables], bs)
-    cache = torch.full((sum(need) + 5, 2, bs, KV_HEADS, DIM), float("nan"), dtype=torch.float64)
+    cache = torch.full((sum(need) + 5, 2, bs, KV_HEADS, dim), float("nan"), dtype=torch.float64)
     cache[0] = 0.0  # the null block is zeros (never written)
     for (computed, _), table in zip(batch, tables, strict=True):
         for p in range(computed):
-            cache[table[p // bs], :, p % bs] = torch.randn(2, KV_HEADS, DIM, generator=gen)
+            cache[table[p // bs], :, p % bs] = torch.randn(2, KV_HEADS, dim, generator=gen)
     num_tokens = sum(n for _, n in batch)
-    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=gen, dtype=torch.float64)
-    q, k, v = qkv.to(dtype).split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
-    q = q.view(num_tokens, HEADS, DIM)  # a strided view, as the model's fused projection gives
-    return meta, q, k.reshape(-1, KV_HEADS, DIM), v.reshape(-1, KV_HEADS, DIM), cache.to(dtype)
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * dim, generator=gen, dtype=torch.float64)
+    q, k, v = qkv.to(dtype).split([HEADS * dim, KV_HEADS * dim, KV_HEADS * dim], dim=-1)
+    q = q.view(num_tokens, HEADS, dim)  # a strided view, as the model's fused projection gives
+    return meta, q, k.reshape(-1, KV_HEADS, dim), v.reshape(-1, KV_HEADS, dim), cache.to(dtype)
 
 
 def reference(q, cache, meta, kind, scale, softcap):
@@ -68,11 +70,11 @@ def reference(q, cache, meta, kind, scale, softcap):
     return out
 
 
-def run_paths(batch, bs, kind, dtype, softcap=None, **plan_args):
-    meta, q, k, v, cache = make_case(batch, bs, dtype)
+def run_paths(batch, bs, kind, dtype, softcap=None, dim=DIM, **plan_args):
+    meta, q, k, v, cache = make_case(batch, bs, dtype, dim=dim)
     plan = plan_group(meta, 0, kind, KV_HEADS, HEADS // KV_HEADS, **plan_args)
-    out = paged_attention(q, k, v, cache, plan, DIM**-0.5, softcap)
-    return out, reference(q, cache, meta, kind, DIM**-0.5, softcap), plan
+    out = paged_attention(q, k, v, cache, plan, dim**-0.5, softcap)
+    return out, reference(q, cache, meta, kind, dim**-0.5, softcap), plan
 
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
@@ -95,8 +97,9 @@ def test_torch_paths_match_reference_on_a_ragged_batch(kind, bs, dtype, own_keys
 @pytest.mark.parametrize("kind", KINDS, ids=["causal", "window5", "chunk6"])
 @pytest.mark.parametrize("bs", [4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype):
-    out, ref, plan = run_paths(RAGGED, bs, kind, dtype, native=True)
+@pytest.mark.parametrize("dim", [16, 64])  # bf16 with head_dim 64: the AVX512-BF16 pairs path
+def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype, dim):
+    out, ref, plan = run_paths(RAGGED, bs, kind, dtype, dim=dim, native=True)
     assert plan.native is not None and plan.native.seq_token.numel() == 4  # the short ones
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
@@ -104,8 +107,9 @@ def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_kernel_softcap(dtype):
-    out, ref, _ = run_paths(RAGGED, 4, LayerKind(window=5), dtype, softcap=2.0, native=True)
+@pytest.mark.parametrize("dim", [16, 64])
+def test_native_kernel_softcap(dtype, dim):
+    out, ref, _ = run_paths(RAGGED, 4, LayerKind(window=5), dtype, 2.0, dim, native=True)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
 
 

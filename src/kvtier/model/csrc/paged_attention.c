@@ -69,36 +69,52 @@ static void load_row(const void *base, int64_t offset, int64_t n, int dtype, flo
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+/* r[0..15] (row j: 16 floats) → r[0..15] (row d: lane j), in registers */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* u[4k + m] holds, per 128-bit lane l, element m of rows 4l'..: combine lanes across rows */
+    for (int m = 0; m < 4; m++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88);
+        const __m512 b = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xdd);
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);
+        const __m512 d = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xdd);
+        r[m] = _mm512_shuffle_f32x4(a, c, 0x88);
+        r[m + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        r[m + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+        r[m + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+}
+
+static inline __m512 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == 1) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
 static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
                    int64_t D, int dtype, float *kt, float *vf) {
-    const __mmask16 live = (__mmask16)((1u << n) - 1u);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    if (dtype == 1) {
-        const uint16_t *k = (const uint16_t *)cache + kbase;
-        const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(stride * 2)));
-        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-        for (int64_t d = 0; d < D; d += 2) { /* one dword holds elements d and d + 1 */
-            const __m512i v =
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, k + d, 1);
-            _mm512_store_ps(kt + d * CHUNK, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-            _mm512_store_ps(kt + (d + 1) * CHUNK, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
-        }
-        const uint16_t *v = (const uint16_t *)cache + vbase;
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(v + j * stride + d));
-                const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-                _mm512_store_ps(vf + j * D + d, _mm512_castsi512_ps(w));
-            }
-    } else {
-        const float *k = (const float *)cache + kbase;
-        const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)stride));
-        for (int64_t d = 0; d < D; d++)
-            _mm512_store_ps(kt + d * CHUNK,
-                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, k + d, 4));
-        const float *v = (const float *)cache + vbase;
-        for (int64_t j = 0; j < n; j++) memcpy(vf + j * D, v + j * stride, sizeof(float) * D);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) { /* keys: rows loaded whole, transposed in registers */
+        __m512 r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? load16(cache, kbase + j * stride + d0, dtype) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t d = 0; d < 16; d++) _mm512_store_ps(kt + (d0 + d) * CHUNK, r[d]);
     }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_store_ps(vf + j * D + d, load16(cache, vbase + j * stride + d, dtype));
 }
 
 static inline __m512 exp_nonpositive(__m512 x) { /* about 2 ulp; 0 below -87 */
@@ -173,6 +189,116 @@ static void softmax(int64_t rows, const float *qr, const float *kt, const float 
     }
     if (g < rows) softmax_rows(1, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
 }
+
+#if defined(__AVX512BF16__)
+#define PAIRS_PATH 1
+/* bfloat16 with AVX512-BF16 dot products (VDPBF16PS: 16 float32 lanes, each += a·b over a pair of
+ * bfloat16): no conversion to float32, half the multiply-adds. Keys become transposed pairs
+ * kp [D/2, CHUNK] (lane j: k_j[2p], k_j[2p + 1]); values pairs of consecutive keys interleaved by
+ * dimension, vp [CHUNK/2, D/32, 2, 16] (lane: v_j[d], v_j+1[d]), which leaves each row's
+ * accumulator in a permuted order ([D/32, 2, 16], see unpermute); the probabilities are rounded
+ * to bfloat16 before they weigh the values, as transformers' eager attention does. */
+static void keys_pairs(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kp) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512 r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k + j * stride + 2 * p0))
+                         : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t p = 0; p < 16; p++) _mm512_store_ps((float *)kp + (p0 + p) * CHUNK, r[p]);
+    }
+}
+
+static void values_pairs(const uint16_t *v, int64_t stride, int64_t n, int64_t D, uint32_t *vp) {
+    const int64_t blocks = D / 32;
+    for (int64_t jp = 0; jp < CHUNK / 2; jp++) {
+        const int64_t j = 2 * jp;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512i x = j < n ? _mm512_loadu_si512(v + j * stride + 32 * b) : _mm512_setzero_si512();
+            const __m512i y = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * stride + 32 * b)
+                                        : _mm512_setzero_si512();
+            uint32_t *dst = vp + (jp * blocks + b) * 32;
+            _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
+
+/* Position of dimension d in the permuted accumulator. */
+static inline int64_t unpermute(int64_t d) {
+    const int64_t b = d / 32, dd = d % 32, lane = dd / 8, k = dd % 8;
+    return b * 32 + (k < 4 ? 4 * lane + k : 16 + 4 * lane + k - 4);
+}
+
+static inline __attribute__((always_inline)) void softmax_rows_bf16(
+    const int R, const uint16_t *const *q, const uint32_t *kp, const uint32_t *vp, int64_t D,
+    int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l, float *acc) {
+    __m512 sc[4], s2[4]; /* two accumulators per row: half the dependency chain */
+    uint32_t pp[4][CHUNK / 2];
+    for (int g = 0; g < R; g++) sc[g] = s2[g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + p * CHUNK);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (p + 1) * CHUNK);
+        for (int g = 0; g < R; g++) {
+            uint32_t pair[2];
+            memcpy(pair, q[g] + 2 * p, 8);
+            sc[g] = _mm512_dpbf16_ps(sc[g], k0, (__m512bh)_mm512_set1_epi32((int)pair[0]));
+            s2[g] = _mm512_dpbf16_ps(s2[g], k1, (__m512bh)_mm512_set1_epi32((int)pair[1]));
+        }
+    }
+    for (int g = 0; g < R; g++) sc[g] = _mm512_add_ps(sc[g], s2[g]);
+    const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    for (int g = 0; g < R; g++) {
+        sc[g] = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
+        if (softcap > 0.0f) {
+            float tmp[CHUNK];
+            _mm512_storeu_ps(tmp, sc[g]);
+            for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            sc[g] = _mm512_loadu_ps(tmp);
+        }
+        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
+        const float mx = cmax > m[g] ? cmax : m[g];
+        if (mx > m[g]) {
+            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+            l[g] *= c;
+            float *ag = acc + g * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
+            m[g] = mx;
+        }
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
+        l[g] += _mm512_reduce_add_ps(e);
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        memcpy(pp[g], &eb, sizeof(pp[g]));
+    }
+    const int64_t blocks = D / 32, jp0 = lo / 2, jp1 = (hi + 1) / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t half = 0; half < 2; half++) {
+            __m512 t[4];
+            for (int g = 0; g < R; g++) t[g] = _mm512_load_ps(acc + g * D + b * 32 + half * 16);
+            for (int64_t jp = jp0; jp < jp1; jp++) {
+                const __m512bh v = (__m512bh)_mm512_load_si512(vp + (jp * blocks + b) * 32 + half * 16);
+                for (int g = 0; g < R; g++)
+                    t[g] = _mm512_dpbf16_ps(t[g], v, (__m512bh)_mm512_set1_epi32((int)pp[g][jp]));
+            }
+            for (int g = 0; g < R; g++) _mm512_store_ps(acc + g * D + b * 32 + half * 16, t[g]);
+        }
+}
+
+static void softmax_bf16(int64_t rows, const uint16_t *const *q, const uint32_t *kp,
+                         const uint32_t *vp, int64_t D, int64_t lo, int64_t hi, float scale,
+                         float softcap, float *m, float *l, float *acc) {
+    int64_t g = 0;
+    for (; g + 4 <= rows; g += 4)
+        softmax_rows_bf16(4, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    if (rows - g == 3)
+        softmax_rows_bf16(3, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    else if (rows - g == 2)
+        softmax_rows_bf16(2, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    else if (rows - g == 1)
+        softmax_rows_bf16(1, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+}
+#endif
 #else
 static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
                    int64_t D, int dtype, float *kt, float *vf) {
@@ -266,6 +392,11 @@ static void run(Args *a) {
     }
     float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
     float *m = vf + CHUNK * D, *l = m + max_rows;
+#if defined(PAIRS_PATH)
+    const int pairs = a->dtype == 1 && D % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
     for (int64_t seq = a->begin; seq < a->end; seq++) {
         const int64_t nq = a->seq_qlen[seq], tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
         const int64_t rows = nq * G; /* per KV head, ordered (query, g) */
@@ -275,7 +406,7 @@ static void run(Args *a) {
             if (a->lo[row0 + j] < kmin) kmin = a->lo[row0 + j];
             if (a->hi[row0 + j] > kmax) kmax = a->hi[row0 + j];
         }
-        for (int64_t h = 0; h < kvh; h++)
+        for (int64_t h = 0; h < kvh && !pairs; h++) /* the pairs path reads q where it is */
             for (int64_t j = 0; j < nq; j++)
                 for (int64_t g = 0; g < G; g++) {
                     float *qr = qf + ((h * nq + j) * G + g) * D;
@@ -299,13 +430,32 @@ static void run(Args *a) {
                                bs * row_size * size);
             }
             for (int64_t h = 0; h < kvh; h++) {
-                keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
-                       a->dtype, kt, vf);
+#if defined(PAIRS_PATH)
+                if (pairs) {
+                    const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
+                    keys_pairs(kh, row_size, cn, D, (uint32_t *)kt);
+                    values_pairs(kh + bs * row_size, row_size, cn, D, (uint32_t *)vf);
+                }
+#endif
+                if (!pairs)
+                    keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn,
+                           D, a->dtype, kt, vf);
                 for (int64_t qi = 0; qi < nq; qi++) {
                     const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
                     const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
                     if (lo >= hi) continue;
                     const int64_t r = (h * nq + qi) * G; /* the query's G rows of head h */
+#if defined(PAIRS_PATH)
+                    if (pairs) {
+                        const uint16_t *qrows[G];
+                        for (int64_t g = 0; g < G; g++)
+                            qrows[g] = (const uint16_t *)a->q + (tok0 + qi) * a->q_stride +
+                                       (h * G + g) * D;
+                        softmax_bf16(G, qrows, (const uint32_t *)kt, (const uint32_t *)vf, D, lo,
+                                     hi, a->scale, a->softcap, m + r, l + r, acc + r * D);
+                        continue;
+                    }
+#endif
                     softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r,
                             acc + r * D);
                 }
@@ -318,6 +468,14 @@ static void run(Args *a) {
                     const int64_t r = (h * nq + qi) * G + g;
                     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
                     const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+#if defined(PAIRS_PATH)
+                    if (pairs) {
+                        uint16_t *dst = (uint16_t *)a->out + o;
+                        for (int64_t d = 0; d < D; d++)
+                            dst[d] = f32_to_bf16(acc[r * D + unpermute(d)] * inv);
+                        continue;
+                    }
+#endif
                     if (a->dtype == 1) {
                         uint16_t *dst = (uint16_t *)a->out + o;
                         for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);

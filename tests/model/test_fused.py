@@ -106,3 +106,17 @@ def test_kernels_stay_off_where_they_cannot_serve():
     assert not native.usable(x)
     out = apply_rope(x, cos, sin)
     assert out.data_ptr() != x.data_ptr() and torch.equal(out, x)
+
+
+def test_argmax_is_torch_argmax_with_ties_nan_and_infinities():
+    x = torch.randn(9, 1003, generator=gen(10))  # not a multiple of 16
+    x[1, [5, 900]] = 50.0  # a tie: the first
+    x[2, [17, 500]] = float("nan")  # NaN wins, the first one
+    x[3] = float("-inf")
+    x[4, 1002] = float("inf")
+    x[5] = 0.0
+    x[6, 999:] = 80.0  # the maximum in the tail past the last full vector
+    assert torch.equal(native.argmax(x), x.argmax(dim=-1))
+    rows = x[:, :1000]  # strided rows
+    assert torch.equal(native.argmax(rows), rows.argmax(dim=-1))
+    assert native.argmax(x).tolist()[1:7] == [5, 17, 0, 1002, 0, 999]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.checks import check_float, check_int
+from kvtier.model import native
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
@@ -130,7 +131,7 @@ def sample(
         )
         logits = logits.index_put(where, torch.tensor(float("-inf")))  # out of place
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = native.argmax(logits)
         processed = logits
         logprobs = None
     else:
@@ -138,7 +139,7 @@ def sample(
         logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
         noise = _exponential_noise(logits, batch, generator)  # [n, vocab]
         tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+        tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
     if not wanted:
         return SamplerOutput(tokens, None, None, None)
     if report is None and logprobs_mode == "processed_logits":

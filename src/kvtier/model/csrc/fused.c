@@ -282,3 +282,71 @@ void kvtier_act_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
     ActArgs a = {gate_up, out, inter, act, dtype};
     parallel_rows(act_rows, &a, rows, rows * inter, threads);
 }
+
+/* ---- argmax of float32 rows (greedy sampling) -------------------------------------------- */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const float *x;
+    int64_t n, stride;
+    int64_t *out;
+} ArgmaxArgs;
+
+/* torch.argmax's answer: the first maximal element, or the first NaN if the row has one */
+static void argmax_rows(const void *p, int64_t begin, int64_t end) {
+    const ArgmaxArgs *a = (const ArgmaxArgs *)p;
+    const int64_t n = a->n;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = a->x + r * a->stride;
+        float m = -INFINITY;
+        int nan = 0;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        __mmask16 vnan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vm = _mm512_max_ps(vm, v);
+        }
+        m = _mm512_reduce_max_ps(vm);
+        nan = vnan != 0;
+#endif
+        for (; i < n; i++) {
+            nan |= x[i] != x[i];
+            m = x[i] > m ? x[i] : m;
+        }
+        int64_t at = 0;
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 target = _mm512_set1_ps(m);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                      : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+            if (hit) {
+                at = i + __builtin_ctz((unsigned)hit);
+                goto found;
+            }
+        }
+#endif
+        for (; i < n; i++)
+            if (nan ? x[i] != x[i] : x[i] == m) {
+                at = i;
+                break;
+            }
+#if defined(__AVX512F__)
+    found:
+#endif
+        a->out[r] = at;
+    }
+}
+
+void kvtier_argmax(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
+                   int threads) {
+    ArgmaxArgs a = {x, n, stride, out};
+    parallel_rows(argmax_rows, &a, rows, rows * n, threads);
+}

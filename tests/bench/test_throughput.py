@@ -74,3 +74,18 @@ def test_model_labels_are_file_names() -> None:
 
     assert models.label("tiny-llama") == "tiny-llama"
     assert models.label("/data/models/Qwen2.5 0.5B/") == "Qwen2.5_0.5B"
+
+
+def test_profile_writes_the_functions_by_own_time(tmp_path: Path) -> None:
+    prof = tmp_path / "profile.txt"
+    rc = main(
+        [
+            "bench", "throughput", "--models", "default", "--dtypes", "float32",
+            "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--no-transformers",
+            "--profile", str(prof), "--out", str(tmp_path / "tp.json"),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    text = prof.read_text()
+    assert text.startswith("== default float32") and "Ordered by: internal time" in text
+    assert "transformer.py" in text  # the forward ran under the profiler, on the host thread

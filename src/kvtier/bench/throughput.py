@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run protect=all beside protect=none (cold passes, new prompts each round, "
         "engines alternating) for this many rounds: the protections' cost, same tokens",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="profile one cold pass of each model and dtype on the sim device (every op on the "
+        "host thread, synchronous) with cProfile: functions by own time to PATH (printed too)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_throughput.json")
 
@@ -137,6 +143,34 @@ def run_protect_cost(path: str, dtype: str, vocab: int, args: argparse.Namespace
     }
 
 
+def profile_kvtier(
+    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
+) -> str:
+    """cProfile of one cold pass on the sim device, sanitizer off, one step at a time (the cpu
+    backend runs the forward on a worker thread that cProfile does not see); the report sorted
+    by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvtier.engine import LLM, SamplingParams
+
+    llm = LLM(path, device="sim", sanitize=False, async_scheduling=False, dtype=dtype,
+              block_size=args.block_size, max_num_seqs=args.num_prompts,
+              max_model_len=args.input_len + args.output_len + args.block_size,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
+    n = args.output_len
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    llm.generate([{"prompt_token_ids": p[:-1]} for p in prompts[:2]], params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    return text.getvalue()
+
+
 def run_transformers(
     path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -199,6 +233,13 @@ def run(args: argparse.Namespace) -> int:
                     )
                     row["sim_same_tokens"] = sim["tokens"] == ours["tokens"]
                     row["sim_hazards"] = sim["hazards"]
+                if args.profile:
+                    report = profile_kvtier(str(path), dtype, prompts, args)
+                    out = Path(args.profile)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    with out.open("a") as f:
+                        f.write(f"== {models.label(name)} {dtype}\n{report}\n")
+                    print("\n".join(report.splitlines()[:25]), flush=True)
                 if args.protect_cost:
                     cost = run_protect_cost(str(path), dtype, cfg.vocab_size, args)
                     row["protect_cost"] = cost

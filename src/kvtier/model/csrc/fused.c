@@ -117,7 +117,7 @@ static void *run_slice(void *p) {
 
 static void parallel_rows(RowFn fn, const void *args, int64_t rows, int64_t work, int threads) {
     if (threads > rows) threads = (int)rows;
-    if (threads < 2 || work < (1 << 16)) { /* thread start-up would cost more than it saves */
+    if (threads < 2 || work < (1 << 19)) { /* thread start-up would cost more than it saves */
         fn(args, 0, rows);
         return;
     }

@@ -501,6 +501,10 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            float softcap, int dtype, int num_threads) {
     const int64_t items = num_seqs;
+    int64_t keys = 0; /* the work: keys read, summed over sequences */
+    for (int64_t i = 0; i < num_seqs; i++)
+        if (seq_qlen[i] > 0) keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
+    if (keys * kv_heads * head_dim < (1 << 19)) num_threads = 1; /* a thread's start costs more */
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
     Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,

@@ -1,8 +1,8 @@
 """`kvtier bench roofline`: how close decode comes to the memory-bandwidth limit. A decode step must
 read every weight once and each sequence's KV; at this machine's copy bandwidth (measured here: a
 large tensor copy, bytes read + written per second) that takes `roofline_ms`. The engine's decode
-step time comes from two offline runs per round on new prompts — with max_tokens = output_len and
-with max_tokens = 1 — as the difference over output_len − 1 steps. Reports the fraction of the
+step time is timed on the engine's own steps once every prompt of the batch is prefilled (new
+prompts each round): elapsed time over decode steps. Reports the fraction of the
 roofline reached (roofline_ms / step_ms) per batch size; prints a table and saves JSON."""
 
 from __future__ import annotations
@@ -74,17 +74,26 @@ def kv_bytes(model: Any, batch: int, context: float) -> float:
 
 
 def decode_step_s(llm: Any, batch: int, args: argparse.Namespace, vocab: int, seed: int) -> float:
-    """Seconds per decode step: (full run − a run to the first token) / (output_len − 1)."""
+    """Seconds per decode step: `batch` new prompts are prefilled, then the engine's steps are
+    timed until every request has its output_len tokens (all decode, batch rows each)."""
     from kvtier.engine import SamplingParams
 
-    times = []
-    for max_tokens in (args.output_len, 1):
-        prompts = random_prompts(seed + max_tokens, batch, args.input_len, vocab)  # never hit
-        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-    return float(max(times[0] - times[1], 1e-9) / (args.output_len - 1))
+    engine = llm.engine
+    n = args.output_len
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    ids = [f"roofline-{seed}-{i}" for i in range(batch)]
+    for req_id, prompt in zip(ids, random_prompts(seed, batch, args.input_len, vocab), strict=True):
+        engine.add_request(req_id, prompt, params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill: until every request has its first token
+        started.update(out.req_id for out in engine.step() if out.new_token_ids)
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    elapsed = time.perf_counter() - t0
+    for req_id in ids:
+        engine.requests.pop(req_id, None)  # as LLM.generate forgets its finished requests
+    return elapsed / max(tokens / batch, 1.0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -120,3 +120,11 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_infinities():
     rows = x[:, :1000]  # strided rows
     assert torch.equal(native.argmax(rows), rows.argmax(dim=-1))
     assert native.argmax(x).tolist()[1:7] == [5, 17, 0, 1002, 0, 999]
+
+
+def test_no_writable_kernel_cache_means_the_torch_paths(tmp_path, monkeypatch):
+    """A cache directory that cannot be created is a logged fallback, not a failed forward."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where a directory must go
+    assert native.build(("-O1", "-fPIC", "-shared", "-DKVTIER_UNCACHED_TEST")) is None

@@ -1,12 +1,13 @@
 """Native CPU kernels of the model, built from `csrc/` with the system C compiler on first use and
 cached per source, flags, compiler and CPU (`~/.cache/kvtier/kernels/`, `$XDG_CACHE_HOME` moves
 it); loaded with ctypes, which releases the GIL while a kernel runs. Plain C with no Python or
-torch headers, so a build takes about a second. Without a compiler, or when a build fails,
-`kernels()` is None (logged once) and the model keeps its torch paths.
+torch headers: a build takes a few seconds (4 s for both libraries on a busy 2-core box). Without
+a compiler, a writable cache or a successful build, `kernels()` is None (logged once) and the
+model keeps its torch paths.
 
 `paged_attention.c`: attention of few queries per sequence straight from the paged cache.
-`fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up — built without FMA
-contraction so float32 rounds as torch's separate ops do."""
+`fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
+without FMA contraction so float32 rounds as torch's separate ops do."""
 
 from __future__ import annotations
 
@@ -231,8 +232,12 @@ def _library(
 
 
 def _build(compiler: str, source: Path, flags: tuple[str, ...], path: Path) -> bool:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as exc:  # a read-only home, a full disk: the torch paths still work
+        log.warning("cannot write %s (%s): native kernels off", path.parent, exc)
+        return False
     os.close(fd)
     cmd = [compiler, *flags, "-o", tmp, str(source), "-lm", "-lpthread"]
     try:

@@ -207,6 +207,7 @@ def test_the_layer_table_orders_every_package() -> None:
         "cli_args",
         "checks",
         "kv",
+        "stores",
         "sched",
         "offload",
         "device",

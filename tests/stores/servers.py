@@ -4,6 +4,7 @@ missing (`.ci/run` installs Debian's package)."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -28,10 +29,28 @@ def redis_binary(name: str = "redis-server") -> str:
     return path
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_cluster_port() -> int:
+    """A free port P ≤ 55535 whose cluster bus port P + 10000 is free too."""
+    for _ in range(1000):
+        port = random.randrange(20000, 55536)
+        if _free(port) and _free(port + 10000):
+            return port
+    raise AssertionError("no free port pair for a cluster node")
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -111,7 +130,7 @@ def start_cluster(folder: Path, num_masters: int = 3) -> list[RedisServer]:
     for i in range(num_masters):
         extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]
         extra += ["--cluster-config-file", f"nodes-{i}.conf"]
-        nodes.append(RedisServer(folder / f"node{i}", extra).start())
+        nodes.append(RedisServer(folder / f"node{i}", extra, free_cluster_port()).start())
     cmd = [redis_binary("redis-cli"), "--cluster", "create"]
     cmd += [f"127.0.0.1:{n.port}" for n in nodes] + ["--cluster-replicas", "0", "--cluster-yes"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)

@@ -456,6 +456,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0  # a replica not accepting within this is failed over
     route_prefix_chars: int = 256  # a completion prompt's characters that name its prefix
     load_factor: float = 1.25  # pass over a replica above this × the mean in-flight count
+    max_request_body_bytes: int = 64 << 20  # larger bodies get 413 (the router buffers each)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -481,6 +482,8 @@ class RouterConfig:
             raise ValueError(f"--route-prefix-chars must be ≥ 1, got {self.route_prefix_chars}")
         if not self.load_factor >= 1:
             raise ValueError(f"--load-factor must be ≥ 1, got {self.load_factor}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be ≥ 1")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"

@@ -92,6 +92,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     ]
     replicas = [_start(serve, folder / f"replica{i}.log") for i in range(2)]
     routed = ["router", "--health-interval-s", "0.2", "--load-factor", "4"]  # pure ring order
+    routed += ["--max-request-body-bytes", "1MiB"]
     for r in replicas:
         routed += ["--replica", r.url]
     router = _start(routed, folder / "router.log")
@@ -182,6 +183,8 @@ def test_models_health_metrics_and_errors_pass_through(setup: Setup) -> None:
     status, _, raw = request(setup.router.port, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"  # not retried
     assert metric(setup.router.port, "kvtier:router_requests_total") >= 1
+    status, _, raw = request(setup.router.port, "/v1/completions", {"prompt": "x" * (1 << 20)})
+    assert status == 413 and "larger than 1048576 bytes" in json.loads(raw)["error"]["message"]
 
 
 def _concurrently(port: int, path: str, bodies: list[dict[str, Any]]) -> list[Any]:

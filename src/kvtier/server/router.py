@@ -155,7 +155,10 @@ class Router:
 
     async def proxy(self, request: Request) -> Response:
         """Forward `request` to the best replica that answers; see the module docstring."""
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            limit = self.cfg.max_request_body_bytes
+            return _error(f"request body larger than {limit} bytes", 413)
         path = request.url.path
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         last: Response | None = None
@@ -198,6 +201,16 @@ class Router:
         if last is not None:
             return last
         return _error("no replica could serve the request (all unreachable)", 503)
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The request body, or None past `max_request_body_bytes` (read no further)."""
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.cfg.max_request_body_bytes:
+                return None
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _relay(
         self, done: _Done, first: bytes, chunks: AsyncIterator[bytes]

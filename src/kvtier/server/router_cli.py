@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvtier.cli_args import parse_bytes
 from kvtier.config import RouterConfig
 
 log = logging.getLogger("kvtier.router")
@@ -40,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.load_factor,
         help="pass over a replica running more than this × the mean in-flight requests",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=d.max_request_body_bytes,
+        help="largest request body (suffixes KiB/MiB accepted); larger get 413",
+    )
     p.add_argument("--log-level", default=d.log_level, help="debug, info, warning or error")
 
 
@@ -52,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s,
         route_prefix_chars=args.route_prefix_chars,
         load_factor=args.load_factor,
+        max_request_body_bytes=args.max_request_body_bytes,
         log_level=args.log_level,
     )
 

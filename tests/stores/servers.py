@@ -126,22 +126,28 @@ class RedisServer:
 def start_cluster(folder: Path, num_masters: int = 3) -> list[RedisServer]:
     """`num_masters` cluster-enabled servers joined by `redis-cli --cluster create`; returns once
     every node reports `cluster_state:ok`."""
-    nodes = []
-    for i in range(num_masters):
-        extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]
-        extra += ["--cluster-config-file", f"nodes-{i}.conf"]
-        nodes.append(RedisServer(folder / f"node{i}", extra, free_cluster_port()).start())
-    cmd = [redis_binary("redis-cli"), "--cluster", "create"]
-    cmd += [f"127.0.0.1:{n.port}" for n in nodes] + ["--cluster-replicas", "0", "--cluster-yes"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(num_masters):
+            extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]
+            extra += ["--cluster-config-file", f"nodes-{i}.conf"]
+            nodes.append(RedisServer(folder / f"node{i}", extra, free_cluster_port()).start())
+        cmd = [redis_binary("redis-cli"), "--cluster", "create"]
+        cmd += [f"127.0.0.1:{n.port}" for n in nodes]
+        cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
 
-    def ok() -> bool:
-        for n in nodes:
-            with n.client() as c:
-                if c.execute_command("CLUSTER", "INFO").decode().find("cluster_state:ok") < 0:
-                    return False
-        return True
+        def ok() -> bool:
+            for n in nodes:
+                with n.client() as c:
+                    if b"cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
+                        return False
+            return True
 
-    wait_until(ok)
+        wait_until(ok)
+    except BaseException:
+        for n in nodes:  # never leave a half-made cluster running
+            n.stop()
+        raise
     return nodes

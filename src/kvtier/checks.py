@@ -25,6 +25,11 @@ def show(value: object) -> str:
     return text if isinstance(value, (int, float, str)) else f"{text} ({type(value).__name__})"
 
 
+def show_ids(ids: list[int]) -> str:
+    """The first few of `ids` for an error message: "[1, 2, 3, 4, 5, …]"."""
+    return "[" + ", ".join(map(show, ids[:5])) + (", …]" if len(ids) > 5 else "]")
+
+
 def is_int(value: object) -> TypeGuard[numbers.Integral]:
     """True for int and numpy integers; False for bool (True is not a token id or a count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -18,12 +18,25 @@ from kvtier.checks import check_float, check_int, check_strs, is_int, show
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# Bytes per element of every dtype kvtier sizes or stores (fp8 is for KV sizing only: no device
+# buffer holds it yet). The one table; the device layer reads it too.
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "int64": 8,
+    "int32": 4,
+}
+KV_DTYPES = ("float64", "float32", "bfloat16", "float16", "fp8")  # a model's or KV cache's dtype
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
+# What admission charges window groups for tokens in flight (kv.specs.AdmissionPolicy)
+ADMISSION_POLICIES = ("shared", "per-request", "optimistic")
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
@@ -73,6 +86,49 @@ def _describe(kinds: tuple[type, ...]) -> str:
     return " or ".join(words.get(k, k.__name__) for k in kinds)
 
 
+@dataclass(frozen=True)
+class MambaShape:
+    """Geometry of one Mamba2 mixer: what its conv and SSM state hold per request."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int  # N: the SSM state of one head is [head_dim, state_size]
+    num_groups: int  # B and C are shared by num_heads // num_groups heads
+    conv_kernel: int  # the conv state keeps the last conv_kernel - 1 inputs
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"mamba {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(
+                f"mamba_n_heads {self.num_heads} must be a multiple of mamba_n_groups "
+                f"{self.num_groups}"
+            )
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, B and C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def conv_state_elems(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def ssm_state_elems(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def state_elems(self) -> int:
+        """Elements of one request's state in one layer (conv + SSM)."""
+        return self.conv_state_elems + self.ssm_state_elems
+
+
 _HF_LAYER_TYPES = {
     "full_attention": "full",
     "sliding_attention": "sliding",
@@ -99,6 +155,16 @@ class ModelConfig:
     dtype: str = "float32"
     source: str = ""  # where the configuration came from (folder, file or preset name)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    mamba: MambaShape | None = None  # the Mamba2 mixers' geometry (hybrid models)
+    parallel_mamba: bool = False  # every layer also runs a Mamba2 mixer beside its attention
+
+    def cache_layers(self) -> tuple[tuple[int, str], ...]:
+        """(layer index, kind) of every sublayer that keeps a cache: each layer's attention or
+        mixer, plus the parallel Mamba2 mixer of every layer when `parallel_mamba` (Falcon-H1)."""
+        kinds = tuple(enumerate(self.layer_kinds))
+        if self.parallel_mamba:
+            kinds += tuple((i, "mamba") for i in range(self.num_layers))
+        return kinds
 
     def __post_init__(self) -> None:
         if len(self.layer_kinds) != self.num_layers:
@@ -112,14 +178,17 @@ class ModelConfig:
             raise ValueError(f"{self.source}: sliding-window layers but no `sliding_window` size")
         if "chunked" in self.layer_kinds and not self.attention_chunk_size:
             raise ValueError(f"{self.source}: chunked layers but no `attention_chunk_size`")
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype not in KV_DTYPES:
             raise ValueError(
-                f"{self.source}: dtype {self.dtype!r} unsupported; use {list(DTYPE_BYTES)}"
+                f"{self.source}: dtype {self.dtype!r} unsupported; use {list(KV_DTYPES)}"
             )
+        if ("mamba" in self.layer_kinds or self.parallel_mamba) and self.mamba is None:
+            raise ValueError(f"{self.source}: mamba layers but no mamba_* sizes in config.json")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
-        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text)."""
+        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text,
+        Falcon-H1, Granite 4.0 hybrid)."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "")]
         arch = str(archs[0])
         try:
@@ -129,6 +198,7 @@ class ModelConfig:
         except KeyError as exc:
             raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
         kinds = _layer_kinds(arch, cfg, num_layers, source)
+        parallel = arch.startswith("FalconH1For")
         window = cfg.get("sliding_window") if "sliding" in kinds else None
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         return cls(
@@ -146,6 +216,8 @@ class ModelConfig:
             dtype=dtype,
             source=source,
             hf_config=cfg,
+            mamba=_mamba_shape(cfg, hidden, source) if "mamba" in kinds or parallel else None,
+            parallel_mamba=parallel,
         )
 
     @classmethod
@@ -169,7 +241,41 @@ class ModelConfig:
         return cls.from_hf_dict(cfg, source=str(model))
 
 
+def _mamba_shape(cfg: dict[str, Any], hidden: int, source: str) -> MambaShape:
+    """Falcon-H1 / Granite hybrid `mamba_*` keys; a head size of "auto" divides the inner width."""
+    heads = int(cfg.get("mamba_n_heads", 128))  # the defaults are transformers' own
+    inner = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = int(inner) // heads if head_dim in (None, "auto") else int(head_dim)
+    if head_dim * heads != int(inner):
+        raise ValueError(
+            f"{source}: mamba_n_heads {heads} × mamba_d_head {head_dim} != the Mamba inner width "
+            f"{inner} (mamba_d_ssm, or mamba_expand × hidden_size)"
+        )
+    return MambaShape(
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=int(cfg.get("mamba_d_state", 256)),
+        num_groups=int(cfg.get("mamba_n_groups", 1)),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+    )
+
+
+_GRANITE_LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba"}
+_GRANITE_LAYER_TYPES |= {"attention": "full", "full_attention": "full"}
+
+
 def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
+    if arch.startswith("FalconH1For"):  # attention in every layer; the Mamba2 mixer runs beside it
+        return ("full",) * n
+    if arch.startswith("GraniteMoeHybridFor"):
+        types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+        try:
+            return tuple(_GRANITE_LAYER_TYPES[t] for t in types)
+        except KeyError as exc:
+            raise ValueError(
+                f"{source}: unknown layer type {exc.args[0]!r} in layer_types"
+            ) from None
     if cfg.get("layer_types"):
         try:
             return tuple(_HF_LAYER_TYPES[t] for t in cfg["layer_types"])
@@ -194,7 +300,7 @@ def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[s
         return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
     raise ValueError(
         f"{source}: architecture {arch!r} is not supported; supported: Llama, Qwen2, Mistral, "
-        "Gemma2, Gemma3 (text)"
+        "Gemma2, Gemma3 (text), Falcon-H1, GraniteMoeHybrid"
     )
 
 
@@ -211,6 +317,7 @@ class CacheConfig:
     kv_offloading_size: float | None = None  # host tier, GiB
     num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
+    admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -220,8 +327,8 @@ class CacheConfig:
             raise ValueError(f"--num-device-blocks must be ≥ 2, got {self.num_device_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("--kv-cache-memory-bytes must be positive")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPE_BYTES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(DTYPE_BYTES)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(KV_DTYPES)}")
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
@@ -242,6 +349,10 @@ class CacheConfig:
                 "blocks, so with --no-enable-prefix-caching it would store nothing; enable prefix "
                 "caching or drop the host tier"
             )
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"--admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -253,6 +364,8 @@ class SchedulerConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
     async_depth: int = 2  # unprocessed steps allowed at once when async_scheduling is on
+    # Admit a request only when its whole prompt fits (vLLM's flag), not only its first chunk
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -285,7 +398,6 @@ class ServerConfig:
     served_model_name: str | None = None  # default: --model, or "kvtier-default"
     max_waiting_requests: int = 1024  # backlog beyond free running slots; more get HTTP 429
     max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
-    torch_threads: int | None = None  # torch threads of the engine thread
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -296,8 +408,6 @@ class ServerConfig:
             raise ValueError("--max-waiting-requests must be ≥ 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be ≥ 1")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError("--torch-threads must be ≥ 1")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
@@ -320,11 +430,19 @@ FLAG_HELP = {
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
         "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"
     ),
+    "admission": (
+        "what admission charges window groups for tokens in flight: shared (steady window per "
+        "request + one pool-wide reserve), per-request (W-1+in-flight tokens each, vLLM after "
+        "its settled-basis fix) or optimistic (W-1+one step each, vLLM before it)"
+    ),
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's max positions)",
     "async_scheduling": "schedule the next step while the device runs this one",
     "async_depth": "unprocessed steps allowed at once with async scheduling (1-3)",
+    "scheduler_reserve_full_isl": (
+        "admit a request only when the blocks of its whole prompt fit (not only its first chunk)"
+    ),
     "host": "address to listen on",
     "port": "port to listen on",
     "served_model_name": "model id clients send (default: --model, or kvtier-default)",
@@ -333,6 +451,51 @@ FLAG_HELP = {
         "429 with Retry-After. 0: only requests that can start at once"
     ),
     "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
-    "torch_threads": "torch threads of the engine thread",
     "log_level": "debug, info, warning or error",
 }
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`kvtier router`: the replicas it fronts and how it routes (see `server/ring.py`)."""
+
+    replicas: tuple[str, ...]  # base URLs, http://host:port, no trailing slash
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_interval_s: float = 1.0  # GET /health on every replica this often
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0  # a replica not accepting within this is failed over
+    route_prefix_chars: int = 256  # a completion prompt's characters that name its prefix
+    load_factor: float = 1.25  # pass over a replica above this × the mean in-flight count
+    max_request_body_bytes: int = 64 << 20  # larger bodies get 413 (the router buffers each)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.replicas:
+            raise ValueError(
+                "give at least one --replica URL, e.g. --replica http://127.0.0.1:8001"
+            )
+        for url in self.replicas:
+            scheme, _, rest = url.partition("://")
+            if scheme not in ("http", "https") or not rest or "/" in rest:
+                raise ValueError(
+                    f"--replica {url!r} must be a base URL like http://127.0.0.1:8001 (no path)"
+                )
+        if len(set(self.replicas)) != len(self.replicas):
+            raise ValueError(f"--replica URLs must be distinct, got {list(self.replicas)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag(name)} must be positive, got {getattr(self, name)}")
+        if self.route_prefix_chars < 1:
+            raise ValueError(f"--route-prefix-chars must be ≥ 1, got {self.route_prefix_chars}")
+        if not self.load_factor >= 1:
+            raise ValueError(f"--load-factor must be ≥ 1, got {self.load_factor}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be ≥ 1")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(
+                f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
+            )

@@ -5,6 +5,8 @@ python, the JSON-line worker protocol, the venv's offline environment)."""
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import importlib.util
 import json
 import os
 import py_compile
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,10 +26,22 @@ from kvtier.bench.peers import (
     VLLM_SERVE_SCRIPT,
     procs,
     venv,
-    vllm_sched,
 )
 
 SCRIPTS = (VLLM_OFFLINE_SCRIPT, VLLM_SCHED_SCRIPT, VLLM_SERVE_SCRIPT)
+
+
+def _load_script(path: Path) -> ModuleType:
+    """A peer script loaded by path, as `bench compare` finds it (it is package data, not a
+    module of kvtier); its pure helpers run without vLLM."""
+    spec = importlib.util.spec_from_file_location(f"peer_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+vllm_sched = _load_script(VLLM_SCHED_SCRIPT)
 
 
 def parse(*flags: str) -> argparse.Namespace:
@@ -177,6 +191,24 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     rows = compare.ratio_rows(fake_results(), parse())
     png = compare_report.plot(rows, tmp_path / "c.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peer_scripts_ship_as_package_data() -> None:
+    """An installed `kvtier bench compare` runs the scripts by path: the wheel must carry them,
+    and nothing else lives in their folder (no `__init__.py`: they are not kvtier modules)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["kvtier"]
+    package = root / "src" / "kvtier"
+    for script in SCRIPTS:
+        rel = script.resolve().relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not package data"
+    assert sorted(p.name for p in SCRIPTS[0].parent.iterdir() if p.suffix == ".py") == sorted(
+        p.name for p in SCRIPTS
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

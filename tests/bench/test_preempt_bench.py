@@ -37,8 +37,7 @@ def alone(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[in
     out = []
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-        engine.drain()
-        out.append(engine.requests[f"r{i}"].token_ids)
+        out.append(engine.drain()[f"r{i}"].token_ids)
     return out
 
 

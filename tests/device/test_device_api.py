@@ -15,13 +15,12 @@ from kvtier.device import (
     WHOLE,
     AccessSet,
     Device,
-    EventId,
     KVLayout,
     OpMeta,
     RaceError,
-    StreamId,
     make_device,
 )
+from kvtier.ids import EventId, StreamId
 
 LAYOUT = KVLayout(num_layer_slots=3, block_size=4, num_kv_heads=2, head_dim=8)
 BACKENDS = ["sim", "cpu"]

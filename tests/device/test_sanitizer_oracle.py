@@ -7,7 +7,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvtier.device import HOST_STREAM, WHOLE, AccessSet, EventId, OpId, OpMeta, Sanitizer, StreamId
+from kvtier.device import HOST_STREAM, WHOLE, AccessSet, OpMeta, Sanitizer
+from kvtier.ids import EventId, OpId, StreamId
 
 NUM_STREAMS, NUM_EVENTS, NUM_BLOCKS = 3, 2, 3
 Key = tuple[str, int]  # (buffer, block)

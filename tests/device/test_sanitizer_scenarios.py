@@ -10,14 +10,12 @@ from kvtier.device import (
     STORE,
     WHOLE,
     AccessSet,
-    EventId,
     Hazard,
-    OpId,
     OpMeta,
     RaceError,
     Sanitizer,
-    StreamId,
 )
+from kvtier.ids import EventId, OpId, StreamId
 
 AUX = StreamId(3)
 

@@ -3,8 +3,8 @@
 
 Every call either succeeds or raises TypeError / ValueError naming one of the fields it was given;
 afterwards the engine holds no request, every KV block is free, and a normal request returns the
-same tokens as on a fresh engine. The pool is read through `engine.kv.usage` and
-`engine.check_integrity()` (the engine has no public stats yet)."""
+same tokens as on a fresh engine. The engine is read through `EngineCore.stats()` and
+`EngineCore.check_integrity()`."""
 
 from __future__ import annotations
 
@@ -148,13 +148,14 @@ def reference(path: Path) -> list[int]:
 
 def assert_usable_and_clean(llm: LLM, path: Path) -> None:
     engine = llm.engine
-    assert engine.requests == {}, f"stale requests: {sorted(engine.requests)}"
+    stats = engine.stats()
+    assert stats.num_requests == 0, f"{stats.num_requests} stale requests"
     assert not engine.has_unfinished_requests()
-    assert engine.kv.usage == 0.0
+    assert stats.device.usage == 0.0
     engine.check_integrity()
     out = llm.generate({"prompt_token_ids": NORMAL_PROMPT}, NORMAL, use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference(path)
-    assert engine.requests == {}
+    assert engine.stats().num_requests == 0
 
 
 GOOD_TOKENS = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12)
@@ -264,6 +265,9 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "async_depth": st.integers(1, 3),
     "kv_cache_memory_bytes": st.one_of(st.none(), st.integers(1 << 16, 1 << 22)),
     "kv_offloading_size": st.one_of(st.none(), st.sampled_from([0.0005, 0.002])),  # GiB
+    "torch_threads": st.one_of(st.none(), st.just(1)),  # more would slow the suite down
+    "admission": st.sampled_from(["shared", "per-request", "optimistic"]),
+    "scheduler_reserve_full_isl": st.booleans(),
     "block_sise": HOSTILE,  # not an engine argument
 }
 ENGINE_FIELDS = (
@@ -317,8 +321,9 @@ def test_engine_builds_and_answers_or_names_the_field(llama: Path, kwargs: dict[
     except Exception as exc:  # a pool or length too small for the request
         assert_names_a_field(exc, ["max_model_len", "max_tokens", "KV blocks"])
         return
-    engine.drain()
+    done = engine.drain()
     event("built and answered")
-    assert engine.requests["r"].token_ids == reference(llama)
-    assert engine.kv.usage == 0.0 or engine.host_tier is not None
+    assert done["r"].token_ids == reference(llama)
+    stats = engine.stats()
+    assert stats.device.usage == 0.0 or stats.host is not None
     engine.check_integrity()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.engine import EngineArgs, EngineCore, FinishedRequest, SamplingParams
 from kvtier.model.testing import write_tiny_model
 
 MODEL = {}
@@ -39,8 +39,7 @@ def alone(path: Path, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     engine.add_request(
         "r", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     )
-    engine.drain()
-    return engine.requests["r"].token_ids
+    return engine.drain()["r"].token_ids
 
 
 prompt_st = st.lists(st.integers(3, 40), min_size=1, max_size=30).map(tuple)
@@ -114,6 +113,7 @@ def check_workload(
     pending = sorted(enumerate(workload), key=lambda item: item[1][2])
     step = 0
     aborted: set[str] = set()
+    done: dict[str, FinishedRequest] = {}
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1][2] <= step:
             i, (prompt, max_tokens, _, abort) = pending.pop(0)
@@ -121,16 +121,19 @@ def check_workload(
             engine.add_request(f"r{i}", list(prompt), params)
             if abort and step % 2:
                 aborted.add(f"r{i}")
-        engine.step()
+        done |= {out.req_id: out.result for out in engine.step() if out.result is not None}
         step += 1
         if step == 3:
             for req_id in aborted:
-                engine.abort(req_id)
+                result = engine.abort(req_id)
+                if result is not None:
+                    done[req_id] = result
     engine.check_integrity()
-    assert engine.host_tier is None or not engine.host_tier.has_pending_stores
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1  # everything came back
+    stats = engine.stats()
+    assert stats.num_pending_stores == 0
+    assert stats.device.num_free == stats.device.num_blocks  # everything came back
     for i, (prompt, max_tokens, _, _) in enumerate(workload):
-        state = engine.requests[f"r{i}"]
+        state = done[f"r{i}"]
         expected = alone(path, prompt, max_tokens)
         if f"r{i}" in aborted and state.finish_reason == "abort":
             assert state.token_ids == expected[: len(state.token_ids)]

@@ -3,7 +3,6 @@ every scheduling mode (async depth, prefix caching, preemption, n-gram drafts, s
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from kvtier.engine import LLM, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 64}
@@ -26,34 +26,14 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
-def prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],  # repetitive: n-gram drafts get accepted
-    ]
-
-
 def generate(
     model: Path, tokens: list[list[int]], params: SamplingParams = GREEDY, **kw
 ) -> list[list[int]]:
     llm = LLM(str(model), **{**SMALL, **kw})
     outs = llm.generate([{"prompt_token_ids": t} for t in tokens], params, use_tqdm=False)
-    assert all(not h for h in llm.engine.device.hazards)
-    llm.engine.kv.check_integrity()
+    assert llm.engine.stats().num_hazards == 0
+    llm.engine.check_integrity()
     return [o.outputs[0].token_ids for o in outs]
-
-
-@functools.cache
-def reference(model: Path) -> list[list[int]]:
-    """Each prompt alone, synchronous, no prefix caching, CPU."""
-    return [
-        generate(model, [t], async_scheduling=False, enable_prefix_caching=False)[0]
-        for t in prompts()
-    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -62,8 +42,8 @@ def test_greedy_tokens_match_transformers(arch: str, request: pytest.FixtureRequ
 
     path: Path = request.getfixturevalue(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    ours = generate(path, prompts()[:3])
-    for tokens, got in zip(prompts()[:3], ours, strict=True):
+    ours = generate(path, mixed_prompts()[:3])
+    for tokens, got in zip(mixed_prompts()[:3], ours, strict=True):
         with torch.no_grad():
             ids = hf.generate(
                 torch.tensor([tokens]), max_new_tokens=24, do_sample=False, eos_token_id=None
@@ -71,53 +51,21 @@ def test_greedy_tokens_match_transformers(arch: str, request: pytest.FixtureRequ
         assert got == ids[0, len(tokens) :].tolist()
 
 
-TIGHT = {"num_device_blocks": 70, "max_model_len": 64, "max_num_batched_tokens": 16}
-# Every configuration runs on the sim device with the race sanitizer on (raising at the first
-# hazard) and NaN poison for recycled blocks, except the plain CPU backend rows.
-CONFIGS = {
-    "cpu-sync": {"device": "cpu", "async_scheduling": False},
-    "cpu-async2": {"device": "cpu", "async_depth": 2},
-    "sync": {"async_scheduling": False},
-    "async2": {"async_depth": 2},
-    "async3": {"async_depth": 3},
-    "no-prefix-cache": {"enable_prefix_caching": False},
-    "tight-pool-preempts": {
-        "num_device_blocks": 70,
-        "max_model_len": 64,
-        "max_num_batched_tokens": 16,
-    },
-    "tight-pool-preempts-sync": {
-        "num_device_blocks": 70,
-        "max_model_len": 64,
-        "max_num_batched_tokens": 16,
-        "async_scheduling": False,
-    },
-    "only-quarantine": {**TIGHT, "protect": "event,quarantine"},
-    "ngram-drafts": {"num_speculative_tokens": 3},
-    "ngram-drafts-sync": {"num_speculative_tokens": 2, "async_scheduling": False},
-    "async3-drafts": {"async_depth": 3, "num_speculative_tokens": 2},
-    "chunked-prefill": {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 4},
+# Admitting on the first chunk alone (not the whole prompt) over-admits into this pool: preemptions
+TIGHT = {
+    "num_device_blocks": 70,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 16,
+    "scheduler_reserve_full_isl": False,
 }
 SIM = {"device": "sim", "poison": True, "sanitize": True}
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_batch_tokens_equal_each_prompt_alone(name: str, gemma3: Path) -> None:
-    llm = LLM(str(gemma3), **{**SMALL, **SIM, **CONFIGS[name]})
-    outs = llm.generate([{"prompt_token_ids": t} for t in prompts()], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == reference(gemma3)
-    assert not llm.engine.device.hazards
-    llm.engine.kv.check_integrity()
-    if name.startswith("tight-pool"):
-        assert llm.engine.scheduler.num_preemptions > 0
-    if "drafts" in name:
-        assert llm.engine.runner.num_accepted_tokens > 0
+# The equivalence matrix of every scheduling mode on cpu and sim: tests/engine/test_matrix.py.
 
 
 def test_prefix_hits_are_reported_and_change_nothing(gemma3: Path) -> None:
     llm = LLM(str(gemma3), **SMALL)
-    first = llm.generate([{"prompt_token_ids": prompts()[0]}], GREEDY, use_tqdm=False)[0]
-    again = llm.generate([{"prompt_token_ids": prompts()[0]}], GREEDY, use_tqdm=False)[0]
+    first = llm.generate([{"prompt_token_ids": mixed_prompts()[0]}], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([{"prompt_token_ids": mixed_prompts()[0]}], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == 20  # 23 prompt tokens: 5 full blocks of 4
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -145,11 +93,13 @@ def test_stop_strings_min_tokens_and_finish_reasons(gemma3: Path) -> None:
 
 def test_seeded_sampling_is_reproducible_across_modes(gemma3: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
-    a = generate(gemma3, prompts(), params, async_scheduling=False)
-    b = generate(gemma3, prompts(), params, async_depth=3, device="sim")
+    a = generate(gemma3, mixed_prompts(), params, async_scheduling=False)
+    b = generate(gemma3, mixed_prompts(), params, async_depth=3, device="sim")
     assert a == b
     c = generate(
-        gemma3, prompts(), SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True)
+        gemma3,
+        mixed_prompts(),
+        SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True),
     )
     assert c != a
 
@@ -212,12 +162,13 @@ def test_bad_requests_are_refused_and_lose_nothing(gemma3: Path) -> None:
     assert len(ok[0].outputs[0].token_ids) == 24
 
 
+@pytest.mark.parametrize("device", ["sim", "cpu"])
 @pytest.mark.parametrize(
     ("protect", "kinds"),
     [("none", {"WAR", "WAW"}), ("event", {"WAR", "WAW"}), ("event,settled", {"WAW", "WAR"})],
 )
 def test_without_the_quarantine_the_sanitizer_catches_reuse(
-    protect: str, kinds: set[str], gemma3: Path
+    protect: str, kinds: set[str], device: str, gemma3: Path
 ) -> None:
     """Async depth 2, a tight pool, window layers. With neither protection, a window block the
     step in flight still reads is handed to a new owner (H2); with the settled basis alone,
@@ -227,8 +178,8 @@ def test_without_the_quarantine_the_sanitizer_catches_reuse(
     suffices.)"""
     from kvtier.device import RaceError
 
-    llm = LLM(str(gemma3), **{**SMALL, **SIM, **TIGHT, "protect": protect})
+    llm = LLM(str(gemma3), **{**SMALL, **SIM, **TIGHT, "protect": protect, "device": device})
     with pytest.raises(RaceError) as info:
-        llm.generate([{"prompt_token_ids": t} for t in prompts()], GREEDY, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": t} for t in mixed_prompts()], GREEDY, use_tqdm=False)
     assert {h.kind for h in info.value.hazards} <= kinds
     assert info.value.hazards

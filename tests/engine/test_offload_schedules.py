@@ -27,7 +27,7 @@ import pytest
 
 from kvtier.device import OpMeta
 from kvtier.device.sim import SimDevice
-from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.engine import EngineArgs, EngineCore, FinishedRequest, SamplingParams
 from kvtier.model.testing import write_tiny_model
 from kvtier.sched.output import PlannedTransfer
 
@@ -74,8 +74,7 @@ def alone(path: Path, prompt: tuple[int, ...]) -> list[int]:
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     engine.add_request("r", list(prompt), params)
-    engine.drain()
-    return engine.requests["r"].token_ids
+    return engine.drain()["r"].token_ids
 
 
 @dataclass
@@ -174,6 +173,7 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
     poison_load_destinations(engine)
     pending = sorted(enumerate(case.requests), key=lambda item: item[1][2])
     aborted: set[str] = set()
+    done: dict[str, FinishedRequest] = {}
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1][2] <= step:
@@ -182,17 +182,19 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
             engine.add_request(f"r{i}", list(prompt), params)
             if abort:
                 aborted.add(f"r{i}")
-        engine.step()
+        done |= {o.req_id: o.result for o in engine.step() if o.result is not None}
         step += 1
         if step % 7 == 0:
             for req_id in aborted:
-                engine.abort(req_id)
-    assert not device.hazards
+                result = engine.abort(req_id)
+                if result is not None:
+                    done[req_id] = result
     engine.check_integrity()
     stats = engine.stats()
+    assert stats.num_hazards == 0
     assert stats.is_idle, stats  # every block came back; no copy, pin or quarantine left
     for i, (prompt, max_tokens, _, _) in enumerate(case.requests):
-        state = engine.requests[f"r{i}"]
+        state = done[f"r{i}"]
         expected = alone(path, prompt)[:max_tokens]
         if state.finish_reason == "abort":
             assert state.token_ids == expected[: len(state.token_ids)], f"r{i}"
@@ -209,8 +211,8 @@ def run_case(case: Case, root: str, tally: Tally) -> None:
     c["load waits"] += m.num_load_waits
     c["lazy seeds with loads"] += case.store_mode == "lazy" and m.num_loaded_blocks > 0
     c["preemptions"] += stats.num_preemptions
-    c["rejected drafts"] += engine.runner.num_draft_tokens - engine.runner.num_accepted_tokens
-    c["aborted"] += sum(engine.requests[r].finish_reason == "abort" for r in aborted)
+    c["rejected drafts"] += stats.num_draft_tokens - stats.num_accepted_tokens
+    c["aborted"] += sum(done[r].finish_reason == "abort" for r in aborted)
     c["steps"] += step
 
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.engine import EngineArgs, EngineCore, FinishedRequest, SamplingParams
 from kvtier.model.testing import write_tiny_model
 
 SHORT = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -31,10 +31,9 @@ def engine(path: str | None, **kw: object) -> EngineCore:
     return EngineCore(EngineArgs.from_kwargs(path, **args))
 
 
-def run(e: EngineCore, name: str, prompt: list[int]) -> list[int]:
+def run(e: EngineCore, name: str, prompt: list[int]) -> FinishedRequest:
     e.add_request(name, prompt, SHORT)
-    e.drain()
-    return e.requests[name].token_ids
+    return e.drain()[name]
 
 
 def test_a_shared_prefix_comes_back_from_the_host_on_every_architecture(
@@ -50,14 +49,14 @@ def test_a_shared_prefix_comes_back_from_the_host_on_every_architecture(
     shared = prompt[:64] + [rng.randrange(3, 300) for _ in range(40)]
     e = engine(model, num_host_blocks=200)
     run(e, "a", prompt)
-    groups = len(e.kv.specs)
+    groups = len(e.plan.specs)
     s = e.stats()
     assert s.is_idle and s.host_metrics is not None
     assert s.host_metrics.num_stored_blocks == 10 * groups
     assert e.reset_prefix_cache()
-    tokens = run(e, "b", shared)
-    assert e.requests["b"].request.num_cached_tokens == 64
+    b = run(e, "b", shared)
+    assert b.num_cached_tokens == 64
     s = e.stats()
     assert s.host_metrics is not None and s.host_metrics.num_loaded_blocks >= 4
-    assert tokens == run(engine(model, enable_prefix_caching=False), "alone", shared)
+    assert b.token_ids == run(engine(model, enable_prefix_caching=False), "alone", shared).token_ids
     assert e.stats().is_idle

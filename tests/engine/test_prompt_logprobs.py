@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams
-from kvtier.engine.core import RequestState
+from kvtier.engine import LLM, EngineArgs, EngineCore, FinishedRequest, SamplingParams
 from kvtier.model.testing import write_tiny_model
 
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 32}
@@ -41,14 +40,15 @@ def test_requests_asking_for_prompt_logprobs_skip_the_prefix_cache(gemma3: Path)
     for _ in range(2):  # the second round hits the device cache or loads from the host
         again = llm.generate(batch, plain, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) > 0
-    tier = llm.engine.host_tier
-    assert tier is not None and tier.metrics.num_loaded_blocks > 0
-    loaded = tier.metrics.num_loaded_blocks
+    m = llm.engine.stats().host_metrics
+    assert m is not None and m.num_loaded_blocks > 0
+    loaded = m.num_loaded_blocks
     outs = llm.generate(batch, asking(), use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0] * len(batch)
-    assert tier.metrics.num_loaded_blocks == loaded
+    stats = llm.engine.stats()
+    assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks == loaded
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
-    assert not llm.engine.device.hazards
+    assert stats.num_hazards == 0
 
 
 def reference_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
@@ -85,7 +85,7 @@ def test_prompt_logprobs_are_the_models_as_vllm_shapes_them(gemma3: Path) -> Non
             assert entry.keys() == wanted.keys()  # the prompt token and the top k (may overlap)
             assert next(iter(entry)) == prompt[i]  # the prompt token first, as vLLM
             assert list(entry.values()) == pytest.approx([wanted[t] for t in entry], abs=1e-4)
-    assert not llm.engine.device.hazards
+    assert llm.engine.stats().num_hazards == 0
 
 
 def test_chunked_prefill_gives_the_same_prompt_logprobs(gemma3: Path) -> None:
@@ -116,21 +116,26 @@ def shared_prompts() -> list[list[int]]:
     ]
 
 
-def run_engine(path: Path, **config: object) -> dict[str, RequestState]:
+def run_engine(path: Path, **config: object) -> dict[str, FinishedRequest]:
     engine = EngineCore(EngineArgs.from_kwargs(str(path), **{**SMALL, **SIM, **config}))
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(shared_prompts()):
         engine.add_request(f"r{i}", prompt, asking(2, max_tokens=24) if i == 3 else plain)
-    engine.drain()
-    assert not engine.device.hazards
-    return engine.requests
+    done = engine.drain()
+    assert engine.stats().num_hazards == 0
+    return done
 
 
 @pytest.mark.parametrize(
     "config",
     [
         {"async_depth": 3, "num_speculative_tokens": 2},
-        {"num_device_blocks": 70, "max_num_batched_tokens": 16},  # preempts the one asking
+        # preempts the one asking (admitting on first chunks over-admits into this pool)
+        {
+            "num_device_blocks": 70,
+            "max_num_batched_tokens": 16,
+            "scheduler_reserve_full_isl": False,
+        },
         {"async_scheduling": False, "device": "cpu", "sanitize": False},
     ],
     ids=["async3-drafts", "tight-pool", "cpu-sync"],
@@ -148,4 +153,4 @@ def test_prompt_logprobs_survive_every_scheduling_mode(gemma3: Path, config: dic
         assert list(y.top.values()) == pytest.approx(list(x.top.values()), abs=1e-5)
     assert states["r3"].token_ids == expected.token_ids
     if "num_device_blocks" in config:
-        assert states["r3"].request.num_preemptions > 0
+        assert states["r3"].num_preemptions > 0

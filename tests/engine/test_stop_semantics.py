@@ -59,15 +59,17 @@ def test_a_stop_at_the_first_of_several_tokens_drops_the_rest_from_the_stream(
         "token": SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first]),
     }
     outs = run(engine, cases, DRAFTED)
+    results = {}
     for req_id, steps in outs.items():
-        state = engine.requests[req_id]
+        state = results[req_id] = steps[-1].result
+        assert state is not None and all(o.result is None for o in steps[:-1]), req_id
         assert state.finish_reason == "stop", req_id
         assert state.token_ids == kept, req_id
         assert [t for o in steps for t in o.new_token_ids] == kept, req_id
-        assert "".join(o.new_text for o in steps) == state.detok.text == "\n", req_id
+        assert "".join(o.new_text for o in steps) == state.text == "\n", req_id
         assert steps[-1].finished and not any(o.finished for o in steps[:-1])
-    assert engine.requests["string"].stop_reason == '"__'
-    assert engine.requests["token"].stop_reason == first
+    assert results["string"].stop_reason == '"__'
+    assert results["token"].stop_reason == first
 
 
 def test_streamed_text_never_carries_a_stop_string_start_the_final_text_drops() -> None:
@@ -81,9 +83,9 @@ def test_streamed_text_never_carries_a_stop_string_start_the_final_text_drops() 
     }
     outs = run(engine, params, DRAFTED)
     for req_id, steps in outs.items():
-        state = engine.requests[req_id]
-        assert state.detok.text == full[: full.index(stops[req_id])]
-        assert "".join(o.new_text for o in steps) == state.detok.text, stops[req_id]
+        state = steps[-1].result
+        assert state is not None and state.text == full[: full.index(stops[req_id])]
+        assert "".join(o.new_text for o in steps) == state.text, stops[req_id]
 
 
 def test_min_tokens_holds_back_stop_strings(llm: LLM) -> None:

@@ -36,14 +36,14 @@ def alone(path: Path, params: SamplingParams = GOOD) -> list[int]:
     """The good request's tokens on a fresh engine, by itself."""
     eng = engine(path)
     eng.add_request("good", PROMPT, params)
-    eng.drain()
-    return eng.requests["good"].token_ids
+    return eng.drain()["good"].token_ids
 
 
 def assert_idle(eng: EngineCore) -> None:
-    """Nothing unfinished, no step in flight, every KV block free again."""
+    """Nothing held or unfinished, no step in flight, every KV block free again."""
     assert not eng.has_unfinished_requests()
-    assert eng.kv.usage == 0.0
+    stats = eng.stats()
+    assert stats.num_requests == 0 and stats.device.usage == 0.0
     eng.check_integrity()
 
 
@@ -64,11 +64,13 @@ def refused_beside_good(
     except (ValueError, TypeError) as exc:
         refusal = exc
     eng.add_request("good", PROMPT, good)
-    eng.drain()
-    assert eng.requests["good"].token_ids == alone(path, good)
+    if refusal is not None:  # the refused request left no trace: only "good" is held
+        assert eng.stats().num_requests == 1
+    done = eng.drain()
+    assert done["good"].token_ids == alone(path, good)
     if refusal is not None:
-        assert set(eng.requests) == {"good"}
-        assert eng.scheduler.requests.keys() <= {"good"}
+        assert set(done) == {"good"}
+        assert eng.stats().is_idle  # nothing waits, runs or holds a block: no zombie
     assert_idle(eng)
     return refusal
 
@@ -128,9 +130,9 @@ def test_top_k_beyond_the_vocabulary_is_no_filter_beside_an_ordinary_one(llama: 
     eng = engine(llama)
     eng.add_request("big", PROMPT, big)
     eng.add_request("good", PROMPT, SAMPLED)
-    eng.drain()
-    assert eng.requests["big"].token_ids == alone(llama, off)
-    assert eng.requests["good"].token_ids == alone(llama, SAMPLED)
+    done = eng.drain()
+    assert done["big"].token_ids == alone(llama, off)
+    assert done["good"].token_ids == alone(llama, SAMPLED)
 
 
 @pytest.mark.parametrize(
@@ -155,8 +157,8 @@ def test_logprobs_above_max_logprobs_are_refused_by_the_engine(llama: Path) -> N
     assert_names(refusal, "prompt_logprobs", "max_logprobs")
     eng = engine(llama, max_logprobs=40)
     eng.add_request("r", PROMPT, SamplingParams(max_tokens=2, temperature=0, logprobs=40))
-    eng.drain()
-    assert all(len(lp.top) == 40 for lp in eng.requests["r"].logprobs)
+    logprobs = eng.drain()["r"].logprobs
+    assert logprobs is not None and all(len(lp.top) == 40 for lp in logprobs)
 
 
 def test_seeds_across_the_whole_generator_range_sample(llama: Path) -> None:
@@ -216,8 +218,8 @@ def test_bad_priority_is_refused_and_leaves_no_zombie_id(llama: Path, priority: 
     with pytest.raises((ValueError, TypeError), match="priority"):
         eng.add_request("bad", PROMPT, GOOD, priority)
     eng.add_request("bad", PROMPT, GOOD, 1)  # the id is free: nothing was recorded
-    eng.drain()
-    assert eng.requests["bad"].token_ids == eng.requests["first"].token_ids == alone(llama)
+    done = eng.drain()
+    assert done["bad"].token_ids == done["first"].token_ids == alone(llama)
     assert_idle(eng)
 
 
@@ -227,7 +229,7 @@ def test_params_of_the_wrong_kind_and_odd_ids_are_refused(llama: Path) -> None:
         eng.add_request("r", PROMPT, {"temperature": 0})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="request id"):
         eng.add_request(7, PROMPT, GOOD)  # type: ignore[arg-type]
-    assert eng.requests == {} and not eng.has_unfinished_requests()
+    assert eng.stats().num_requests == 0 and not eng.has_unfinished_requests()
 
 
 def test_numpy_integers_are_accepted_as_python_ints(llama: Path) -> None:
@@ -238,9 +240,9 @@ def test_numpy_integers_are_accepted_as_python_ints(llama: Path) -> None:
     assert type(params.max_tokens) is int and type(params.seed) is int
     eng = engine(llama)
     eng.add_request("r", list(np.array(PROMPT)), params)
-    eng.drain()
-    assert eng.requests["r"].token_ids == alone(llama)
-    assert all(type(t) is int for t in eng.requests["r"].request.all_token_ids)
+    done = eng.drain()["r"]
+    assert done.token_ids == alone(llama)
+    assert all(type(t) is int for t in done.prompt_token_ids + done.token_ids)
 
 
 def test_lists_are_normalised_to_tuples() -> None:
@@ -259,7 +261,6 @@ def llm(llama: Path) -> LLM:
 
 
 def assert_llm_clean(llm: LLM) -> None:
-    assert llm.engine.requests == {}
     assert_idle(llm.engine)
     out = llm.generate({"prompt_token_ids": PROMPT}, GOOD, use_tqdm=False)
     assert out[0].outputs[0].token_ids == alone(Path(llm.engine.args.model_path))

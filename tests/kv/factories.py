@@ -32,7 +32,10 @@ def admit(m: KVCacheManager, req_id: str, tokens: list[int], **kw: Any) -> KVSeq
     """Look up, allocate the whole prompt (hits included), mark it computed; asserts success."""
     seq = m.new_sequence(req_id, tokens, **kw)
     hits, num_hit = m.get_computed_blocks(seq)
-    assert m.allocate_slots(seq, len(tokens) - num_hit, num_hit, hits) is not None, req_id
+    new = m.allocate_slots(
+        seq, len(tokens) - num_hit, num_new_computed_tokens=num_hit, new_computed_blocks=hits
+    )
+    assert new is not None, req_id
     seq.num_computed_tokens = len(tokens)
     return seq
 

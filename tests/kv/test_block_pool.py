@@ -55,7 +55,7 @@ def test_shared_prefix_free_order_fresh_prepended_cached_appended():
     r1 = m.new_sequence("r1", common + [5] * 5)
     hits, num_hit = m.get_computed_blocks(r1)
     assert ids(hits[0]) == [1, 2, 3] and num_hit == 48
-    new = m.allocate_slots(r1, 5, num_hit, hits)
+    new = m.allocate_slots(r1, 5, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
     assert new is not None and ids(new[0]) == [5]
     assert [p.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 2]
     assert m.num_free_blocks == 5
@@ -68,7 +68,7 @@ def test_shared_prefix_free_order_fresh_prepended_cached_appended():
     r2 = m.new_sequence("r2", common + [6] * 6)
     hits, num_hit = m.get_computed_blocks(r2)
     assert ids(hits[0]) == [1, 2, 3] and num_hit == 48
-    new = m.allocate_slots(r2, 6, num_hit, hits)
+    new = m.allocate_slots(r2, 6, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
     assert new is not None and ids(new[0]) == [5]
     assert m.num_free_blocks == 6
     assert not {1, 2, 3} & set(p.free_queue.block_ids())
@@ -92,7 +92,7 @@ def test_whole_request_free_puts_chain_tail_before_head_in_eviction_order():
     r2 = m.new_sequence("r2", list(range(35)))
     hits, num_hit = m.get_computed_blocks(r2)
     assert ids(hits[0]) == [1, 2] and num_hit == 32
-    new = m.allocate_slots(r2, 3, num_hit, hits)
+    new = m.allocate_slots(r2, 3, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
     assert new is not None and ids(new[0]) == [6]
     assert m.num_free_blocks == 7
     m.check_integrity()

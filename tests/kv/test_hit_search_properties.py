@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvtier.kv import BlockPool, ChunkedLocal, FullAttention, Mamba, SlidingWindow
 from kvtier.kv.coordinator import KVCacheCoordinator
-from kvtier.kv.managers import make_manager
+from kvtier.kv.single_type import make_manager
 from kvtier.kv.specs import KVSpec, cdiv
 
 

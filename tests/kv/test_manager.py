@@ -98,7 +98,9 @@ def test_failed_allocation_of_a_hybrid_request_with_hits_changes_nothing():
     assert num_hit == 64
     before = snapshot(m)
     # full: 3 new + 4 evictable hits; window: 3 new + 2 evictable hits (s2, s3) = 12 > 8
-    assert m.allocate_slots(seq, 40, num_hit, hits) is None
+    assert (
+        m.allocate_slots(seq, 40, num_new_computed_tokens=num_hit, new_computed_blocks=hits) is None
+    )
     assert snapshot(m) == before
     assert not m.coordinator.has_request("b")
     m.check_integrity()
@@ -111,7 +113,7 @@ def test_successful_allocation_installs_hits_then_allocates_new_blocks():
     m.free("a")
     seq = m.new_sequence("b", [*tokens, *fresh_tokens(40)])
     hits, num_hit = m.get_computed_blocks(seq)
-    new = m.allocate_slots(seq, 40, num_hit, hits)
+    new = m.allocate_slots(seq, 40, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
     assert new is not None and [len(g) for g in new] == [3, 3]
     full, swa = m.get_blocks("b")
     assert full[:4] == hits[0] and all(b.ref_cnt == 1 for b in full)
@@ -190,7 +192,12 @@ def test_external_tokens_get_fresh_blocks_after_local_hits():
     hits, num_hit = m.get_computed_blocks(seq)
     assert num_hit == 32
     new = m.allocate_slots(
-        seq, 5, num_hit, hits, num_external_computed_tokens=16, delay_cache_blocks=True
+        seq,
+        5,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits,
+        num_external_computed_tokens=16,
+        delay_cache_blocks=True,
     )
     assert new is not None and len(new[0]) == 2  # cdiv(32 + 16 + 5, 16) = 4 positions, 2 hits
     assert m.get_blocks("b")[0][:2] == hits[0]
@@ -209,7 +216,8 @@ def test_external_tokens_past_the_window_allocate_only_in_window_blocks():
     m = manager(20, [FullAttention(BS), SlidingWindow(BS, 32)])
     seq = m.new_sequence("a", fresh_tokens(100))
     new = m.allocate_slots(seq, 4, num_external_computed_tokens=96)
-    assert new is not None and [len(g) for g in new] == [7, 3]  # window: skipped(96) = 65 → 4 null
+    assert new is not None and [len(g) for g in new] == [7, 7]  # window: skipped(96) = 65 → 4 null
+    assert [b.is_null for b in new[1]] == [b.is_null for b in m.get_blocks("a")[1]]
     assert [b.is_null for b in m.get_blocks("a")[1]] == [True] * 4 + [False] * 3
     m.check_integrity()
 
@@ -315,7 +323,10 @@ def test_quarantined_cached_blocks_remain_prefix_hits_and_are_not_charged():
     hits, num_hit = m.get_computed_blocks(seq)
     assert num_hit == 64
     assert m.coordinator.num_blocks_to_allocate("b", 65, hits, 64) == 1  # hits have refs
-    assert m.allocate_slots(seq, 1, num_hit, hits) is not None
+    assert (
+        m.allocate_slots(seq, 1, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
+        is not None
+    )
     m.check_integrity()
     m.release_quarantine(2)
     assert [b.ref_cnt for b in m.get_blocks("b")[0]] == [1] * 5
@@ -483,10 +494,17 @@ def test_long_request_admission_gate_under_async_and_sync(max_in_flight, num_fre
     assert m.coordinator.has_request("long") == admitted
 
 
-def test_max_concurrency_for_a_shorter_length_and_an_empty_pool():
+def test_max_concurrency_for_a_shorter_length_is_what_admission_admits():
+    """A 100-token request never holds more than its 7 blocks, but admission cannot know that it
+    stays short: the pool keeps the reserve max-length requests could need (64 + 1 per request),
+    and the formula at 100 tokens counts it too."""
     m = swa_manager(1000, 512, 1024)
-    # A 100-token request never holds more than its 7 blocks, so no reserve is kept for it.
-    assert m.max_concurrency(100) == 999 // 7
+    n = m.max_concurrency(100)
+    assert n == (1000 - 64) // (7 + 1)
+    admitted = 0
+    while m.allocate_slots(m.new_sequence(f"r{admitted}", fresh_tokens(100)), 100) is not None:
+        admitted += 1
+    assert admitted == n
     assert swa_manager(10, 512, 1024).max_concurrency() == 0
 
 

@@ -242,7 +242,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if new is None:
             assert (m.pool.free_queue.block_ids(), m.get_block_ids(seq.request_id)) == before
             return False
-        got = {b.block_id for g in new for b in g}
+        got = {b.block_id for g in new for b in g if not b.is_null}
         assert not got & busy, f"I2: allocated {got & busy} still used by an unprocessed step"
         self.sched_seq += 1
         seq.num_computed_tokens += n + kw.get("num_new_computed_tokens", 0)

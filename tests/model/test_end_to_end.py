@@ -10,16 +10,16 @@ from kvtier.model import (
     AttentionMetadata,
     IncrementalDetokenizer,
     SamplingBatch,
-    SamplingParams,
     load_pretrained,
     sample,
 )
+from kvtier.sampling import DrawParams
 from tests.model.reference import hf_model
 
 BLOCK_SIZE = 4
 
 
-def generate(folder, prompts: list[str], params: list[SamplingParams], max_tokens: int):
+def generate(folder, prompts: list[str], params: list[DrawParams], max_tokens: int):
     bundle = load_pretrained(folder)
     model, tok = bundle.model, bundle.tokenizer
     assert tok is not None
@@ -61,7 +61,7 @@ def generate(folder, prompts: list[str], params: list[SamplingParams], max_token
 def test_greedy_generation_equals_transformers_generate(tiny_model_dir):
     folder = tiny_model_dir("gemma3")
     prompts = ["The quick brown fox", "Paged attention is"]
-    ours, _ = generate(folder, prompts, [SamplingParams(temperature=0.0)] * 2, max_tokens=16)
+    ours, _ = generate(folder, prompts, [DrawParams(temperature=0.0)] * 2, max_tokens=16)
     tok = load_pretrained(folder).tokenizer
     ref = hf_model(folder, torch.float32)
     for prompt, got in zip(prompts, ours, strict=True):
@@ -76,8 +76,8 @@ def test_greedy_generation_equals_transformers_generate(tiny_model_dir):
 def test_seeded_requests_reproduce_and_stop_strings_cut(tiny_model_dir):
     folder = tiny_model_dir("llama")
     params = [
-        SamplingParams(temperature=1.0, top_p=0.9, seed=11),
-        SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=12),
+        DrawParams(temperature=1.0, top_p=0.9, seed=11),
+        DrawParams(temperature=0.8, top_k=20, min_p=0.05, seed=12),
     ]
     a, detoks = generate(folder, ["one", "two two"], params, max_tokens=24)
     b, _ = generate(folder, ["one", "two two"], params, max_tokens=24)

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtier.model.sampler import SamplingBatch, SamplingParams, processed_logits, sample
+from kvtier.model.sampler import SamplingBatch, processed_logits, sample
+from kvtier.sampling import DrawParams
 
 VOCAB = 16
 
@@ -17,7 +18,7 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2  # [n, V]
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], positions=None, gen_seed=0):
+def draw(logits: torch.Tensor, params: list[DrawParams], positions=None, gen_seed=0):
     positions = positions if positions is not None else [0] * len(params)
     batch = SamplingBatch.from_params(params, positions, VOCAB)
     return sample(logits, batch, torch.Generator().manual_seed(gen_seed))
@@ -25,7 +26,7 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], positions=None, gen
 
 def test_greedy_is_argmax_and_mixes_with_random_rows():
     logits = logits_rows(6)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
+    params = [DrawParams(temperature=0.0), DrawParams(temperature=1.0)] * 3
     out = draw(logits, params)
     assert out.token_ids[::2].tolist() == logits[::2].argmax(-1).tolist()
     assert out.sampled_logprobs is None
@@ -35,7 +36,7 @@ def test_temperature_sampling_follows_softmax():
     row = logits_rows(1)
     n = 4000
     logits = row.expand(n, VOCAB)
-    out = draw(logits, [SamplingParams(temperature=0.7)] * n)
+    out = draw(logits, [DrawParams(temperature=0.7)] * n)
     freq = torch.bincount(out.token_ids, minlength=VOCAB).float() / n
     expected = torch.softmax(row[0] / 0.7, -1)
     assert (freq - expected).abs().max() < 0.03
@@ -44,9 +45,9 @@ def test_temperature_sampling_follows_softmax():
 @pytest.mark.parametrize(
     ("params", "allowed"),
     [
-        (SamplingParams(top_k=3), lambda p: p.argsort(descending=True)[:3]),
-        (SamplingParams(top_p=0.6), lambda p: nucleus(p, 0.6)),
-        (SamplingParams(min_p=0.2), lambda p: torch.nonzero(p >= 0.2 * p.max()).flatten()),
+        (DrawParams(top_k=3), lambda p: p.argsort(descending=True)[:3]),
+        (DrawParams(top_p=0.6), lambda p: nucleus(p, 0.6)),
+        (DrawParams(min_p=0.2), lambda p: torch.nonzero(p >= 0.2 * p.max()).flatten()),
     ],
     ids=["top_k", "top_p", "min_p"],
 )
@@ -74,7 +75,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def test_same_seed_same_tokens_regardless_of_batch_and_other_rows():
     logits = logits_rows(8, seed=5)
-    seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(8)]
+    seeded = [DrawParams(temperature=1.0, seed=s) for s in range(8)]
     a = draw(logits, seeded, positions=list(range(10, 18)), gen_seed=1).token_ids
     b = draw(logits, seeded, positions=list(range(10, 18)), gen_seed=2).token_ids
     assert a.tolist() == b.tolist()
@@ -84,15 +85,15 @@ def test_same_seed_same_tokens_regardless_of_batch_and_other_rows():
 
 def test_different_seeds_and_positions_give_different_draws():
     row = logits_rows(1, seed=6).expand(64, VOCAB) * 0.1  # near-uniform: draws spread widely
-    by_seed = draw(row, [SamplingParams(seed=s) for s in range(64)], positions=[5] * 64)
-    by_pos = draw(row, [SamplingParams(seed=1)] * 64, positions=list(range(64)))
+    by_seed = draw(row, [DrawParams(seed=s) for s in range(64)], positions=[5] * 64)
+    by_pos = draw(row, [DrawParams(seed=1)] * 64, positions=list(range(64)))
     assert len(set(by_seed.token_ids.tolist())) > 8
     assert len(set(by_pos.token_ids.tolist())) > 8
 
 
 def test_unseeded_rows_follow_the_generator():
     logits = logits_rows(32, seed=8) * 0.1
-    params = [SamplingParams()] * 32
+    params = [DrawParams()] * 32
     assert draw(logits, params, gen_seed=1).token_ids.tolist() == (
         draw(logits, params, gen_seed=1).token_ids.tolist()
     )
@@ -103,7 +104,7 @@ def test_unseeded_rows_follow_the_generator():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(top_k=2), SamplingParams(top_p=0.1), SamplingParams(min_p=0.5)],
+    [DrawParams(top_k=2), DrawParams(top_p=0.1), DrawParams(min_p=0.5)],
     ids=["top_k", "top_p", "min_p"],
 )
 def test_logprobs_are_of_the_raw_distribution_whatever_the_filters(params):
@@ -128,7 +129,7 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_filters(params):
 def test_raw_logprobs_ignore_banned_tokens_the_draw_cannot_pick():
     logits = logits_rows(4, seed=2)
     best = logits.argmax(-1)
-    params = [SamplingParams(temperature=0.0, logprobs=1)] * 4
+    params = [DrawParams(temperature=0.0, logprobs=1)] * 4
     batch = SamplingBatch.from_params(params, [0] * 4, VOCAB)
     out = sample(logits, batch, banned=(list(range(4)), best.tolist()))
     assert (out.token_ids != best).all()  # banned (e.g. EOS before min_tokens) never drawn
@@ -138,9 +139,9 @@ def test_raw_logprobs_ignore_banned_tokens_the_draw_cannot_pick():
 def test_logprobs_modes_as_vllm():
     logits = logits_rows(3, seed=9)
     params = [
-        SamplingParams(temperature=0.0, logprobs=VOCAB),
-        SamplingParams(top_k=4, logprobs=2),
-        SamplingParams(temperature=0.5, logprobs=0),
+        DrawParams(temperature=0.0, logprobs=VOCAB),
+        DrawParams(top_k=4, logprobs=2),
+        DrawParams(temperature=0.5, logprobs=0),
     ]
     batch = SamplingBatch.from_params(params, [0] * 3, VOCAB)
     gen = torch.Generator().manual_seed(0)
@@ -172,12 +173,12 @@ def test_logprobs_modes_as_vllm():
 )
 def test_bad_params_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        SamplingParams(**kwargs)
+        DrawParams(**kwargs)
 
 
 def test_rows_without_filters_keep_every_token_beside_filtered_rows():
     logits = logits_rows(2, seed=10) * 20  # very peaked: tail mass rounds to nothing
-    params = [SamplingParams(), SamplingParams(top_p=0.5, top_k=3, min_p=0.1)]
+    params = [DrawParams(), DrawParams(top_p=0.5, top_k=3, min_p=0.1)]
     processed = processed_logits(logits, SamplingBatch.from_params(params, [0, 0], VOCAB))
     assert torch.isfinite(processed[0]).all()
     assert torch.isfinite(processed[1]).sum() < VOCAB
@@ -202,7 +203,7 @@ def test_rows_without_filters_keep_every_token_beside_filtered_rows():
 )
 def test_wrong_types_and_non_finite_values_raise(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
-        SamplingParams(**kwargs)
+        DrawParams(**kwargs)
 
 
 def test_top_k_at_or_beyond_the_vocabulary_is_clamped_to_no_filter():
@@ -210,8 +211,8 @@ def test_top_k_at_or_beyond_the_vocabulary_is_clamped_to_no_filter():
     ordinary one used to overflow building the top_k tensor."""
     from types import SimpleNamespace
 
-    huge = SimpleNamespace(**{**vars(SamplingParams()).copy(), "top_k": 10**30})
-    batch = SamplingBatch.from_params([huge, SamplingParams(top_k=3)], [0, 0], VOCAB)
+    huge = SimpleNamespace(**{**vars(DrawParams()).copy(), "top_k": 10**30})
+    batch = SamplingBatch.from_params([huge, DrawParams(top_k=3)], [0, 0], VOCAB)
     assert batch.top_k is not None and batch.top_k.tolist() == [VOCAB, 3]
-    alone = SamplingBatch.from_params([SamplingParams(top_k=2**62)], [0], VOCAB)
+    alone = SamplingBatch.from_params([DrawParams(top_k=2**62)], [0], VOCAB)
     assert alone.top_k is None  # no row filters: no tensor at all

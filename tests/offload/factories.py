@@ -33,7 +33,10 @@ def run(dev: KVCacheManager, req: Request, settle: bool = True, step: int = 1) -
     """Allocate and compute the whole prompt (device hits included); settled unless told."""
     hits, num_hit = dev.get_computed_blocks(req)
     n = req.num_tokens - num_hit
-    assert dev.allocate_slots(req, n, num_hit, hits) is not None, req.request_id
+    assert (
+        dev.allocate_slots(req, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
+        is not None
+    ), req.request_id
     req.num_computed_tokens = req.num_tokens
     if not settle:
         req.ledger.append(StepRecord(step, n, 0, 1))
@@ -46,7 +49,14 @@ def admit_with_load(
     hits, num_hit = dev.get_computed_blocks(req)
     ext = t.lookup(req, num_hit, max_external).num_tokens
     new = req.num_tokens - num_hit - ext
-    got = dev.allocate_slots(req, new, num_hit, hits, 0, ext, delay_cache_blocks=ext > 0)
+    got = dev.allocate_slots(
+        req,
+        new,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits,
+        num_external_computed_tokens=ext,
+        delay_cache_blocks=ext > 0,
+    )
     assert got is not None, req.request_id
     req.num_computed_tokens = num_hit + ext
     return t.plan_load(req, ext)

@@ -5,9 +5,13 @@ protection has a fast test that fails without it."""
 
 from __future__ import annotations
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.offload import HostTier
-from kvtier.sched import AccessOracle, FakeEngine, FakeRunner, Request, SamplingParams, Scheduler
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, Scheduler
+from tests.sched.fake_engine import FakeEngine
+from tests.sched.oracle import AccessOracle
 
 
 def _engine(quarantine: bool = True) -> tuple[Scheduler, FakeEngine, AccessOracle]:
@@ -15,7 +19,7 @@ def _engine(quarantine: bool = True) -> tuple[Scheduler, FakeEngine, AccessOracl
         [FullAttention(4)], 40, max_model_len=128, enable_quarantine=quarantine,
         max_in_flight_tokens=64,
     )  # fmt: skip
-    sched = Scheduler(kv, max_num_batched_tokens=32, async_depth=2, connector=HostTier(kv, 40))
+    sched = Scheduler(kv, max_num_batched_tokens=32, async_depth=2, tier=HostTier(kv, 40))
     oracle = AccessOracle(kv.specs, kv.get_block_ids)
     return sched, FakeEngine(sched, FakeRunner(oracle=oracle)), oracle
 
@@ -28,18 +32,18 @@ def _load_into_the_blocks_of_an_aborted_request(quarantine: bool) -> AccessOracl
     aborted while its step is in flight and `b`, sharing the prefix, loads it at once: its
     destinations are allocated where `a`'s blocks went (first, as fresh blocks)."""
     sched, engine, oracle = _engine(quarantine)
-    sched.add_request(Request("p", [*PREFIX, 99], SamplingParams(max_tokens=2)))
+    sched.add_request(Request("p", [*PREFIX, 99], StopConditions(max_tokens=2)))
     engine.run()
     assert sched.kv.reset_prefix_cache()
-    sched.add_request(Request("a", list(range(200, 214)), SamplingParams(max_tokens=20)))
+    sched.add_request(Request("a", list(range(200, 214)), StopConditions(max_tokens=20)))
     for _ in range(6):
         engine.step()
     assert sched.num_unprocessed_steps > 0
     sched.abort("a")
-    sched.add_request(Request("b", [*PREFIX, 77, 78], SamplingParams(max_tokens=2)))
+    sched.add_request(Request("b", [*PREFIX, 77, 78], StopConditions(max_tokens=2)))
     engine.run()
-    assert sched.connector is not None
-    assert isinstance(sched.connector, HostTier) and sched.connector.metrics.num_loaded_blocks == 4
+    assert sched.tier is not None
+    assert isinstance(sched.tier, HostTier) and sched.tier.metrics.num_loaded_blocks == 4
     return oracle
 
 
@@ -61,11 +65,11 @@ def test_prefix_hits_are_not_stored_before_the_step_that_writes_them_is_processe
     those blocks: no store of them may be planned before the admission step is processed (the
     guard in the store planner). The oracle checks every store source against pending writes."""
     sched, engine, oracle = _engine()
-    sched.add_request(Request("x", [*PREFIX, *range(50, 58)], SamplingParams(max_tokens=4)))
+    sched.add_request(Request("x", [*PREFIX, *range(50, 58)], StopConditions(max_tokens=4)))
     engine.step()  # step 1: x's prefill, in flight
-    sched.add_request(Request("y", [*PREFIX, *range(60, 66)], SamplingParams(max_tokens=4)))
+    sched.add_request(Request("y", [*PREFIX, *range(60, 66)], StopConditions(max_tokens=4)))
     engine.run()
     assert oracle.violations == []
-    tier = sched.connector
+    tier = sched.tier
     assert isinstance(tier, HostTier) and tier.metrics.num_stored_blocks >= 4
     assert sched.kv.stats.num_hit_tokens == 16  # y was admitted on x's blocks

@@ -62,7 +62,14 @@ class HostTierMachine(RuleBasedStateMachine):
         ext = answer.num_tokens
         assert ext % 4 == 0 and num_hit + ext < req.num_tokens
         new = req.num_tokens - num_hit - ext
-        got = self.dev.allocate_slots(req, new, num_hit, hits, 0, ext, delay_cache_blocks=ext > 0)
+        got = self.dev.allocate_slots(
+            req,
+            new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=ext,
+            delay_cache_blocks=ext > 0,
+        )
         if got is None:
             assert self.t.plan_load(req, 0) is None
             self._track(self.t.finish_request(req))
@@ -73,7 +80,8 @@ class HostTierMachine(RuleBasedStateMachine):
             self._start(req)
             return
         assert load.is_load and 0 not in load.src_block_ids + load.dst_block_ids
-        assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert self.t.is_loading(req.request_id) and req.status is RequestStatus.WAITING
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS  # as the scheduler parks it
         self.loading[req.request_id] = req
         self._track([load])
 
@@ -174,7 +182,9 @@ class HostTierMachine(RuleBasedStateMachine):
         del self.outstanding[tid]
         for rid in self.t.complete([tid]):
             req = self.loading.pop(rid)
-            assert req.status is RequestStatus.WAITING
+            assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS  # the tier left it alone
+            assert not self.t.is_loading(rid)
+            req.status = RequestStatus.WAITING
             self.dev.cache_blocks(req, req.num_computed_tokens)
             self._start(req)
 
@@ -187,12 +197,18 @@ class HostTierMachine(RuleBasedStateMachine):
         if failure is None:
             return
         req = self.loading.pop(failure.req_id)
-        self.dev.pool.evict_blocks(failure.evict_device_block_ids)
+        assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS  # the tier left it alone
+        align = self.t.coordinator.alignment
+        assert failure.num_good_tokens % align == 0
+        assert failure.num_good_tokens < req.num_computed_tokens  # rolled back
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = failure.num_good_tokens  # as the scheduler applies it
+        self.dev.evict_blocks(failure.evict_device_block_ids)
         if failure.must_reallocate:
+            assert failure.num_good_tokens == 0
             self._track(self.t.finish_request(req))
             self.dev.free(req.request_id)
             return
-        assert req.num_computed_tokens == failure.num_good_tokens
         self._start(req)
 
     @precondition(lambda self: self.running or self.loading)

@@ -4,7 +4,9 @@ that get accepted, so the runner declares its writes from the lowest start a rol
 
 from __future__ import annotations
 
-from kvtier.sched import FakeRunner, Request, SamplingParams, Scheduler
+from kvtier.bench.fake_runner import FakeRunner
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, Scheduler
 from kvtier.sched.request import StepRecord
 from tests.offload.factories import check, device, request, tier, tokens
 
@@ -30,7 +32,7 @@ def test_the_scheduler_records_the_lowest_write_a_rollback_allows():
     """`StepRecord.lowest_write` is the start the runner declares: the scheduler's start minus the
     drafts of this request's steps still unprocessed when the step is launched."""
     s = Scheduler(device(64), async_depth=2, num_speculative_tokens=3)
-    s.add_request(Request("A", [1, 2, 3] * 4, SamplingParams(max_tokens=40, use_ngram=True)))
+    s.add_request(Request("A", [1, 2, 3] * 4, StopConditions(max_tokens=40, use_ngram=True)))
     runner = FakeRunner(acceptance_rate=0.5, num_speculative_tokens=3)
     pending = [s.schedule()]
     seen = []

@@ -61,7 +61,8 @@ def test_failed_load_rolls_back_to_the_device_hit_and_reports_bad_blocks():
     failure = t.fail(load.transfer_id)
     assert failure is not None and failure.num_good_tokens == 0 and not failure.must_reallocate
     assert failure.evict_device_block_ids == load.dst_block_ids
-    assert q.num_computed_tokens == 0 and q.status is RequestStatus.WAITING
+    # a decision only: the scheduler rolls the request back (the tier never writes it)
+    assert q.num_computed_tokens == 48 and q.status is RequestStatus.WAITING
     assert not t.device_pins() and t.metrics.num_failed_loads == 1
     check(dev, t)
 
@@ -77,7 +78,7 @@ def test_partially_failed_load_keeps_the_good_prefix():
     failure = t.fail(load.transfer_id, [load.dst_block_ids[2]])
     assert failure is not None and failure.num_good_tokens == 32
     assert failure.evict_device_block_ids == [load.dst_block_ids[2]]
-    assert q.num_computed_tokens == 32
+    assert q.num_computed_tokens == 48  # unchanged: the scheduler applies the rollback
     check(dev, t)
 
 
@@ -88,9 +89,10 @@ def test_failed_load_with_a_window_group_asks_for_reallocation():
     _stored(dev, t, toks)
     q = request(dev, "Q", toks)
     load = admit_with_load(dev, t, q)
-    assert load is not None
+    assert load is not None and q.num_computed_tokens == 48
     failure = t.fail(load.transfer_id)
-    assert failure is not None and failure.must_reallocate and q.num_computed_tokens == 0
+    assert failure is not None and failure.must_reallocate and failure.num_good_tokens == 0
+    assert q.num_computed_tokens == 48  # unchanged: the scheduler frees and re-admits it
     check(dev, t)
 
 
@@ -235,7 +237,17 @@ def test_a_host_hit_extends_the_device_hit_without_the_host_holding_the_head():
     dev, t, q, hits, num_hit = _device_keeps_head_host_keeps_rest([FullAttention(16)])
     assert num_hit == 32
     assert t.lookup(q, num_hit).num_tokens == 64
-    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    assert (
+        dev.allocate_slots(
+            q,
+            1,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=64,
+            delay_cache_blocks=True,
+        )
+        is not None
+    )
     load = t.plan_load(q, 64)
     assert load is not None and load.num_blocks == 4
     check(dev, t)
@@ -247,7 +259,17 @@ def test_a_window_group_reads_across_the_device_and_host_parts_of_a_hit():
     )
     assert num_hit == 32
     assert t.lookup(q, num_hit).num_tokens == 64
-    assert dev.allocate_slots(q, 1, num_hit, hits, 0, 64, delay_cache_blocks=True) is not None
+    assert (
+        dev.allocate_slots(
+            q,
+            1,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hits,
+            num_external_computed_tokens=64,
+            delay_cache_blocks=True,
+        )
+        is not None
+    )
     load = t.plan_load(q, 64)
     assert load is not None and 0 not in load.dst_block_ids
     # full attention: positions 2..5; the window (2 blocks before 96): positions 4, 5

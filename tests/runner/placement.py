@@ -25,7 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvtier.device.cpu import CpuDevice
-from kvtier.device.types import StreamId, Tier
+from kvtier.device.types import Tier
+from kvtier.ids import StreamId
 
 ACCEL = torch.device("cpu", 1)  # where "device" tensors are meant to be; they land on the CPU
 

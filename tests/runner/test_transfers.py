@@ -11,19 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.device import (
-    COMPUTE,
-    LOAD,
-    STORE,
-    AccessSet,
-    EventId,
-    KVLayout,
-    OpMeta,
-    StreamId,
-    Work,
-    make_device,
-)
+from kvtier.device import COMPUTE, LOAD, STORE, AccessSet, KVLayout, OpMeta, Work, make_device
 from kvtier.device.sim import SimDevice
+from kvtier.ids import EventId, StreamId
 from kvtier.kv import FullAttention, KVCacheManager
 from kvtier.offload import HostTier
 from kvtier.runner.transfers import TransferEngine, TransferFaults
@@ -198,7 +188,12 @@ def test_65_a_preempted_request_keeps_its_stored_blocks_pinned_until_the_copy_co
     tier = HostTier(dev, 8)
     req = Request("P", list(range(1000, 1033)), hasher=dev.hasher)
     hits, num_hit = dev.get_computed_blocks(req)
-    assert dev.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits) is not None
+    assert (
+        dev.allocate_slots(
+            req, req.num_tokens - num_hit, num_new_computed_tokens=num_hit, new_computed_blocks=hits
+        )
+        is not None
+    )
     req.num_computed_tokens = req.num_tokens
     req.ledger.append(StepRecord(1, req.num_tokens, 0, 1))
     assert tier.plan_stores([req]) == []  # its step is in flight: nothing settled yet

@@ -6,8 +6,9 @@ import itertools
 from typing import Any
 
 from kvtier.kv import FullAttention, KVCacheManager, KVSpec
-from kvtier.sched import Request, RunnerOutput, SamplingParams, Scheduler, SchedulerOutput
-from kvtier.sched.invariants import check_scheduler
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RunnerOutput, Scheduler, SchedulerOutput
+from tests.sched.invariants import check_scheduler
 
 _fresh = itertools.count(1_000_000)
 
@@ -45,7 +46,7 @@ def scheduler(
 
 def request(req_id: str, prompt: int | list[int], max_tokens: int = 16, **sampling: Any) -> Request:
     tokens = fresh_tokens(prompt) if isinstance(prompt, int) else prompt
-    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, **sampling))
+    return Request(req_id, tokens, StopConditions(max_tokens=max_tokens, **sampling))
 
 
 class Driver:

@@ -5,11 +5,12 @@ launched while earlier drafts were unverified, whether or not it has drafts of i
 from __future__ import annotations
 
 from kvtier.kv import KVCacheManager, SlidingWindow
-from kvtier.sched import Request, SamplingParams, SettledLifetimes, StepRecord
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, SettledLifetimes, StepRecord
 
 
 def _request(records: list[StepRecord], num_computed: int) -> Request:
-    r = Request("r", list(range(1, 11)), SamplingParams(max_tokens=30))
+    r = Request("r", list(range(1, 11)), StopConditions(max_tokens=30))
     for record in records:
         r.ledger.append(record)
     r.num_computed_tokens = num_computed

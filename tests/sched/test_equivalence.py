@@ -8,17 +8,14 @@ import zlib
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow
-from kvtier.sched import (
-    AccessOracle,
-    FakeEngine,
-    FakeRunner,
-    Request,
-    RequestStatus,
-    SamplingParams,
-)
-from kvtier.sched.invariants import check_scheduler, window_violations
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RequestStatus
 from tests.sched.factories import scheduler
+from tests.sched.fake_engine import FakeEngine
+from tests.sched.invariants import check_scheduler, window_violations
+from tests.sched.oracle import AccessOracle
 
 SPECS: dict[str, list[KVSpec]] = {
     "full": [FullAttention(16)],
@@ -42,7 +39,7 @@ def workload(n: int = 10, use_ngram: bool = False) -> list[Request]:
         own = [1000 * (i + 1) + j for j in range(5 + 11 * i % 37)]
         prompt = (shared if i % 2 else []) + own
         stop = (periodic_token(f"r{i}", len(prompt) + 3),) if i % 3 == 0 else ()
-        sp = SamplingParams(
+        sp = StopConditions(
             max_tokens=4 + (i * 7) % 23, stop_token_ids=stop, min_tokens=2, use_ngram=use_ngram
         )
         reqs.append(Request(f"r{i}", prompt, sp))
@@ -137,7 +134,7 @@ def test_same_outputs_with_chunking_and_policy(policy: str) -> None:
 def test_drafts_are_accepted_by_matching_truth() -> None:
     sched = scheduler(200, depth=1, budget=64, num_speculative_tokens=3)
     runner = FakeRunner(token_fn=periodic_token, num_speculative_tokens=3)
-    r = Request("r0", [1, 2, 3], SamplingParams(max_tokens=60, use_ngram=True))
+    r = Request("r0", [1, 2, 3], StopConditions(max_tokens=60, use_ngram=True))
     sched.add_request(r)
     steps = FakeEngine(sched, runner).run()
     assert runner.num_accepted_tokens > 30

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner, hashed_token
 from kvtier.kv import FullAttention, KVCacheManager
-from kvtier.sched import FakeEngine, FakeRunner, Request, RequestStatus, SamplingParams, Scheduler
-from kvtier.sched.fake_runner import hashed_token
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RequestStatus, Scheduler
 from tests.sched.factories import Driver, request, scheduler
+from tests.sched.fake_engine import FakeEngine
 
 
 def test_one_missing_block_preempts_one_request_not_three() -> None:
@@ -53,7 +55,7 @@ def _preemptions(depth: int, quarantine: bool, num_blocks: int) -> tuple[int, di
     reqs = []
     for i in range(24):
         prompt = [(i * 1000 + j) % 30_000 + 1 for j in range(40)]
-        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=40)))
+        reqs.append(Request(f"r{i}", prompt, StopConditions(max_tokens=40)))
         sched.add_request(reqs[-1])
     FakeEngine(sched, FakeRunner()).run()
     return sched.num_preemptions, {r.request_id: r.output_token_ids for r in reqs}
@@ -83,11 +85,11 @@ def test_priority_victim_is_chosen_among_every_running_request() -> None:
     `high` itself (vLLM picks among all running requests). `low`'s tokens of this step are taken
     back and its blocks go to `high` in the same step."""
     d = Driver(scheduler(5, depth=1, policy="priority"))  # 4 usable blocks of 16 tokens
-    low = Request("low", list(range(20)), SamplingParams(max_tokens=20), priority=5)
+    low = Request("low", list(range(20)), StopConditions(max_tokens=20), priority=5)
     d.sched.add_request(low)
     d.schedule()
     d.process(1)
-    high = Request("high", list(range(100, 132)), SamplingParams(max_tokens=20), priority=0)
+    high = Request("high", list(range(100, 132)), StopConditions(max_tokens=20), priority=0)
     d.sched.add_request(high)
     d.schedule()  # low decodes, high is admitted: the pool is full
     d.process(2)

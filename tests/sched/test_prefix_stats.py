@@ -5,8 +5,11 @@ apart (`num_preempted_*`, as vLLM's preempted counters)."""
 
 from __future__ import annotations
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager
-from kvtier.sched import FakeEngine, FakeRunner, Request, SamplingParams, Scheduler
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, Scheduler
+from tests.sched.fake_engine import FakeEngine
 
 
 def _run(num_blocks: int) -> tuple[Scheduler, list[Request]]:
@@ -19,7 +22,7 @@ def _run(num_blocks: int) -> tuple[Scheduler, list[Request]]:
     for i in range(16):
         prefix = [1000 * (i % 4) + j + 1 for j in range(32)]
         tail = [50_000 + 100 * i + j for j in range(8 + i % 5)]
-        reqs.append(Request(f"r{i}", prefix + tail, SamplingParams(max_tokens=24)))
+        reqs.append(Request(f"r{i}", prefix + tail, StopConditions(max_tokens=24)))
         sched.add_request(reqs[-1])
     steps_waited = {r.request_id: 0 for r in reqs}
     engine = FakeEngine(sched, FakeRunner())

@@ -7,8 +7,8 @@ import pytest
 
 from kvtier.kv import ChunkedLocal, FullAttention, SlidingWindow
 from kvtier.sched import RequestStatus
-from kvtier.sched.invariants import window_violations
 from tests.sched.factories import Driver, null_count, request, scheduler
+from tests.sched.invariants import window_violations
 
 
 def test_in_flight_accounting_async() -> None:  # scenario 20

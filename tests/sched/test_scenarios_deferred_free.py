@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import BlockPool, FullAttention, KVSpec, SlidingWindow
-from kvtier.sched import AccessOracle, FakeRunner, RequestStatus, Scheduler, SchedulerOutput
-from kvtier.sched.invariants import check_scheduler
+from kvtier.sched import RequestStatus, Scheduler, SchedulerOutput
 from tests.sched.factories import Driver, request, scheduler
+from tests.sched.invariants import check_scheduler
+from tests.sched.oracle import AccessOracle
 
 
 def _quarantined(d: Driver) -> int:

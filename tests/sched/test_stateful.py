@@ -19,17 +19,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
-from kvtier.sched import (
-    AccessOracle,
-    FakeRunner,
-    Request,
-    RunnerOutput,
-    SamplingParams,
-    Scheduler,
-    SchedulerOutput,
-)
-from kvtier.sched.invariants import check_scheduler, window_violations
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RunnerOutput, Scheduler, SchedulerOutput
+from tests.sched.invariants import check_scheduler, window_violations
+from tests.sched.oracle import AccessOracle
 
 SPECS: list[list[KVSpec]] = [
     [FullAttention(4)],
@@ -127,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         req_id = f"r{self.num_ids}"
         prompt = (SHARED if shared else []) + [1000 * self.num_ids + j for j in range(prompt_len)]
         stops = (pattern_token(req_id, len(prompt) + 2),) if stop else ()
-        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, use_ngram=ngram)
+        sp = StopConditions(max_tokens=max_tokens, stop_token_ids=stops, use_ngram=ngram)
         try:
             self.s.add_request(Request(req_id, prompt, sp, priority=priority))
         except ValueError as e:  # a request that could never fit this pool is refused up front

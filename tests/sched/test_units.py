@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager, Mamba
+from kvtier.sampling import StopConditions
 from kvtier.sched import (
-    FakeEngine,
-    FakeRunner,
     NgramProposer,
     PriorityQueue,
     Request,
     RequestStatus,
     RunnerOutput,
-    SamplingParams,
     Scheduler,
     StepLedger,
     StepRecord,
     make_queue,
 )
 from tests.sched.factories import Driver, request, scheduler
+from tests.sched.fake_engine import FakeEngine
 from tests.torch_blocked import run_without_torch
 
 
@@ -44,20 +44,20 @@ def test_ledger_sums_follow_records_and_stale_marking() -> None:
 @pytest.mark.parametrize(
     ("sp", "tokens", "kept", "status"),
     [
-        (SamplingParams(max_tokens=3), [5, 6, 7, 8], [5, 6, 7], RequestStatus.FINISHED_LENGTH),
-        (SamplingParams(eos_token_id=2), [5, 2, 7], [5, 2], RequestStatus.FINISHED_STOPPED),
-        (SamplingParams(eos_token_id=2, ignore_eos=True), [2, 2], [2, 2], None),
+        (StopConditions(max_tokens=3), [5, 6, 7, 8], [5, 6, 7], RequestStatus.FINISHED_LENGTH),
+        (StopConditions(eos_token_id=2), [5, 2, 7], [5, 2], RequestStatus.FINISHED_STOPPED),
+        (StopConditions(eos_token_id=2, ignore_eos=True), [2, 2], [2, 2], None),
         (
-            SamplingParams(eos_token_id=2, min_tokens=2),
+            StopConditions(eos_token_id=2, min_tokens=2),
             [2, 2, 3],
             [2, 2],
             RequestStatus.FINISHED_STOPPED,
         ),
-        (SamplingParams(stop_token_ids=(9,)), [1, 9, 9], [1, 9], RequestStatus.FINISHED_STOPPED),
+        (StopConditions(stop_token_ids=(9,)), [1, 9, 9], [1, 9], RequestStatus.FINISHED_STOPPED),
     ],
 )
 def test_deliver_stops_at_the_first_stop_condition(
-    sp: SamplingParams, tokens: list[int], kept: list[int], status: RequestStatus | None
+    sp: StopConditions, tokens: list[int], kept: list[int], status: RequestStatus | None
 ) -> None:
     r = Request("r", [1, 1, 1], sp)
     assert r.deliver(tokens, max_model_len=100) == (status, kept)
@@ -65,7 +65,7 @@ def test_deliver_stops_at_the_first_stop_condition(
 
 
 def test_deliver_stops_at_max_model_len() -> None:
-    r = Request("r", [1] * 8, SamplingParams(max_tokens=50))
+    r = Request("r", [1] * 8, StopConditions(max_tokens=50))
     assert r.deliver([3, 3, 3], max_model_len=10) == (RequestStatus.FINISHED_LENGTH, [3, 3])
     assert r.num_tokens == 10
 
@@ -76,7 +76,7 @@ def test_deliver_stops_at_max_model_len() -> None:
 )
 def test_sampling_params_validation(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        SamplingParams(**kwargs)
+        StopConditions(**kwargs)
 
 
 def test_ngram_proposer() -> None:
@@ -110,8 +110,8 @@ def test_priority_queue_orders_and_picks_the_worst_victim() -> None:
 
 def test_priority_policy_preempts_the_lowest_priority_request() -> None:
     d = Driver(scheduler(5, depth=1, policy="priority"))  # 4 usable blocks
-    low = Request("low", list(range(17)), SamplingParams(max_tokens=20), priority=5)
-    high = Request("high", list(range(100, 131)), SamplingParams(max_tokens=20), priority=0)
+    low = Request("low", list(range(17)), StopConditions(max_tokens=20), priority=5)
+    high = Request("high", list(range(100, 131)), StopConditions(max_tokens=20), priority=0)
     d.sched.add_request(low)
     d.sched.add_request(high)
     out = d.schedule()
@@ -218,7 +218,7 @@ def test_from_config() -> None:
 
 
 def test_sched_imports_without_torch() -> None:
-    run_without_torch("import kvtier.sched, kvtier.sched.invariants, kvtier.bench.sched\n")
+    run_without_torch("import kvtier.sched, tests.sched.invariants, kvtier.bench.sched\n")
 
 
 def test_protections_report_both_switches() -> None:
@@ -231,9 +231,9 @@ def test_mamba_snapshots_survive_the_decode_fast_path() -> None:
     """A step ending on a Mamba block boundary must reach the KV manager (it records the state
     snapshot there), even when the table needs no new block."""
     sched = scheduler(64, [Mamba(4)], depth=2, budget=64, max_in_flight_tokens=0)
-    first = Request("a", list(range(10)), SamplingParams(max_tokens=10))
+    first = Request("a", list(range(10)), StopConditions(max_tokens=10))
     sched.add_request(first)
     FakeEngine(sched, FakeRunner()).run()
-    follow = Request("b", list(first.all_token_ids), SamplingParams(max_tokens=1))
+    follow = Request("b", list(first.all_token_ids), StopConditions(max_tokens=1))
     sched.add_request(follow)
     assert sched.kv.get_computed_blocks(follow)[1] == 16  # snapshot after 16 tokens

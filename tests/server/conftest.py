@@ -64,8 +64,9 @@ class ServerHandle:
 def start_server(
     max_waiting_requests: int = 64, fail_at_step: int | None = None, **engine_kwargs: Any
 ) -> ServerHandle:
-    args = EngineArgs.from_kwargs(None, **({"max_model_len": 512} | engine_kwargs))
-    engine = EngineLoop(args, max_waiting_requests, torch_threads=1, fail_at_step=fail_at_step)
+    kwargs = {"max_model_len": 512, "torch_threads": 1} | engine_kwargs
+    args = EngineArgs.from_kwargs(None, **kwargs)
+    engine = EngineLoop(args, max_waiting_requests, fail_at_step=fail_at_step)
     engine.start()
     app = build_app(engine, MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -38,7 +38,7 @@ def test_engine_failure_answers_requests_in_flight_and_stops_the_server() -> Non
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(handle.post, "/v1/completions", LONG)
-            wait_until(lambda: handle.engine.call(lambda e: len(e.requests)) == 2)
+            wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests) == 2)
 
             def boom() -> None:
                 raise RuntimeError("injected step failure")

@@ -86,7 +86,7 @@ def test_prompt_longer_than_max_model_len_is_400(server: ServerHandle) -> None:
             model=MODEL, messages=[{"role": "user", "content": long_text}]
         )
     assert exc.value.code == "context_length_exceeded"
-    assert server.engine.call(lambda e: len(e.requests)) == 0
+    assert server.engine.call(lambda e: e.stats().num_requests) == 0
 
 
 def test_unknown_model_and_route_are_404(server: ServerHandle) -> None:
@@ -119,8 +119,8 @@ def test_backlog_beyond_free_slots_is_429_with_retry_after() -> None:
         assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 1
         running.close()
         waiting.close()
-        wait_until(lambda: handle.engine.call(lambda e: not e.requests))
-        handle.engine.call(lambda e: e.kv.check_integrity())
+        wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests == 0))
+        handle.engine.call(lambda e: e.check_integrity())
     finally:
         stop_server(handle)
 
@@ -139,11 +139,11 @@ def test_a_burst_that_fits_the_free_slots_is_never_refused() -> None:
         streams = [_open_stream(handle.port, 2000) for _ in range(6)]  # every slot busy
         for _, resp in streams:
             assert resp.status == 200 and resp.readline().startswith(b"data: ")
-        assert handle.engine.call(lambda e: len(e.scheduler.running)) == 6
+        assert handle.engine.call(lambda e: e.stats().num_running) == 6
         status, payload = handle.post("/v1/completions", body)
         assert status == 429 and _error(payload)["type"] == "rate_limit_exceeded"
         for conn, _ in streams:
             conn.close()
-        wait_until(lambda: handle.engine.call(lambda e: not e.requests))
+        wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests == 0))
     finally:
         stop_server(handle)

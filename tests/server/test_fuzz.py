@@ -347,14 +347,13 @@ def test_http_api_fuzz(fuzz_server: ServerHandle) -> None:
     assert handle.engine.is_alive, handle.engine.error
 
     def idle(engine: Any) -> bool:
-        return not engine.requests and not engine.has_unfinished_requests()
+        return engine.stats().num_requests == 0 and not engine.has_unfinished_requests()
 
-    # TODO(stats): read these through the engine's public stats() once it lands
     wait_until(lambda: handle.engine.call(idle), 60)
-    wait_until(lambda: handle.engine.call(lambda e: e.kv.pool.num_quarantined_refs) == 0)
+    wait_until(lambda: handle.engine.call(lambda e: e.stats().device.num_quarantined_refs) == 0)
     handle.engine.call(lambda e: e.check_integrity())
-    assert handle.engine.call(lambda e: e.kv.usage) == 0.0
-    assert handle.engine.call(lambda e: len(e.runner.params)) == 0
+    assert handle.engine.call(lambda e: e.stats().device.usage) == 0.0
+    assert handle.engine.call(lambda e: e.stats().num_requests) == 0
     after = _greedy(handle)
     assert after[0] == 200
     assert after[1]["choices"] == before[1]["choices"], (before, after)

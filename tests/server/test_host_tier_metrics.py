@@ -32,11 +32,11 @@ def test_transfer_bytes_and_host_prefix_hits_move(tmp_path) -> None:  # type: ig
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(30)] for _ in range(8)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for _ in range(2):
+    for rnd in range(2):
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{len(engine.requests)}-{i}", p, params)
+            engine.add_request(f"r{rnd}-{i}", p, params)
         engine.drain()
-        metrics.update(engine)
+        metrics.update(engine.stats())
     got = samples(metrics)
     assert got[("kvtier:kv_cache_num_blocks", (("tier", "host"),))] == 399
     assert got[("kvtier:kv_transfer_bytes_total", (("direction", "device_to_host"),))] > 0

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.engine import EngineCore
 from tests.server.conftest import MODEL, ServerHandle, _health, wait_until
 
 
 def _idle(server: ServerHandle) -> bool:
-    return server.engine.call(lambda e: not e.requests and not e.has_unfinished_requests())
+    return server.engine.call(
+        lambda e: e.stats().num_requests == 0 and not e.has_unfinished_requests()
+    )
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerHandle) -> None:
@@ -38,15 +41,15 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerHandle) -> 
         for _ in range(3):  # a few tokens arrive, so the request holds blocks mid-decode
             assert resp.readline().startswith(b"data: ")
             resp.readline()
-        assert server.engine.call(lambda e: e.kv.usage) > 0
+        assert server.engine.call(lambda e: e.stats().device.usage) > 0
         conn.close()
         wait_until(lambda: _idle(server))
     assert server.metrics()[aborted] == before + 2
 
-    def check(engine: object) -> tuple[float, int, int]:
-        e = engine  # type: ignore[assignment]
-        e.kv.check_integrity()  # type: ignore[attr-defined]
-        return e.kv.usage, e.kv.pool.num_quarantined_refs, len(e.runner.params)  # type: ignore[attr-defined]
+    def check(engine: EngineCore) -> tuple[float, int, int]:
+        engine.check_integrity()
+        stats = engine.stats()
+        return stats.device.usage, stats.device.num_quarantined_refs, stats.num_requests
 
     wait_until(lambda: server.engine.call(check)[1] == 0)  # quarantine drains at the next step
     usage, _, num_params = server.engine.call(check)
@@ -58,10 +61,10 @@ def test_disconnect_while_waiting_for_a_whole_completion_aborts(server: ServerHa
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     body = {"model": MODEL, "prompt": "The def", "max_tokens": 450, "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    wait_until(lambda: server.engine.call(lambda e: len(e.requests)) == 1)
+    wait_until(lambda: server.engine.call(lambda e: e.stats().num_requests) == 1)
     conn.close()
     wait_until(lambda: _idle(server))
-    server.engine.call(lambda e: e.kv.check_integrity())
+    server.engine.call(lambda e: e.check_integrity())
 
 
 def test_metrics_move_as_requests_run(server: ServerHandle) -> None:
@@ -169,7 +172,7 @@ def test_cancelled_whole_completion_logs_no_traceback(
             conn.request(
                 "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
             )
-            wait_until(lambda: server.engine.call(lambda e: len(e.requests)) == 1)
+            wait_until(lambda: server.engine.call(lambda e: e.stats().num_requests) == 1)
             conn.close()
             wait_until(lambda: _idle(server))
         # the handler finishes after the abort; a health check afterwards orders the log after it

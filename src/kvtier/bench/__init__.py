@@ -23,6 +23,8 @@ BENCHMARKS = (
     "compare",
     "preempt",
     "roofline",
+    "overlap",
+    "admission",
 )
 
 

@@ -107,7 +107,6 @@ def offline(
 ) -> dict[str, Any]:
     """One model and dtype: both engines loaded once, a warm-up round each (not counted), then
     --repeat rounds, each on new prompts: a cold pass, then a warm pass on the same prompts."""
-    import torch
 
     from kvtier.bench.throughput import random_prompts
     from kvtier.config import ModelConfig
@@ -124,8 +123,8 @@ def offline(
     log = logs / f"vllm_offline_{models.label(name)}_{dtype}.log"
     peer = procs.LineWorker(argv, venv.peer_env(), log, args.timeout)
     try:
-        torch.set_num_threads(args.threads)
         llm = LLM(str(path), device="cpu", dtype=dtype, block_size=args.block_size,
+                  torch_threads=args.threads,
                   max_model_len=_max_len(args), max_num_seqs=args.num_prompts,
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
         n = args.output_len

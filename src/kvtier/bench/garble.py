@@ -160,24 +160,29 @@ def run_variant(
     engine = llm.engine
     usage: list[float] = []
     waiting: list[int] = []
-    step = engine.step
 
-    def sampled_step() -> Any:
-        out = step()
-        usage.append(engine.kv.usage)
-        waiting.append(len(engine.scheduler.waiting))
-        return out
+    def generate(rnd: int) -> list[list[int]]:
+        """One round through the engine's public surface, sampling the device pool and the
+        waiting queue after every step."""
+        req_ids = [f"round{rnd}-{i}" for i in range(len(batch))]
+        for req_id, prompt in zip(req_ids, batch, strict=True):
+            engine.add_request(req_id, prompt["prompt_token_ids"], params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.result is not None:
+                    done[out.req_id] = out.result.token_ids
+            stats = engine.stats()
+            usage.append(stats.device.usage)
+            waiting.append(stats.num_waiting + stats.num_loading)
+        return [done[req_id] for req_id in req_ids]
 
-    engine.step = sampled_step  # type: ignore[method-assign]
     t0 = time.perf_counter()
-    rounds = [
-        [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-        for _ in range(args.rounds)
-    ]
+    rounds = [generate(rnd) for rnd in range(args.rounds)]
     wall = time.perf_counter() - t0
-    tier = engine.host_tier
-    sanitizer = engine.device.sanitizer
-    device_ns = getattr(engine.device, "now_ns", 0)
+    stats = engine.stats()
+    m = stats.host_metrics
+    device_ns = stats.device_time_ns or 0
     tokens = sum(len(t) for r in rounds for t in r)
     return {
         "rounds": rounds,
@@ -188,12 +193,12 @@ def run_variant(
         "tok_s_device": tokens / (device_ns / 1e9) if device_ns else None,
         "mean_kv_usage": sum(usage) / max(1, len(usage)),
         "mean_waiting": sum(waiting) / max(1, len(waiting)),
-        "host_hit_rate": (tier.metrics.num_hit_tokens / tier.metrics.num_query_tokens)
-        if tier is not None and tier.metrics.num_query_tokens
+        "host_hit_rate": (m.num_hit_tokens / m.num_query_tokens)
+        if m is not None and m.num_query_tokens
         else 0.0,
-        "preemptions": engine.scheduler.num_preemptions,
-        "hazards": sanitizer.num_hazards if sanitizer is not None else 0,
-        "hazard_kinds": dict(sanitizer.counts) if sanitizer is not None else {},
+        "preemptions": stats.num_preemptions,
+        "hazards": stats.num_hazards,
+        "hazard_kinds": stats.hazards,
     }
 
 

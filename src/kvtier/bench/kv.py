@@ -76,7 +76,15 @@ def bench_manager(specs: list[KVSpec], args: argparse.Namespace, hash_fn: str) -
         seq = mgr.new_sequence(f"m{i}", prompt)
         t1 = time.perf_counter_ns()
         hits, num_hit = mgr.get_computed_blocks(seq)
-        assert mgr.allocate_slots(seq, len(prompt) - num_hit, num_hit, hits) is not None
+        assert (
+            mgr.allocate_slots(
+                seq,
+                len(prompt) - num_hit,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+            )
+            is not None
+        )
         mgr.record_lookup(seq, num_hit, preempted=False)
         t2 = time.perf_counter_ns()
         mgr.free(seq.request_id)
@@ -85,7 +93,15 @@ def bench_manager(specs: list[KVSpec], args: argparse.Namespace, hash_fn: str) -
         t4 = time.perf_counter_ns()
         hits, num_hit = mgr.get_computed_blocks(again)
         assert num_hit >= len(prompt) - 2 * args.block_size, num_hit
-        assert mgr.allocate_slots(again, len(prompt) - num_hit, num_hit, hits) is not None
+        assert (
+            mgr.allocate_slots(
+                again,
+                len(prompt) - num_hit,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+            )
+            is not None
+        )
         mgr.record_lookup(again, num_hit, preempted=False)
         t5 = time.perf_counter_ns()
         mgr.free(again.request_id)

@@ -104,7 +104,7 @@ def run_config(
 ) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
     from kvtier.engine import LLM
 
-    llm = LLM(args.model, **engine_kw)
+    llm = LLM(args.model, torch_threads=args.torch_threads, **engine_kw)
     engine = llm.engine
     device = sim_device(engine)
     device.cost_model = cost_model(args)
@@ -118,9 +118,8 @@ def run_config(
     prompt_tokens = sum(r.prompt_tokens for r in records)
     host = sum(r.host_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
-    tier = engine.host_tier
-    m = tier.metrics if tier is not None else None
-    sanitizer = engine.device.sanitizer
+    stats = engine.stats()
+    m = stats.host_metrics
     ttft_dev = {id(r): r.ttft_device_ms for r in records}
     by_round = []
     for rnd in range(w.rounds):
@@ -138,7 +137,7 @@ def run_config(
     row = {
         "requests": len(records),
         "device_blocks": engine.plan.tiers[0].num_blocks,
-        "host_blocks": tier.host.pool.num_blocks if tier is not None else 0,
+        "host_blocks": next((t.num_blocks for t in engine.plan.tiers if t.name == "host"), 0),
         "device_s": device_s,
         "wall_s": wall,
         "ttft_device_ms": percentiles(list(ttft_dev.values())),
@@ -167,8 +166,8 @@ def run_config(
             "bytes": m.num_stored_bytes if m else 0,
             "evicted": m.num_evicted_blocks if m else 0,
         },
-        "preemptions": engine.scheduler.num_preemptions,
-        "hazards": sanitizer.num_hazards if sanitizer is not None else 0,
+        "preemptions": stats.num_preemptions,
+        "hazards": stats.num_hazards,
         "by_round": by_round,
     }
     tokens = {(r.conv, r.round): r.output or [] for r in records}
@@ -214,10 +213,6 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.kv.plan import plan_kv
     from kvtier.kv.specs import blocks_for_requests
 
-    if args.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     modes = store_modes(args)
     path = Path(args.model) if args.model else DEFAULT_MODEL
     cfg = ModelConfig.from_pretrained(path)

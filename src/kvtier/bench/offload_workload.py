@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,8 +18,6 @@ from kvtier.bench.serve_data import Conversation, Prompt
 if TYPE_CHECKING:
     from kvtier.device.sim import SimDevice
     from kvtier.engine.core import EngineCore
-    from kvtier.offload.types import Transfer
-    from kvtier.sched.request import Request
 
 
 @dataclass(frozen=True)
@@ -117,24 +116,17 @@ def sim_device(engine: EngineCore) -> SimDevice:
     return device
 
 
-def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
-    """Run the closed loop to the end; return one record per request, in completion order."""
+def drive(
+    engine: EngineCore,
+    w: Workload,
+    concurrency: int,
+    after_step: Callable[[], None] | None = None,
+) -> list[Record]:
+    """Run the closed loop to the end; return one record per request, in completion order.
+    `after_step` is called after every engine step (e.g. to sample `engine.stats()`)."""
     from kvtier.engine import SamplingParams
 
     device = sim_device(engine)
-    host_hits: dict[str, int] = {}
-    tier = engine.host_tier
-    if tier is not None:  # which admitted prefix hits came from the host tier (per request)
-        plan_load = tier.plan_load
-
-        def counted_plan_load(request: Request, num_external_tokens: int) -> Transfer | None:
-            transfer = plan_load(request, num_external_tokens)
-            if transfer is not None and request.num_preemptions == 0:
-                host_hits[request.request_id] = num_external_tokens
-            return transfer
-
-        tier.plan_load = counted_plan_load  # type: ignore[method-assign]
-
     ready: deque[tuple[Conversation, int]] = deque((c, 0) for c in w.convs)
     prompts = {c.index: ids(c.prefix) + ids(c.questions[0]) for c in w.convs}
     inflight: dict[str, Record] = {}
@@ -157,20 +149,24 @@ def drive(engine: EngineCore, w: Workload, concurrency: int) -> list[Record]:
                 continue
             if rec.first_ns is None and out.new_token_ids:
                 rec.first_ns, rec.first_wall = device.now_ns, time.perf_counter()
-            if not out.finished:
+            if out.result is None:
                 continue
-            state = engine.requests.pop(out.req_id)
             rec.done_ns, rec.done_wall = device.now_ns, time.perf_counter()
-            rec.output = list(state.token_ids)
-            rec.cached_tokens = state.request.num_cached_tokens
-            rec.host_tokens = host_hits.pop(out.req_id, 0)
+            rec.output = list(out.result.token_ids)
+            rec.cached_tokens = out.result.num_cached_tokens
+            rec.host_tokens = out.result.num_external_cached_tokens
             del inflight[out.req_id]
             done.append(rec)
             conv = w.convs[rec.conv]
             if rec.round + 1 < len(conv.questions):
                 prompts[rec.conv] += rec.output + ids(conv.questions[rec.round + 1])
                 ready.append((conv, rec.round + 1))
-    engine.drain()  # stores still in flight (not counted in the measured span)
+        if after_step is not None:
+            after_step()
+    while engine.has_unfinished_requests():  # stores still in flight (not in the measured span)
+        engine.step()
+        if after_step is not None:
+            after_step()
     return done
 
 

@@ -16,8 +16,10 @@ from collections import deque
 from typing import Any
 
 from kvtier.bench import save_json
+from kvtier.bench.fake_runner import FakeRunner
 from kvtier.kv import FullAttention, KVCacheManager, KVSpec, SlidingWindow
-from kvtier.sched import FakeRunner, Request, RunnerOutput, SamplingParams, Scheduler
+from kvtier.sampling import StopConditions
+from kvtier.sched import Request, RunnerOutput, Scheduler
 from kvtier.sched.output import SchedulerOutput
 
 
@@ -83,7 +85,7 @@ def run_one(args: argparse.Namespace, kind: str, mode: str, num_requests: int) -
     for i in range(num_requests):
         base = (i + 1) * 1_000_003
         prompt = [(base + j * 7919) % 50_000 for j in range(args.prompt_len)]  # unique prefixes
-        sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        sp = StopConditions(max_tokens=args.output_len, ignore_eos=True)
         sched.add_request(Request(f"req-{i}", prompt, sp))
     # Per step: (phase, scheduled requests, schedule seconds, update seconds)
     steps: dict[int, list[Any]] = {}

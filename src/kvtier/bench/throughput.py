@@ -97,7 +97,7 @@ def run_kvtier(
         result[name] = {"seconds": elapsed, "output_tokens": n, "output_tokens_per_s": n / elapsed}
         outs = [o.outputs[0].token_ids for o in got]
     result["tokens"] = outs
-    result["hazards"] = len(llm.engine.device.hazards)
+    result["hazards"] = llm.engine.stats().num_hazards
     return result
 
 

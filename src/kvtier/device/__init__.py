@@ -18,15 +18,11 @@ from kvtier.device.types import (
     STORE,
     WHOLE,
     AccessSet,
-    BlockId,
-    EventId,
     KVLayout,
-    OpId,
     OpMeta,
-    ReqId,
-    StreamId,
     Tier,
 )
+from kvtier.ids import BlockId, EventId, OpId, ReqId, StreamId
 
 if TYPE_CHECKING:
     from kvtier.device.base import Device, DeviceError, OpFn

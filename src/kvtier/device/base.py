@@ -12,17 +12,8 @@ import torch
 from kvtier.device.buffers import Buffers
 from kvtier.device.costs import Work
 from kvtier.device.sanitizer import Hazard, Sanitizer, SanitizerMode
-from kvtier.device.types import (
-    DEFAULT_STREAMS,
-    AccessSet,
-    BlockId,
-    EventId,
-    KVLayout,
-    OpId,
-    OpMeta,
-    StreamId,
-    Tier,
-)
+from kvtier.device.types import DEFAULT_STREAMS, AccessSet, KVLayout, OpMeta, Tier
+from kvtier.ids import BlockId, EventId, OpId, StreamId
 
 OpFn = Callable[[], object]  # the return value, if any, is ignored
 

@@ -11,7 +11,8 @@ import torch
 from kvtier.device.base import OpFn
 from kvtier.device.sanitizer import SanitizerMode
 from kvtier.device.threaded import ThreadedDevice
-from kvtier.device.types import COMPUTE, KVLayout, StreamId, Tier
+from kvtier.device.types import COMPUTE, KVLayout, Tier
+from kvtier.ids import StreamId
 
 
 class CudaDevice(ThreadedDevice):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.device.types import HOST_STREAM, AccessSet, BlockId, EventId, OpId, OpMeta, StreamId
+from kvtier.device.types import HOST_STREAM, AccessSet, OpMeta
+from kvtier.ids import BlockId, EventId, OpId, StreamId
 
 HazardKind = Literal["RAW", "WAR", "WAW"]
 SanitizerMode = Literal["raise", "collect"]

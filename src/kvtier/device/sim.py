@@ -16,7 +16,8 @@ import torch
 from kvtier.device.base import Device, OpFn
 from kvtier.device.costs import CostModel, Work
 from kvtier.device.sanitizer import SanitizerMode
-from kvtier.device.types import EventId, KVLayout, OpId, OpMeta, StreamId, Tier
+from kvtier.device.types import KVLayout, OpMeta, Tier
+from kvtier.ids import EventId, OpId, StreamId
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from kvtier.device.base import Device, DeviceError, OpFn
 from kvtier.device.costs import Work
 from kvtier.device.sanitizer import SanitizerMode
-from kvtier.device.types import EventId, KVLayout, OpId, OpMeta, StreamId
+from kvtier.device.types import KVLayout, OpMeta
+from kvtier.ids import EventId, OpId, StreamId
 
 log = logging.getLogger("kvtier.device")
 

@@ -1,4 +1,5 @@
-"""Torch-free records of the device layer: id types, the KV layout, op metadata and access sets.
+"""Torch-free records of the device layer: tiers and streams, the KV layout, op metadata and access
+sets (the id types are `kvtier.ids`'s).
 
 Shared by the sanitizer (which must never import torch) and every backend; holds no state.
 """
@@ -7,13 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, NewType, TypeAlias
+from typing import Literal, TypeAlias
 
-StreamId = NewType("StreamId", int)
-EventId = NewType("EventId", int)
-OpId = NewType("OpId", int)
-BlockId: TypeAlias = int  # plain alias so block ids from `kv/` pass through unchanged
-ReqId: TypeAlias = str
+from kvtier.config import DTYPE_BYTES
+from kvtier.ids import BlockId, ReqId, StreamId
+
 Tier = Literal["device", "host"]
 
 TIERS: tuple[Tier, ...] = ("device", "host")
@@ -24,14 +23,6 @@ STORE = StreamId(2)
 DEFAULT_STREAMS: dict[StreamId, str] = {COMPUTE: "compute", LOAD: "load", STORE: "store"}
 WHOLE: BlockId = -1  # the one "block" of a named, unpaged buffer (e.g. "sampled_tokens")
 
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-}
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
     from kvtier.engine.llm import LLM, CompletionOutput, RequestOutput
     from kvtier.engine.params import EngineArgs, SamplingParams
+    from kvtier.engine.requests import FinishedRequest, StepOutput
     from kvtier.engine.stats import EngineStats
     from kvtier.runner.transfers import TransferFaults
 
@@ -22,6 +23,8 @@ _HOMES = {
     "RequestOutput": "llm",
     "EngineArgs": "params",
     "SamplingParams": "params",
+    "FinishedRequest": "requests",
+    "StepOutput": "requests",
     "EngineStats": "stats",
     "TransferFaults": "transfers",
 }
@@ -32,8 +35,10 @@ __all__ = [
     "EngineArgs",
     "EngineCore",
     "EngineStats",
+    "FinishedRequest",
     "RequestOutput",
     "SamplingParams",
+    "StepOutput",
     "TransferFaults",
 ]
 

@@ -25,6 +25,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-logprobs", type=int, default=20, help="most logprobs a request may ask for"
     )
     parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch kernel threads (default: the usable cores but one, left to the host)",
+    )
+    parser.add_argument(
         "--protect",
         default=",".join(PROTECTIONS),
         help="block-lifetime protections: any of event,settled,quarantine, or none",
@@ -43,6 +49,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
         max_logprobs=args.max_logprobs,
+        torch_threads=args.torch_threads,
         protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),
@@ -87,18 +94,18 @@ def run(args: argparse.Namespace) -> int:
             if stream:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
-            elif out.finished:
-                state = engine.requests[out.req_id]
+            elif out.result is not None:
                 i = ids.index(out.req_id)
-                print(f"--- [{i}] {args.prompts[i]!r} ({state.finish_reason})")
-                print(args.prompts[i] + state.detok.text)
+                print(f"--- [{i}] {args.prompts[i]!r} ({out.result.finish_reason})")
+                print(args.prompts[i] + out.result.text)
     elapsed = time.perf_counter() - t0
     if stream:
         print()
     print(
         f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s; "
-        f"KV: {engine.kv.pool.num_blocks} blocks of {engine.plan.block_size} tokens, "
-        f"{len(engine.plan.groups)} groups]",
+        f"KV: {engine.plan.tiers[0].num_blocks} blocks of {engine.plan.block_size} tokens, "
+        f"{len(engine.plan.groups)} groups, max concurrency at max length "
+        f"{engine.plan.max_concurrency()} (admission {engine.plan.admission.name})]",
         file=sys.stderr,
     )
     return 0

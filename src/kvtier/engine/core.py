@@ -1,71 +1,36 @@
 """EngineCore: scheduler + runner + device for one model, with the synchronous loop and the async
-batch-queue loop side by side (the difference between them is the `step_async` method)."""
+batch-queue loop side by side (the difference between them is the `step_async` method).
+
+Its callers use a small surface: `add_request`, `step` (a `StepOutput` per request that gained
+something, a `FinishedRequest` on its last), `abort`, `drain`, `stats()` and the read-only facts
+(`tokenizer`, `model_config`, `plan`, `args`). The engine keeps its own books: it forgets a request
+when it hands out its `FinishedRequest`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from kvtier.config import DTYPE_BYTES, ModelConfig
+from kvtier.config import KV_DTYPES, ModelConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
+from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
+from kvtier.engine.threads import configure_torch_threads
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
-from kvtier.kv.specs import blocks_for_requests
 from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
 from kvtier.model.loader import resolve_dtype
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
-from kvtier.runner.logprobs import PromptLogprobs, TokenLogprobs
 from kvtier.runner.transfers import TransferFaults
 from kvtier.sched.batch_queue import BatchQueue
-from kvtier.sched.output import SchedulerOutput
+from kvtier.sched.output import SchedulerOutput, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
 DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
-
-@dataclass(slots=True)
-class RequestState:
-    """Engine-side view of one request: its text so far and what the user asked for."""
-
-    request: Request
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # One entry per prompt position when asked (the first stays None, as vLLM), else None.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
-        """Record a chunk's prompt logprobs (mutates); positions already known stay as they are
-        (a request preempted during its prefill computes them again)."""
-        known = self.prompt_logprobs
-        assert known is not None, f"{self.request.request_id} did not ask for prompt logprobs"
-        for pos, lp in enumerate(chunk.logprobs, chunk.start):
-            if known[pos] is None:
-                known[pos] = lp
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one request gained in one engine step."""
-
-    req_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
 
 
 class EngineCore:
@@ -76,6 +41,7 @@ class EngineCore:
         path = args.model_path
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
+        self.torch_threads = configure_torch_threads(args.torch_threads)
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
@@ -92,6 +58,8 @@ class EngineCore:
             enable_quarantine="quarantine" in args.protect,
             max_in_flight_tokens=sched_cfg.max_in_flight_tokens,
             hash_fn=args.cache.prefix_caching_hash_algo,
+            admission=self.plan.admission,
+            admit_whole_prompt=sched_cfg.scheduler_reserve_full_isl,
         )
         host = [t for t in self.plan.tiers if t.name == "host"]
         num_host_blocks = host[0].num_blocks if host else 0
@@ -112,7 +80,7 @@ class EngineCore:
         self.scheduler = Scheduler.from_config(
             sched_cfg,
             self.kv,
-            connector=self.host_tier,
+            tier=self.host_tier,
             num_speculative_tokens=args.num_speculative_tokens,
             settled="settled" in args.protect,
             policy=args.policy,
@@ -153,13 +121,15 @@ class EngineCore:
             order_copies_after_compute="event" in args.protect,
             logprobs_mode=args.logprobs_mode,
         )
-        self.requests: dict[str, RequestState] = {}
+        self._requests: dict[str, RequestState] = {}  # added, final output not yet handed out
+        self.num_draft_tokens = 0  # drafts verified, over every step processed
+        self.num_accepted_tokens = 0
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
 
     def _plan(self, dtype_name: str) -> KVPlan:
         args, cfg = self.args, self.model_config
         cache = args.cache
-        if cache.kv_cache_dtype is None and dtype_name in DTYPE_BYTES:
+        if cache.kv_cache_dtype is None and dtype_name in KV_DTYPES:
             cache = replace(cache, kv_cache_dtype=dtype_name)
         sched = args.scheduler
         if sched.max_model_len is None:
@@ -168,9 +138,7 @@ class EngineCore:
             # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
             # requests can use (small models would otherwise carry millions of idle blocks).
             plan = plan_kv(cfg, replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES), sched)
-            wanted = blocks_for_requests(
-                plan.specs, sched.max_num_seqs, plan.max_model_len, plan.max_in_flight_tokens
-            )
+            wanted = plan.blocks_for_requests(sched.max_num_seqs, plan.max_model_len)
             cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
         plan = plan_kv(cfg, cache, sched)
         self.args = replace(args, cache=cache, scheduler=sched)
@@ -186,7 +154,7 @@ class EngineCore:
         of the scheduler, such as max_model_len, are checked only by `add_request`.)"""
         if not isinstance(req_id, str):
             raise TypeError(f"request id must be a string, got {type(req_id).__name__}")
-        if req_id in self.requests:
+        if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         try:
             return check_request(
@@ -205,10 +173,10 @@ class EngineCore:
         """Queue a request; TypeError / ValueError (nothing queued) if it can never run here."""
         prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
         use_ngram = self.args.num_speculative_tokens > 0
-        stop = params.stop_params(self.eos_token_id, use_ngram)
-        request = Request(req_id, prompt_token_ids, stop, priority=int(priority))
+        stop = params.stop_conditions(self.eos_token_id, use_ngram)
+        draw = params.draw_params()
+        request = Request(req_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
-        self.runner.add_request(req_id, params.draw_params(), params.prompt_logprobs)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             params.stop_strings,
@@ -220,17 +188,17 @@ class EngineCore:
         state = RequestState(request, params, detok)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
-        self.requests[req_id] = state
+        self._requests[req_id] = state
 
-    def abort(self, req_id: str) -> bool:
-        """Stop a request now; its blocks return once no step in flight can touch them."""
-        state = self.requests.get(req_id)
-        if state is None or state.finish_reason is not None:
-            return False
+    def abort(self, req_id: str) -> FinishedRequest | None:
+        """Stop a request now and forget it; returns it as it ended (None: unknown, or already
+        handed out as finished). Its blocks return once no step in flight can touch them."""
+        state = self._requests.pop(req_id, None)
+        if state is None:
+            return None
         self.scheduler.abort(req_id)
-        self.runner.remove_request(req_id)
         state.finish_reason = "abort"
-        return True
+        return state.finished()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.queue)
@@ -257,20 +225,21 @@ class EngineCore:
 
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)
-        logprobs = self.runner.logprobs(handle)
-        for req_id, chunk in self.runner.prompt_logprobs(handle).items():
-            state = self.requests.get(req_id)
+        self.num_draft_tokens += result.num_draft_tokens
+        self.num_accepted_tokens += result.num_accepted_tokens
+        for req_id, chunk in result.prompt_logprobs.items():
+            state = self._requests.get(req_id)
             if state is not None and state.finish_reason is None:
                 state.add_prompt_logprobs(chunk)
         outs: list[StepOutput] = []
         for out in self.scheduler.update(output, result):
-            state = self.requests.get(out.req_id)
+            state = self._requests.get(out.req_id)
             if state is None or (state.finish_reason is not None and not out.finished):
                 continue
             by_token = out.finished is RequestStatus.FINISHED_STOPPED
-            kept, new_text = self._append(
-                state, out.new_token_ids, logprobs.get(out.req_id, []), by_token
-            )
+            num_logprobs = len(state.logprobs)
+            logprobs = result.logprobs.get(out.req_id, [])
+            kept, new_text = self._append(state, out.new_token_ids, logprobs, by_token)
             finished = out.finished is not None or state.finish_reason is not None
             if out.finished is not None and state.finish_reason is None:
                 state.finish_reason = FINISH_REASONS[out.finished]
@@ -278,9 +247,16 @@ class EngineCore:
                     state.stop_reason = self._stop_token_reason(state)
             if finished:
                 new_text += state.detok.flush()
-            outs.append(StepOutput(out.req_id, kept, new_text, finished))
+            step_out = StepOutput(out.req_id, kept, new_text, finished)
+            if state.params.logprobs is not None:
+                step_out.new_logprobs = state.logprobs[num_logprobs:]
+            if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                state.prompt_logprobs_sent = True  # complete: the prefill ended with this token
+                step_out.prompt_logprobs = list(state.prompt_logprobs)
             if finished:
-                self.runner.remove_request(out.req_id)
+                del self._requests[out.req_id]
+                step_out.result = state.finished()
+            outs.append(step_out)
         if self.args.check_integrity:
             self.check_integrity()
         return outs
@@ -325,10 +301,15 @@ class EngineCore:
         if self.host_tier is not None:
             self.host_tier.check_integrity()
 
-    def drain(self) -> None:
-        """Step until no request is unfinished and no step or copy is in flight."""
+    def drain(self) -> dict[str, FinishedRequest]:
+        """Step until no request is unfinished and no step or copy is in flight; returns the
+        requests that finished meanwhile, by id."""
+        done: dict[str, FinishedRequest] = {}
         while self.has_unfinished_requests():
-            self.step()
+            for out in self.step():
+                if out.result is not None:
+                    done[out.req_id] = out.result
+        return done
 
     # ---- inspection and fault injection ----------------------------------------------------------
 
@@ -337,8 +318,20 @@ class EngineCore:
         used, cached, quarantined by release step, pinned by loads and stores) and the counters.
         `stats().is_idle` holds once a drained engine left nothing behind. Changes nothing."""
         return collect_stats(
-            self.scheduler, self.kv, self.host_tier, self.runner.transfers.num_pending
+            self.scheduler,
+            self.kv,
+            self.host_tier,
+            num_requests=len(self._requests),
+            num_pending_copies=self.runner.transfers.num_pending,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            hazards=self._hazard_counts(),
+            device_time_ns=getattr(self.device, "now_ns", None),
         )
+
+    def _hazard_counts(self) -> dict[str, int]:
+        sanitizer = self.device.sanitizer
+        return {} if sanitizer is None else {str(k): n for k, n in sanitizer.counts.items()}
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (the host tier keeps its entries); False, changing

@@ -9,7 +9,9 @@ from typing import Any
 from kvtier.checks import show
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
-from kvtier.runner.logprobs import TokenLogprobs
+from kvtier.engine.prompts import encode_prompt
+from kvtier.engine.requests import FinishedRequest
+from kvtier.sched.output import TokenLogprobs
 
 PromptType = str | dict[str, Any]
 
@@ -75,15 +77,19 @@ class LLM:
             if len(values) != len(items):
                 raise ValueError(f"{len(values)} {name} for {len(items)} prompts; give one each")
         engine = self.engine
+        vocab_size = engine.model_config.vocab_size
         batch: list[tuple[str, str | None, list[int], SamplingParams, int]] = []
         for i, (item, p, prio) in enumerate(zip(items, params, priorities, strict=True)):
-            text, tokens = self._tokens(item, i)
+            prompt = encode_prompt(
+                engine.tokenizer, item, vocab_size=vocab_size, name=f"prompts[{i}]"
+            )
+            text, tokens = prompt.text, prompt.token_ids
             try:
                 tokens = check_request(
                     tokens,
                     p,
                     prio,
-                    vocab_size=engine.model_config.vocab_size,
+                    vocab_size=vocab_size,
                     max_logprobs=engine.args.max_logprobs,
                 )
             except (TypeError, ValueError) as exc:
@@ -99,66 +105,44 @@ class LLM:
             self._discard(added)
             raise
         bar = _progress(len(batch)) if use_tqdm else None
+        done: dict[str, FinishedRequest] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished and bar is not None:
-                    bar.update(1)
+                if out.result is not None:
+                    done[out.req_id] = out.result
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
-        return [self._output(req_id, text, tokens) for req_id, text, tokens, _, _ in batch]
+        return [_output(done[req_id], text) for req_id, text, _, _, _ in batch]
 
     def _discard(self, req_ids: list[str]) -> None:
-        """Abort requests this call queued (still waiting: they hold no blocks) and forget them."""
+        """Abort requests this call queued (still waiting: they hold no blocks)."""
         for req_id in req_ids:
             self.engine.abort(req_id)
-            self.engine.requests.pop(req_id, None)
 
-    def _tokens(self, item: PromptType, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(item, str):
-            return item, self._encode(item, f"prompts[{index}]")
-        if isinstance(item, dict) and "prompt_token_ids" in item:
-            text = item.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise TypeError(f"prompts[{index}]['prompt'] must be a string, got {show(text)}")
-            return text, item["prompt_token_ids"]
-        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            return item["prompt"], self._encode(item["prompt"], f"prompts[{index}]['prompt']")
-        raise TypeError(
-            f"prompts[{index}] must be a string or a dict with 'prompt' (a string) or "
-            f"'prompt_token_ids', got {show(item)}"
-        )
 
-    def _encode(self, text: str, name: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"{name} is not valid Unicode: a lone surrogate at character {exc.start}; "
-                "pair or drop it"
-            ) from None
-        return self.engine.tokenizer.encode(text)
-
-    def _output(self, req_id: str, prompt: str | None, tokens: list[int]) -> RequestOutput:
-        state = self.engine.requests.pop(req_id)
-        logprobs = state.logprobs if state.params.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
-            text=state.detok.text,
-            token_ids=list(state.token_ids),
-            finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason,
-            logprobs=logprobs,
-            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
-        )
-        return RequestOutput(
-            req_id,
-            prompt,
-            tokens,
-            [completion],
-            True,
-            state.request.num_cached_tokens,
-            prompt_logprobs_dicts(state.prompt_logprobs, tokens),
-        )
+def _output(result: FinishedRequest, prompt: str | None) -> RequestOutput:
+    """vLLM's shape of a finished request."""
+    logprobs = result.logprobs
+    completion = CompletionOutput(
+        index=0,
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        stop_reason=result.stop_reason,
+        logprobs=logprobs,
+        cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+    )
+    return RequestOutput(
+        result.req_id,
+        prompt,
+        result.prompt_token_ids,
+        [completion],
+        True,
+        result.num_cached_tokens,
+        prompt_logprobs_dicts(result.prompt_logprobs, result.prompt_token_ids),
+    )
 
 
 def prompt_logprobs_dicts(

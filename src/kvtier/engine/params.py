@@ -1,5 +1,6 @@
-"""User-facing `SamplingParams` (vLLM's names) and `EngineArgs`; both split into the narrower
-parameter sets of the scheduler (stop conditions) and the sampler (how to draw)."""
+"""User-facing `SamplingParams` (vLLM's names) and `EngineArgs`. A request's `SamplingParams`
+splits into the narrower sets of `kvtier.sampling`: `StopConditions` for the scheduler and
+`DrawParams` for the runner and its sampler."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kvtier.checks import check_bool, check_int, check_ints, check_strs, show
+from kvtier.checks import check_bool, check_int, check_ints, check_strs, show, show_ids
 from kvtier.config import (
     PROTECTIONS,
     CacheConfig,
@@ -18,10 +19,9 @@ from kvtier.config import (
     flag,
     parse_protect,
 )
-from kvtier.model.sampler import LOGPROBS_MODES
-from kvtier.model.sampler import SamplingParams as DrawParams
+from kvtier.engine.prompts import check_prompt_ids
+from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions
 from kvtier.sched.queues import POLICIES
-from kvtier.sched.request import SamplingParams as StopParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
 
@@ -53,11 +53,12 @@ class SamplingParams:
         put = object.__setattr__
         if self.stop_token_ids is not None:
             put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids))
-        stop = self.stop_params(None, False)  # checks max_tokens, min_tokens
-        draw = self.draw_params()  # checks temperature, top_p, top_k, min_p, seed, logprobs
+        stop = self.stop_conditions(None, False)  # checks max_tokens, min_tokens
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+        draw = DrawParams(**{name: getattr(self, name) for name in names})  # checks them
         for name in ("max_tokens", "min_tokens"):
             put(self, name, getattr(stop, name))
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+        for name in names:
             put(self, name, getattr(draw, name))
         if self.stop is not None:
             strs = check_strs("stop", self.stop)
@@ -73,6 +74,7 @@ class SamplingParams:
         return check_strs("stop", self.stop)
 
     def draw_params(self) -> DrawParams:
+        """How the sampler draws this request's tokens, which logprobs come back."""
         return DrawParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -80,10 +82,12 @@ class SamplingParams:
             min_p=self.min_p,
             seed=self.seed,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
-    def stop_params(self, eos_token_id: int | None, use_ngram: bool) -> StopParams:
-        return StopParams(
+    def stop_conditions(self, eos_token_id: int | None, use_ngram: bool) -> StopConditions:
+        """When the scheduler ends this request (with the model's EOS), whether it drafts."""
+        return StopConditions(
             max_tokens=self.max_tokens,
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -112,6 +116,8 @@ class EngineArgs:
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0
     max_logprobs: int = 20  # most logprobs a request may ask for (as vLLM's default)
+    # torch's kernel threads; None: the usable cores but one, left to the host (engine/threads.py)
+    torch_threads: int | None = None
     logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -138,6 +144,8 @@ class EngineArgs:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
+            raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its
@@ -189,15 +197,7 @@ def check_request(
 ) -> list[int]:
     """The checks of a request that need the engine's limits, before anything is recorded:
     returns the prompt as a list of ints; TypeError / ValueError naming the field otherwise."""
-    tokens = list(check_ints("prompt_token_ids", prompt_token_ids, lo=None))
-    if not tokens:
-        raise ValueError("prompt_token_ids is empty; send at least one token")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"prompt_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
-            "tokenize with this model's tokenizer"
-        )
+    tokens = check_prompt_ids(prompt_token_ids, vocab_size)
     if not isinstance(params, SamplingParams):
         raise TypeError(
             f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
@@ -205,7 +205,7 @@ def check_request(
     bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"stop_token_ids {_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+            f"stop_token_ids {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
             "drop them or use this model's token ids"
         )
     for name in ("logprobs", "prompt_logprobs"):
@@ -217,7 +217,3 @@ def check_request(
             )
     check_int("priority", priority, hint=" (lower runs first under the priority policy)")
     return tokens
-
-
-def _ids(ids: list[int]) -> str:
-    return "[" + ", ".join(map(show, ids[:5])) + (", …]" if len(ids) > 5 else "]")

@@ -1,6 +1,7 @@
 """Torch-free KV bookkeeping over integer block ids: pool, quarantine, hashing, managers, plan."""
 
-from kvtier.kv.block import BlockHash, BlockId, FreeBlockQueue, KVBlock
+from kvtier.ids import BlockHash, BlockId
+from kvtier.kv.block import FreeBlockQueue, KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-BlockId = int
-BlockHash = bytes
+from kvtier.ids import BlockHash, BlockId
 
 
 class KVBlock:

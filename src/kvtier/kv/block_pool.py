@@ -8,7 +8,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from kvtier.kv.block import BlockHash, BlockId, FreeBlockQueue, KVBlock
+from kvtier.ids import BlockHash, BlockId
+from kvtier.kv.block import FreeBlockQueue, KVBlock
 from kvtier.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.kv.stats import PoolStats
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
-from kvtier.kv.managers import FullAttentionManager, ReqId, SingleTypeManager, make_manager
+from kvtier.kv.single_type import FullAttentionManager, SingleTypeManager, make_manager
 from kvtier.kv.specs import ChunkedLocal, KVSpec, validate_spec
 
 GroupBlocks = list[list[KVBlock]]  # one block list per group

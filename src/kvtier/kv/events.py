@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockHash
+from kvtier.ids import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.kv.block import BlockHash
+from kvtier.ids import BlockHash
 
 HashFn = Callable[[bytes], bytes]
 

@@ -1,21 +1,32 @@
 """KVCacheManager: the scheduler's one door to the KV cache of a tier (lookup, allocate, prune, free).
 
-Request semantics on top of the coordinator: hit accounting, the shared transient reserve at
-admission, caching bounds. Never decides which request runs; never reads a clock or a device.
+Request semantics on top of the coordinator: hit accounting, admission by the sizing formula (each
+request's charge and the pool-wide transient reserve), caching bounds. Never decides which request
+runs; never reads a clock or a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.ids import BlockHash, BlockId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
-from kvtier.kv.specs import KVSpec, Mamba, blocks_for_requests, cdiv, max_concurrency
+from kvtier.kv.specs import (
+    SHARED,
+    AdmissionPolicy,
+    KVSpec,
+    Mamba,
+    blocks_for_requests,
+    cdiv,
+    max_concurrency,
+)
+from kvtier.kv.stats import PoolStats
 
 
 @dataclass(slots=True)
@@ -47,12 +58,26 @@ class PrefixCacheStats:
             self.num_hit_tokens += num_hit_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class _Charge:
+    """What admission charged one request: steady blocks per group, and blocks beyond them."""
+
+    steady: tuple[int, ...]
+    extra: int
+
+
 class KVCacheManager:
     """Facade over one pool and its coordinator.
 
     `max_in_flight_tokens` bounds tokens scheduled but not yet settled across all requests
-    (async depth × token budget); it sizes the pool-wide transient reserve that window groups need
-    while steps are in flight. Admission of a new request keeps that reserve available.
+    (async depth × token budget); it sizes the transient need of window groups while steps are in
+    flight. `admission` says how that need is charged: per request (beyond its steady window, at
+    its length when admitted) and once per pool (default: one shared reserve, nothing per request).
+    A new request is admitted when its blocks and the part of that reserve not held by tables fit
+    in the free blocks. With `admit_whole_prompt` (vLLM's `scheduler_reserve_full_isl`) they must
+    also hold the steady windows of its whole prompt, not only of this chunk, beside what admitted
+    requests were promised and have not allocated yet: admission is then the sizing formula
+    (`blocks_for_requests`, `max_concurrency`) over the prompts of the requests admitted.
     """
 
     def __init__(
@@ -67,6 +92,8 @@ class KVCacheManager:
         hash_fn: str = "sha256",
         enable_kv_events: bool = False,
         medium: str = "device",
+        admission: AdmissionPolicy = SHARED,
+        admit_whole_prompt: bool = False,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -80,6 +107,13 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.max_in_flight_tokens = max_in_flight_tokens
+        self.admission = admission
+        self.admit_whole_prompt = admit_whole_prompt
+        # What each admitted request was charged when admitted: its steady blocks per group at
+        # its prompt length, and blocks beyond them (per-request policies only).
+        # INVARIANT: keys are the coordinator's requests; num_extra_blocks == Σ extra.
+        self._charges: dict[str, _Charge] = {}
+        self.num_extra_blocks = 0
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_fn)
         self.stats = PrefixCacheStats()
         self._no_hits: GroupBlocks = [[] for _ in self.specs]
@@ -111,21 +145,58 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def reserve_shortfall(self, num_new_requests: int = 0, num_new_excess_blocks: int = 0) -> int:
-        """Blocks of the pool-wide transient reserve not currently held (≥ 0).
+    def reserve_shortfall(
+        self,
+        num_new_requests: int = 0,
+        num_new_excess_blocks: int = 0,
+        num_new_extra_blocks: int = 0,
+    ) -> int:
+        """Blocks of the transient reserve not currently held (≥ 0).
 
-        Reserve: Σ over groups of `transient_blocks(max_in_flight_tokens, requests, max_model_len)`; held: blocks
-        tables keep beyond their steady charge, quarantined blocks that will come back free, and
-        `num_new_excess_blocks` that a request being admitted will hold beyond its steady charge.
+        Reserve: what the admission policy charges the pool for its requests plus what it
+        charged each admitted request beyond its steady window (`num_new_extra_blocks` for one
+        being admitted); held: blocks tables keep beyond their steady charge, quarantined blocks
+        that will come back free, and `num_new_excess_blocks` that a request being admitted will
+        hold beyond its steady charge.
         """
-        if self.max_in_flight_tokens <= 0:
-            return 0
         n = self.coordinator.num_requests + num_new_requests
-        reserve = sum(
-            s.transient_blocks(self.max_in_flight_tokens, n, self.max_model_len) for s in self.specs
-        )
+        reserve = self.pool_reserve(n) + self.num_extra_blocks + num_new_extra_blocks
+        if reserve == 0:
+            return 0
         held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
         return max(0, reserve - held - self.pool.num_quarantined_freeable())
+
+    def pool_reserve(self, num_requests: int) -> int:
+        """Blocks the admission policy charges once for the pool with `num_requests` requests."""
+        if self.max_in_flight_tokens <= 0:
+            return 0
+        f, n = self.max_in_flight_tokens, num_requests
+        return sum(self.admission.pool_blocks(s, f, n, self.max_model_len) for s in self.specs)
+
+    def extra_charge(self, num_tokens: int) -> int:
+        """Blocks the admission policy charges one request of `num_tokens` beyond its steady
+        windows (all groups; 0 for the shared reserve)."""
+        n, f = min(num_tokens, self.max_model_len), self.max_in_flight_tokens
+        return sum(self.admission.request_blocks(s, n, f) - s.steady_blocks(n) for s in self.specs)
+
+    def _steady_need(self, steady: tuple[int, ...], hits: GroupBlocks) -> int:
+        """Blocks a new request's `steady` windows take from the free queue: prefix hits other
+        tables already hold are not taken again."""
+        need = 0
+        for blocks, group_hits in zip(steady, hits, strict=True):
+            held = sum(1 for b in group_hits if not b.is_null and b.ref_cnt > 0)
+            need += max(0, blocks - held)
+        return need
+
+    def num_promised_blocks(self) -> int:
+        """Steady blocks admitted requests were charged for and have not allocated yet (their
+        prompts still prefilling): free now, but theirs."""
+        managers = self.coordinator.managers
+        return sum(
+            max(0, blocks - mgr.num_real_blocks(req_id))
+            for req_id, charge in self._charges.items()
+            for blocks, mgr in zip(charge.steady, managers, strict=True)
+        )
 
     def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
         """Real blocks a new request's table will hold beyond each group's steady charge: they
@@ -143,6 +214,7 @@ class KVCacheManager:
         self,
         request: KVSequence,
         num_new_tokens: int,
+        *,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
         num_lookahead_tokens: int = 0,
@@ -152,8 +224,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` (+ lookahead) after the request's computed tokens.
 
         For a new request also installs its prefix hits and room for externally loaded tokens.
-        Returns the newly allocated blocks per group, or None — changing nothing — when the
-        free blocks (less the transient reserve, for a new request) do not suffice.
+        Returns, per group, the positions appended to the request's table (new blocks, and the
+        null block where a position is skipped), or None — changing nothing — when the free
+        blocks (less the transient reserve, for a new request) do not suffice.
         Out-of-window pruning is separate: `remove_skipped_blocks` on the settled count.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_computed_tokens < 0:
@@ -169,9 +242,12 @@ class KVCacheManager:
             self.max_model_len,
         )
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        if self._num_needed(req_id, num_tokens, hits, total_computed) > self.pool.num_free_blocks:
+        need, charge = self._num_needed(request, num_tokens, hits, total_computed)
+        if need > self.pool.num_free_blocks:
             return None
-        if is_new:
+        if charge is not None:
+            self._charges[req_id] = charge
+            self.num_extra_blocks += charge.extra
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
         new_blocks = self.coordinator.allocate_new_blocks(req_id, num_tokens, total_computed)
         if self.enable_caching and not delay_cache_blocks:
@@ -179,20 +255,29 @@ class KVCacheManager:
         return new_blocks
 
     def _num_needed(
-        self, req_id: str, num_tokens: int, hits: GroupBlocks, total_computed: int
-    ) -> int:
+        self, request: KVSequence, num_tokens: int, hits: GroupBlocks, total_computed: int
+    ) -> tuple[int, _Charge | None]:
+        """(free blocks `allocate_slots` needs, the admission charge of a new request or None)."""
+        req_id = request.request_id
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-        if not self.coordinator.has_request(req_id):
-            need += self.reserve_shortfall(1, self._excess_of_new(num_tokens, total_computed))
-        return need
+        if self.coordinator.has_request(req_id):
+            return need, None
+        # a new request: the reserve it does not hold must stay free beside its blocks
+        excess = self._excess_of_new(num_tokens, total_computed)
+        length = min(request.num_tokens, self.max_model_len)
+        charge = _Charge(
+            tuple(s.steady_blocks(length) for s in self.specs), self.extra_charge(length)
+        )
+        if self.admit_whole_prompt:  # and the steady windows of its whole prompt
+            need = max(need, self._steady_need(charge.steady, hits) + excess)
+            need += self.num_promised_blocks()
+        return need + self.reserve_shortfall(1, excess, charge.extra), charge
 
     def num_blocks_short(self, request: KVSequence, num_new_tokens: int) -> int:
         """Blocks beyond the free ones that `allocate_slots(request, num_new_tokens)` of a
         request already holding blocks needs (0: it fits now). Changes nothing."""
         num_tokens = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
-        need = self._num_needed(
-            request.request_id, num_tokens, self._no_hits, request.num_computed_tokens
-        )
+        need, _ = self._num_needed(request, num_tokens, self._no_hits, request.num_computed_tokens)
         return max(0, need - self.pool.num_free_blocks)
 
     def num_blocks_returning(self, finishing: Iterable[str] = ()) -> int:
@@ -217,14 +302,59 @@ class KVCacheManager:
         return self.coordinator.remove_skipped_blocks(request_id, num_settled_tokens, last_step_seq)
 
     def free(self, request_id: str, last_step_seq: int | None = None) -> None:
-        """Release every block of the request (tail first), quarantined until `last_step_seq`."""
+        """Release every block of the request (tail first), quarantined until `last_step_seq`,
+        and its admission charge."""
         self.coordinator.free(request_id, last_step_seq)
+        charge = self._charges.pop(request_id, None)
+        if charge is not None:
+            self.num_extra_blocks -= charge.extra
 
     def release_quarantine(self, processed_step_seq: int) -> int:
         """Steps up to `processed_step_seq` are processed; returns references released."""
         return self.pool.release_quarantine(processed_step_seq)
 
+    # ---- pins: references held by copies between tiers ------------------------------------------
+
+    def pin(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one reference on each block for a holder outside the tables (a copy in flight;
+        mutates). A pinned block is never reallocated; `unpin` drops the reference."""
+        self.pool.touch(blocks)
+
+    def unpin(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the references `pin` took (at once: the copy that held them has ended)."""
+        self.pool.free(blocks)
+
+    def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
+        """Drop these blocks from the prefix cache (their content is bad, e.g. a failed load);
+        holders keep them, but no lookup finds them again (mutates)."""
+        self.pool.evict_blocks(block_ids)
+
     # ---- views ---------------------------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request holds a block table here."""
+        return self.coordinator.has_request(request_id)
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> KVBlock | None:
+        """The block caching `block_hash` in group `group_id`, if any (touches nothing)."""
+        return self.pool.get_cached_block(group_id, block_hash)
+
+    def eviction_order(self) -> Iterator[KVBlock]:
+        """Free blocks, the next to be reused first (read-only; do not allocate meanwhile)."""
+        return iter(self.pool.free_queue)
+
+    def pool_stats(self) -> PoolStats:
+        """A snapshot of the pool (`BlockPool.stats`). Changes nothing."""
+        return self.pool.stats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
+        return self.pool.num_blocks
+
+    @property
+    def enable_quarantine(self) -> bool:
+        return self.pool.enable_quarantine
 
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return self.coordinator.get_blocks(request_id)
@@ -243,10 +373,13 @@ class KVCacheManager:
     def max_concurrency(self, num_tokens: int | None = None) -> int:
         """Requests of `num_tokens` (default max_model_len) that fit; same formula as admission."""
         n = self.max_model_len if num_tokens is None else num_tokens
-        return max_concurrency(self.specs, self.pool.num_blocks - 1, n, self.max_in_flight_tokens)
+        usable, f = self.pool.num_blocks - 1, self.max_in_flight_tokens
+        return max_concurrency(self.specs, usable, n, f, self.admission, self.max_model_len)
 
     def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
-        return blocks_for_requests(self.specs, num_requests, num_tokens, self.max_in_flight_tokens)
+        """What `num_requests` requests of `num_tokens` need under this manager's admission."""
+        f, cap = self.max_in_flight_tokens, self.max_model_len
+        return blocks_for_requests(self.specs, num_requests, num_tokens, f, self.admission, cap)
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -256,8 +389,12 @@ class KVCacheManager:
 
     def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
         """Assert pool invariants and that every reference has a holder (architecture.md §I1, §I5):
-        tables, quarantine, and `num_pinned` references held by others (e.g. transfers)."""
+        tables, quarantine, and `num_pinned` references held by others (e.g. transfers); and that
+        every admitted request carries its admission charge."""
         self.pool.check_integrity()
+        assert self._charges.keys() == self.coordinator.managers[0].req_to_blocks.keys()
+        extra = sum(c.extra for c in self._charges.values())
+        assert self.num_extra_blocks == extra, "admission charges drifted"
         holders: dict[BlockId, int] = dict(num_pinned or {})
         for mgr in self.coordinator.managers:
             for req_id, table in mgr.req_to_blocks.items():

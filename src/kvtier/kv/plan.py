@@ -1,5 +1,9 @@
 """The byte plan: KV-cache groups from a model's layers, bytes per block, blocks for a budget, and
-max concurrency at a length — with the same sizing formula runtime admission uses (`specs.py`)."""
+max concurrency at a length — with the same sizing formula runtime admission uses (`specs.py`).
+
+A block id names one page in each layer slot of every group. An attention page holds K and V of
+`block_size` tokens, a state page one Mamba layer's conv and SSM state; the slot page is the larger
+of the two, so a hybrid's block size is raised until an attention page holds a state page."""
 
 from __future__ import annotations
 
@@ -8,11 +12,16 @@ from dataclasses import dataclass
 
 from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.kv.specs import (
+    SHARED,
+    AdmissionPolicy,
     ChunkedLocal,
     FullAttention,
     KVSpec,
+    Mamba,
     SlidingWindow,
+    admission_policy,
     blocks_for_requests,
+    cdiv,
     max_concurrency,
 )
 
@@ -43,12 +52,18 @@ class KVPlan:
     """Layout shared by every tier: a block id is one page in each of `layers_per_group` slots."""
 
     groups: tuple[KVGroup, ...]
-    block_size: int
+    block_size: (
+        int  # tokens per block: the requested size, raised for hybrids (`hybrid_block_size`)
+    )
     layers_per_group: int  # slots per block id; groups with fewer layers leave slots unused
-    page_bytes: int  # one layer's K and V for one block
+    page_bytes: int  # one slot's page: the larger of an attention page and a state page
     max_model_len: int
     max_in_flight_tokens: int
     tiers: tuple[TierPlan, ...]
+    admission: AdmissionPolicy = SHARED  # what sizing and admission charge (--admission)
+    attention_page_bytes: int = 0  # one attention layer's K and V for one block (0: none)
+    state_page_bytes: int = 0  # one Mamba layer's conv + SSM state, one per block (0: none)
+    requested_block_size: int = 0  # --block-size
 
     @property
     def specs(self) -> list[KVSpec]:
@@ -60,18 +75,33 @@ class KVPlan:
 
     @property
     def padding_fraction(self) -> float:
-        """Share of slot memory left unused by groups with fewer layers than slots."""
-        used = sum(len(g.layer_indices) for g in self.groups)
-        return 1.0 - used / (len(self.groups) * self.layers_per_group)
+        """Share of slot memory left unused: by groups with fewer layers than slots, and by pages
+        of the smaller kind (attention or state) in a slot page sized for the larger."""
+        used = sum(len(g.layer_indices) * self.group_page_bytes(g) for g in self.groups)
+        return 1.0 - used / (len(self.groups) * self.layers_per_group * self.page_bytes)
+
+    def group_page_bytes(self, group: KVGroup) -> int:
+        """Bytes one layer of `group` uses of its slot page."""
+        return self.state_page_bytes if isinstance(group.spec, Mamba) else self.attention_page_bytes
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Blocks one request of `num_tokens` needs, its share of the transient reserve included."""
-        return blocks_for_requests(self.specs, 1, num_tokens, self.max_in_flight_tokens)
+        return self.blocks_for_requests(1, num_tokens)
+
+    def blocks_for_requests(self, num_requests: int, num_tokens: int) -> int:
+        """Blocks `num_requests` requests of `num_tokens` need under the plan's admission."""
+        f, policy = self.max_in_flight_tokens, self.admission
+        return blocks_for_requests(
+            self.specs, num_requests, num_tokens, f, policy, self.max_model_len
+        )
 
     def max_concurrency(self, tier: str = "device", num_tokens: int | None = None) -> int:
+        """Requests of `num_tokens` (default max_model_len) that `tier` holds at once, as
+        runtime admission charges them."""
         n = self.max_model_len if num_tokens is None else num_tokens
         blocks = next(t.num_blocks for t in self.tiers if t.name == tier)
-        return max_concurrency(self.specs, blocks - 1, n, self.max_in_flight_tokens)
+        f, policy = self.max_in_flight_tokens, self.admission
+        return max_concurrency(self.specs, blocks - 1, n, f, policy, self.max_model_len)
 
 
 def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
@@ -83,13 +113,16 @@ def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
     if kind == "chunked":
         assert model.attention_chunk_size is not None
         return ChunkedLocal(block_size, model.attention_chunk_size)
-    raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan yet (mamba state layout)")
+    if kind == "mamba":
+        return Mamba(block_size)
+    raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan")
 
 
 def group_layers(model: ModelConfig, block_size: int) -> tuple[tuple[KVGroup, ...], int]:
-    """Split layers into groups of equal slot count (the smallest kind's layer count), full first."""
+    """Split cache layers (`ModelConfig.cache_layers`: attention and Mamba mixers) into groups of
+    equal slot count (the smallest kind's layer count), full attention first."""
     by_spec: dict[KVSpec, list[int]] = defaultdict(list)
-    for i, kind in enumerate(model.layer_kinds):
+    for i, kind in model.cache_layers():
         by_spec[layer_spec(model, kind, block_size)].append(i)
     slots = min(len(v) for v in by_spec.values())
     groups: list[KVGroup] = []
@@ -103,8 +136,12 @@ def group_layers(model: ModelConfig, block_size: int) -> tuple[tuple[KVGroup, ..
 def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPlan:
     """Compute the plan; raises ValueError naming the flag to change if no request fits."""
     dtype = cache.kv_cache_dtype or model.dtype
-    page_bytes = 2 * block_size_bytes(model, cache.block_size, dtype)
-    groups, slots = group_layers(model, cache.block_size)
+    block_size = hybrid_block_size(model, cache.block_size, dtype)
+    kinds = {kind for _, kind in model.cache_layers()}
+    attention_page = 2 * block_size_bytes(model, block_size, dtype) if kinds != {"mamba"} else 0
+    state_page = state_page_bytes(model) if "mamba" in kinds else 0
+    page_bytes = max(attention_page, state_page)
+    groups, slots = group_layers(model, block_size)
     max_model_len = sched.max_model_len or model.max_position_embeddings
     bytes_per_block = slots * page_bytes
     if cache.num_device_blocks is not None:
@@ -123,12 +160,16 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         tiers.append(TierPlan("host", host_blocks, bytes_per_block))
     plan = KVPlan(
         groups,
-        cache.block_size,
+        block_size,
         slots,
         page_bytes,
         max_model_len,
         sched.max_in_flight_tokens,
         tuple(tiers),
+        admission=admission_policy(cache.admission, sched.max_num_batched_tokens),
+        attention_page_bytes=attention_page,
+        state_page_bytes=state_page,
+        requested_block_size=cache.block_size,
     )
     need = plan.blocks_per_request(max_model_len)
     if device_blocks - 1 < need:
@@ -142,7 +183,8 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
             raise ValueError(f"{have}, fewer than one per KV-cache group ({len(groups)}): {more}")
         raise ValueError(
             f"{have}, but one request of --max-model-len {max_model_len} needs {need} + 1 null "
-            f"blocks: {more}, or lower --max-model-len to ≤ {fit}"
+            f"blocks under --admission {plan.admission.name}: {more}, or lower --max-model-len "
+            f"to ≤ {fit}"
         )
     return plan
 
@@ -152,11 +194,31 @@ def block_size_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
     return block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
 
 
+def state_page_bytes(model: ModelConfig) -> int:
+    """Bytes of one Mamba layer's state (conv + SSM) for one request, kept in the model's dtype
+    whatever the KV dtype (as vLLM's default Mamba cache dtype)."""
+    assert model.mamba is not None
+    return model.mamba.state_elems * DTYPE_BYTES[model.dtype]
+
+
+def hybrid_block_size(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """`block_size`, or for a model with attention and Mamba layers the smallest multiple of it
+    whose attention page holds a state page (vLLM's rule): with the requested size a state page
+    can be tens of attention pages, and every attention page would be mostly padding."""
+    kinds = {kind for _, kind in model.cache_layers()}
+    if "mamba" not in kinds or kinds == {"mamba"}:
+        return block_size
+    attention_page = 2 * block_size_bytes(model, block_size, dtype)
+    return block_size * cdiv(state_page_bytes(model), attention_page)
+
+
 def _longest_fitting(plan: KVPlan, usable_blocks: int) -> int:
+    """The longest --max-model-len at which one request fits in `usable_blocks`."""
+    f, policy = plan.max_in_flight_tokens, plan.admission
     lo, hi = 0, plan.max_model_len
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan.blocks_per_request(mid) <= usable_blocks:
+        if blocks_for_requests(plan.specs, 1, mid, f, policy) <= usable_blocks:
             lo = mid
         else:
             hi = mid - 1

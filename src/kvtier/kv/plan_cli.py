@@ -28,7 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_summary(model: ModelConfig, plan: KVPlan) -> dict[str, Any]:
-    groups = [{"spec": repr(g.spec), "layers": list(g.layer_indices)} for g in plan.groups]
+    groups = [
+        {
+            "spec": repr(g.spec),
+            "layers": list(g.layer_indices),
+            "page_bytes": plan.group_page_bytes(g),
+        }
+        for g in plan.groups
+    ]
     tiers = [
         {
             "tier": t.name,
@@ -43,10 +50,14 @@ def plan_summary(model: ModelConfig, plan: KVPlan) -> dict[str, Any]:
         "model": model.source,
         "architecture": model.architecture,
         "block_size": plan.block_size,
+        "requested_block_size": plan.requested_block_size,
         "max_model_len": plan.max_model_len,
         "max_in_flight_tokens": plan.max_in_flight_tokens,
+        "admission": plan.admission.name,
         "layers_per_group": plan.layers_per_group,
         "page_bytes": plan.page_bytes,
+        "attention_page_bytes": plan.attention_page_bytes,
+        "state_page_bytes": plan.state_page_bytes,
         "padding_fraction": plan.padding_fraction,
         "blocks_per_max_len_request": plan.blocks_per_request(plan.max_model_len),
         "groups": groups,
@@ -68,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.page_bytes} B per layer page, {plan.bytes_per_block} B per block "
         f"(slot padding {plan.padding_fraction:.1%})"
     )
+    if plan.state_page_bytes:
+        _print_state(model, plan)
     for g in plan.groups:
         print(f"  group {g.spec!r}: layers {list(g.layer_indices)}")
     print(
@@ -75,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         f"(async depth × --max-num-batched-tokens)"
     )
     print(
-        f"one max-length request needs {s['blocks_per_max_len_request']} blocks (reserve included)"
+        f"one max-length request needs {s['blocks_per_max_len_request']} blocks (reserve included; "
+        f"--admission {plan.admission.name})"
     )
     for t in s["tiers"]:
         print(
@@ -88,3 +102,21 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_out).write_text(json.dumps(s, indent=2) + "\n")
         print(f"saved {args.json_out}")
     return 0
+
+
+def _print_state(model: ModelConfig, plan: KVPlan) -> None:
+    shape = model.mamba
+    assert shape is not None
+    print(
+        f"Mamba state page: conv {shape.conv_dim}×{shape.conv_kernel - 1} + SSM "
+        f"{shape.num_heads}×{shape.head_dim}×{shape.state_size} elements in {model.dtype} = "
+        f"{plan.state_page_bytes} B per Mamba layer; a state group holds one live page per "
+        f"request (prefix caching keeps snapshots at {plan.block_size}-token boundaries a step "
+        "ends on)"
+    )
+    if plan.block_size != plan.requested_block_size:
+        print(
+            f"block size raised from --block-size {plan.requested_block_size} to "
+            f"{plan.block_size} tokens so an attention page ({plan.attention_page_bytes} B) holds "
+            f"a state page; a larger --block-size that already does is kept"
+        )

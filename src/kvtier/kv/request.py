@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtier.kv.block import BlockHash
+from kvtier.ids import BlockHash
 from kvtier.kv.hashing import BlockHasher, HashExtras
 
 

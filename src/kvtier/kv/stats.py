@@ -27,6 +27,11 @@ class PoolStats:
     num_store_pins: int = 0  # references held by stores (device: sources; host: destinations)
 
     @property
+    def usage(self) -> float:
+        """Fraction of the blocks not free (as `BlockPool.usage`)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    @property
     def is_idle(self) -> bool:
         """No block referenced: every block is free or an unreferenced prefix-cache entry."""
         return self.num_used == 0 and self.num_quarantined_refs == 0

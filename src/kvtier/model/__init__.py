@@ -17,7 +17,7 @@ from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.detokenizer import IncrementalDetokenizer
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.loader import Pretrained, load_model, load_pretrained
-from kvtier.model.sampler import SamplerOutput, SamplingBatch, SamplingParams, sample
+from kvtier.model.sampler import SamplerOutput, SamplingBatch, sample
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
 
@@ -31,7 +31,6 @@ __all__ = [
     "Pretrained",
     "SamplerOutput",
     "SamplingBatch",
-    "SamplingParams",
     "Tokenizer",
     "arch_spec",
     "load_generation_defaults",

@@ -53,13 +53,16 @@ def arch_spec(config: ModelConfig) -> ArchSpec:
     """Derive the architecture description; raises ValueError for what kvtier cannot run."""
     cfg = config.hf_config
     arch = config.architecture
+    if config.mamba is not None:
+        raise ValueError(
+            f"{config.source}: {arch} is a Mamba2 hybrid; load it with "
+            "kvtier.model.hybrid_loader.load_hybrid (the engine does not serve hybrids yet)"
+        )
     if arch not in SUPPORTED and not arch.startswith(SUPPORTED_PREFIXES):
         raise ValueError(
             f"{config.source}: architecture {arch!r} is not supported by kvtier.model; supported: "
             f"{', '.join(SUPPORTED + SUPPORTED_PREFIXES)} (set `architectures` in config.json)"
         )
-    if "mamba" in config.layer_kinds:
-        raise ValueError(f"{config.source}: mamba layers are not supported by kvtier.model")
     family = arch.removesuffix("ForCausalLM").removesuffix("Text").lower()
     gemma = family in ("gemma2", "gemma3")
     act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
@@ -93,7 +96,7 @@ def arch_spec(config: ModelConfig) -> ArchSpec:
             cfg.get("final_logit_softcapping", 30.0 if family == "gemma2" else None)
         ),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        layer_ropes=_layer_ropes(config, family),
+        layer_ropes=rope_specs(config, family),
     )
 
 
@@ -101,7 +104,7 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _layer_ropes(config: ModelConfig, family: str) -> tuple[RopeSpec, ...]:
+def rope_specs(config: ModelConfig, family: str) -> tuple[RopeSpec, ...]:
     cfg = config.hf_config
     params = cfg.get("rope_parameters") or {}
     nested = isinstance(params.get("full_attention"), dict) or isinstance(

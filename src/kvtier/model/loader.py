@@ -66,7 +66,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
     with torch.device("meta"):
         model = CausalLM(config, spec, native=native)
-    state = _fused_state(_read_safetensors(folder), config.num_layers, torch_dtype, folder)
+    state = _fused_state(read_safetensors(folder), config.num_layers, torch_dtype, folder)
     expected = set(model.state_dict())
     if spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -95,7 +95,7 @@ def resolve_dtype(dtype: str | torch.dtype, source: Path | str = "") -> torch.dt
     return DTYPES[dtype]
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]

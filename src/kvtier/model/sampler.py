@@ -2,7 +2,8 @@
 top-p, min-p, per-request seeds; logprobs of the raw distribution (or, as vLLM's `logprobs_mode`,
 of the logits or of what the draw used). Stateless: a seeded
 request's draw at position p depends only on (seed, p), so batch makeup, preemption and async
-depth never change its tokens. Stop strings live in `detokenizer.py`."""
+depth never change its tokens. A request's parameters are `kvtier.sampling.DrawParams`; stop
+strings live in `detokenizer.py`."""
 
 from __future__ import annotations
 
@@ -11,41 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.checks import check_float, check_int
 from kvtier.model import native
+from kvtier.sampling import LOGPROBS_MODES, DrawParams
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
-TEMP = " (0 = greedy)"
-SEED = " (None = unseeded)"
-# What logprobs report, as vLLM's `logprobs_mode`: raw = the model's logits before any ban,
-# temperature or filter (vLLM's default); processed = after them (filtered tokens are -inf).
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling knobs, named as vLLM's `SamplingParams` (any object with these
-    attributes works)."""
-
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None  # top-n logprobs to return; 0 = only the sampled token's
-
-    def __post_init__(self) -> None:
-        """Type and range checks naming the field; numpy scalars are stored as int / float."""
-        put = object.__setattr__
-        put(self, "temperature", check_float("temperature", self.temperature, lo=0.0, hint=TEMP))
-        put(self, "top_k", check_int("top_k", self.top_k, lo=-1, hint=" (0 or -1 disables it)"))
-        put(self, "top_p", check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
-        put(self, "min_p", check_float("min_p", self.min_p, lo=0.0, hi=1.0))
-        if self.seed is not None:
-            put(self, "seed", check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, hint=SEED))
-        if self.logprobs is not None:
-            put(self, "logprobs", check_int("logprobs", self.logprobs, lo=0))
 
 
 @dataclass(frozen=True)
@@ -65,7 +35,7 @@ class SamplingBatch:
     @classmethod
     def from_params(
         cls,
-        params: Sequence[SamplingParams],
+        params: Sequence[DrawParams],
         positions: Sequence[int],
         vocab_size: int,
         device: torch.device | str = "cpu",

@@ -1,6 +1,7 @@
 """Tiny random HF-format model folders (config.json, model.safetensors, byte-level tokenizer.json,
-tokenizer_config.json, generation_config.json) for every supported architecture. Weights are scaled
-so attention is far from uniform and logits spread widely: continuations depend on the prompt."""
+tokenizer_config.json, generation_config.json) for every supported architecture, the Mamba2 hybrids
+included. Weights are scaled so attention is far from uniform, Mamba states remember tens of tokens
+and logits spread widely: continuations depend on the prompt."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 ARCHITECTURES = ("llama", "llama_chunked", "qwen2", "mistral", "gemma2", "gemma3")
+HYBRID_ARCHITECTURES = ("falcon_h1", "granite_hybrid")  # loaded with `hybrid_loader.load_hybrid`
 POST_NORM_GAIN = 6.0  # Gemma: layer outputs outweigh the sqrt(hidden)-scaled embeddings
 NUM_SPECIAL = 3  # <pad>=0, <bos>=1, <eos>=2; then one token per byte value
 
@@ -30,11 +32,14 @@ def tiny_config(
     chunk: int = 8,
     dtype: str = "float32",
     intermediate_size: int | None = None,
+    sliding_window_pattern: int = 3,  # gemma3: every n-th layer global, the others sliding
+    max_position_embeddings: int = 1024,
 ) -> dict[str, Any]:
     """A HF config.json dict for `arch` (one of ARCHITECTURES) at toy size (intermediate size
     2 × hidden unless given; `window=None`: Qwen2 and Mistral attend fully on every layer)."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {ARCHITECTURES}")
+        known = ARCHITECTURES + HYBRID_ARCHITECTURES
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {known}")
     cfg: dict[str, Any] = {
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size or 2 * hidden_size,
@@ -43,7 +48,7 @@ def tiny_config(
         "num_key_value_heads": num_kv_heads,
         "head_dim": hidden_size // num_heads,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -74,7 +79,7 @@ def tiny_config(
             cfg |= {"attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0}
         else:
             cfg |= {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-            pattern = 3
+            pattern = sliding_window_pattern
             cfg |= {"sliding_window_pattern": pattern, "rope_local_base_freq": 100.0}
             cfg["layer_types"] = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -167,13 +172,15 @@ CHAT_TEMPLATE = (
 
 
 def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, **config: Any) -> Path:
-    """Write a complete tiny HF model folder for `arch`; `config` overrides `tiny_config` args."""
+    """Write a complete tiny HF model folder for `arch`; `config` overrides `tiny_config` args
+    (`tiny_hybrid_config` args and config.json keys for the hybrids)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(arch, **config)
+    hybrid = arch in HYBRID_ARCHITECTURES
+    cfg = tiny_hybrid_config(arch, **config) if hybrid else tiny_config(arch, **config)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    weights = random_weights(cfg, seed)
-    dtype = getattr(torch, cfg["torch_dtype"])  # saved as the config says (half the bytes in bf16)
+    weights = random_hybrid_weights(cfg, seed) if hybrid else random_weights(cfg, seed)
+    dtype = getattr(torch, cfg.get("torch_dtype", "float32"))  # saved as the config says
     save_file(
         {k: v.to(dtype).contiguous() for k, v in weights.items()}, str(out / "model.safetensors")
     )
@@ -184,3 +191,133 @@ def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, **config: Any
     gen_cfg = {"bos_token_id": 1, "eos_token_id": [2], "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=1))
     return out
+
+
+def tiny_hybrid_config(
+    arch: str,
+    *,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 320,
+    chunk_size: int = 8,
+    num_experts: int = 4,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A HF config.json dict for a Mamba2 hybrid (one of HYBRID_ARCHITECTURES) at toy size, with
+    every multiplier away from 1 so a forgotten one shows; `overrides` are config.json keys."""
+    if arch not in HYBRID_ARCHITECTURES:
+        raise ValueError(f"unknown tiny hybrid {arch!r}; use one of {HYBRID_ARCHITECTURES}")
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 8,
+        "mamba_n_groups": 2,
+        "mamba_d_conv": 4,
+        "mamba_chunk_size": chunk_size,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+    }
+    if arch == "falcon_h1":
+        cfg |= {"architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1"}
+        cfg |= {"num_hidden_layers": 3, "intermediate_size": 2 * hidden_size, "rms_norm_eps": 1e-5}
+        cfg |= {"mamba_d_ssm": 128, "mamba_expand": 2, "mamba_rms_norm": False}
+        cfg |= {"mamba_norm_before_gate": False, "projectors_bias": False}
+        cfg |= {"tie_word_embeddings": False, "embedding_multiplier": 1.5}
+        cfg |= {"lm_head_multiplier": 0.9, "key_multiplier": 0.8, "attention_in_multiplier": 1.2}
+        cfg |= {"attention_out_multiplier": 0.9, "ssm_in_multiplier": 1.1}
+        cfg |= {"ssm_out_multiplier": 0.7, "mlp_multipliers": [1.3, 0.8]}
+        cfg["ssm_multipliers"] = [0.9, 1.1, 0.8, 1.2, 1.05]
+    else:  # Granite 4.0 hybrid: Mamba2 layers around one attention layer, NoPE, tied head
+        cfg |= {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid"}
+        cfg |= {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "mamba"]}
+        cfg |= {"intermediate_size": hidden_size // 2, "shared_intermediate_size": 2 * hidden_size}
+        cfg |= {"num_local_experts": num_experts, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6}
+        cfg |= {"mamba_expand": 2, "position_embedding_type": "nope", "tie_word_embeddings": True}
+        cfg |= {"embedding_multiplier": 2.0, "residual_multiplier": 0.6}
+        cfg |= {"attention_multiplier": 0.3, "logits_scaling": 1.5}
+    return cfg | overrides
+
+
+def random_hybrid_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights of a tiny hybrid (HF's own names, Granite's legacy MoE names)."""
+    gen = torch.Generator().manual_seed(seed)
+    falcon = cfg["model_type"] == "falcon_h1"
+    h, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    heads, groups, state = cfg["mamba_n_heads"], cfg["mamba_n_groups"], cfg["mamba_d_state"]
+    inner = heads * cfg["mamba_d_head"]
+    conv_dim = inner + 2 * groups * state
+
+    def rand(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return mean + torch.randn(*shape, generator=gen) * std
+
+    tied = cfg["tie_word_embeddings"]
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rand(
+            cfg["vocab_size"], h, std=1.0 / math.sqrt(h) if tied else 1.0
+        ),
+        ("model.final_layernorm.weight" if falcon else "model.norm.weight"): rand(
+            h, std=0.1, mean=2.0 if tied else 1.0
+        ),
+    }
+    if not tied:
+        w["lm_head.weight"] = rand(cfg["vocab_size"], h, std=3.0 / math.sqrt(h))
+    kinds = ["hybrid"] * n if falcon else cfg["layer_types"]
+    for i, kind in enumerate(kinds):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = rand(h, std=0.1, mean=1.0)
+        w[p + ("pre_ff_layernorm" if falcon else "post_attention_layernorm") + ".weight"] = rand(
+            h, std=0.1, mean=1.0
+        )
+        if kind != "mamba":
+            for name, rows, std in (("q", nh * d, 1.5), ("k", nkv * d, 1.5), ("v", nkv * d, 1.0)):
+                w[p + f"self_attn.{name}_proj.weight"] = rand(rows, h, std=std / math.sqrt(h))
+            w[p + "self_attn.o_proj.weight"] = rand(h, nh * d, std=1.0 / math.sqrt(nh * d))
+            if cfg.get("attention_bias"):
+                for name, rows in (("q", nh * d), ("k", nkv * d), ("v", nkv * d), ("o", h)):
+                    w[p + f"self_attn.{name}_proj.bias"] = rand(rows, std=0.1)
+        if kind != "attention":
+            m = p + "mamba."
+            w[m + "in_proj.weight"] = rand(
+                2 * inner + 2 * groups * state + heads, h, std=1.0 / math.sqrt(h)
+            )
+            w[m + "conv1d.weight"] = rand(conv_dim, 1, cfg["mamba_d_conv"], std=0.5)
+            w[m + "conv1d.bias"] = rand(conv_dim, std=0.1)
+            w[m + "dt_bias"] = rand(heads, std=0.5, mean=-1.0)  # softplus: steps of about 0.3
+            w[m + "A_log"] = torch.log(torch.rand(heads, generator=gen) * 1.9 + 0.1)  # slow decay
+            w[m + "D"] = rand(heads, std=0.1, mean=1.0)
+            w[m + "out_proj.weight"] = rand(h, inner, std=1.0 / math.sqrt(inner))
+            if cfg.get("mamba_proj_bias"):
+                w[m + "in_proj.bias"] = rand(2 * inner + 2 * groups * state + heads, std=0.1)
+            if cfg.get("projectors_bias" if falcon else "mamba_proj_bias"):
+                w[m + "out_proj.bias"] = rand(h, std=0.1)
+            if not falcon or cfg.get("mamba_rms_norm"):
+                w[m + "norm.weight"] = rand(inner, std=0.1, mean=1.0)
+        if falcon:
+            inter = cfg["intermediate_size"]
+            w[p + "feed_forward.gate_proj.weight"] = rand(inter, h, std=1.0 / math.sqrt(h))
+            w[p + "feed_forward.up_proj.weight"] = rand(inter, h, std=1.0 / math.sqrt(h))
+            w[p + "feed_forward.down_proj.weight"] = rand(h, inter, std=1.0 / math.sqrt(inter))
+            continue
+        shared = cfg["shared_intermediate_size"]
+        w[p + "shared_mlp.input_linear.weight"] = rand(2 * shared, h, std=1.0 / math.sqrt(h))
+        w[p + "shared_mlp.output_linear.weight"] = rand(h, shared, std=1.0 / math.sqrt(shared))
+        if (experts := cfg["num_local_experts"]) > 0:
+            inter, moe = cfg["intermediate_size"], p + "block_sparse_moe."
+            w[moe + "router.layer.weight"] = rand(experts, h, std=1.0 / math.sqrt(h))
+            w[moe + "input_linear.weight"] = rand(experts, 2 * inter, h, std=1.0 / math.sqrt(h))
+            w[moe + "output_linear.weight"] = rand(experts, h, inter, std=1.0 / math.sqrt(inter))
+    return w

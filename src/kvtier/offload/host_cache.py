@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.offload.types import Key
 

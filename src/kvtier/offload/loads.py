@@ -1,23 +1,24 @@
 """LoadPlanner: host → device loads (lookup with pending-hit pins, pairing, completion, failure).
 
-Torch-free. A prefix that another request is loading (or has a pending hit on) is not loaded
-twice: the lookup answers `wait_for_load` and the scheduler retries after that load completes,
-when the device cache serves it.
+Owns the pending hits, the loads in flight and the claims on keys being loaded; changes no
+request (it returns decisions: which requests finished loading, how a failed one rolls back).
+A prefix that another request is loading (or has a pending hit on) is not loaded twice: the lookup
+answers `wait_for_load` and the scheduler retries after that load completes, when the device cache
+serves it. Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvtier.kv.block import BlockId, KVBlock
+from kvtier.ids import BlockId, ReqId
+from kvtier.kv.block import KVBlock
+from kvtier.offload.context import HostContext
 from kvtier.offload.lookup import HostHit, extend_device_hit
-from kvtier.offload.types import HostLookup, Key, LoadFailure, Transfer
-from kvtier.sched.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from kvtier.offload.tier import HostTier
+from kvtier.offload.types import Key, Transfer
+from kvtier.sched.connector import LoadFailure, TierLookup
+from kvtier.sched.request import Request
 
 
 @dataclass(slots=True)
@@ -32,7 +33,7 @@ class _PendingHit:
 @dataclass(slots=True)
 class _Load:
     transfer: Transfer
-    request: Request
+    req_id: ReqId
     num_device_hit: int
     num_tokens: int  # external tokens restored
     positions: list[int]  # table position of each pair
@@ -44,23 +45,19 @@ class _Load:
 
 
 class LoadPlanner:
-    def __init__(self, tier: HostTier) -> None:
-        self.tier = tier
-        self.specs = tier.specs
-        self.device = tier.device
-        self.host = tier.host
-        self.coordinator = tier.coordinator
-        self.metrics = tier.metrics
-        self.bytes_per_block = tier.bytes_per_block
-        self.chained = tier.chained
+    """Loads of one host tier; `ctx` is what it shares with the store planner."""
+
+    def __init__(self, ctx: HostContext) -> None:
+        self.ctx = ctx
+        self.specs = ctx.specs
+        self.device_kv = ctx.device_kv
+        self.host = ctx.host
+        self.metrics = ctx.metrics
         self._pending: dict[str, _PendingHit] = {}
         self._loads: dict[int, _Load] = {}
         self._claims: dict[Key, str] = {}  # keys pending or loading -> the request claiming them
         # request -> (query tokens, hit tokens) of its last lookup, counted once it is admitted
         self._last_lookup: dict[str, tuple[int, int]] = {}
-
-    def new_transfer_id(self) -> int:
-        return self.tier.new_transfer_id()
 
     def owns(self, transfer_id: int) -> bool:
         """True if `transfer_id` is a load in flight."""
@@ -70,9 +67,13 @@ class LoadPlanner:
     def num_in_flight(self) -> int:
         return len(self._loads)
 
+    def is_loading(self, request_id: ReqId) -> bool:
+        """True while a load of the request is in flight (cancelled or not)."""
+        return any(load.req_id == request_id for load in self._loads.values())
+
     def lookup(
         self, request: Request, num_device_hit_tokens: int, max_external_tokens: int | None = None
-    ) -> HostLookup:
+    ) -> TierLookup:
         """Tokens beyond `num_device_hit_tokens` the host tier can restore for a waiting request.
 
         Every group is restored to one aligned boundary or nothing (architecture.md §H6). The hit
@@ -86,15 +87,15 @@ class LoadPlanner:
         if max_external_tokens is not None:
             max_len = min(max_len, num_device_hit_tokens + max_external_tokens)
         self._last_lookup.pop(rid, None)
-        if not self.tier.enabled or max_len <= num_device_hit_tokens:
-            return HostLookup(0)
+        if not self.ctx.enabled or max_len <= num_device_hit_tokens:
+            return TierLookup(0)
         num_query = max_len - num_device_hit_tokens
         self._last_lookup[rid] = (num_query, 0)
         hits, length = extend_device_hit(
-            self.tier, request.block_hashes, num_device_hit_tokens, max_len
+            self.ctx, request.block_hashes, num_device_hit_tokens, max_len
         )
         if length <= num_device_hit_tokens:
-            return HostLookup(0)
+            return TierLookup(0)
         pinned: list[KVBlock] = []
         keys: list[Key] = []
         for g, blocks in enumerate(hits):
@@ -104,7 +105,7 @@ class LoadPlanner:
                 if self._claims.get(key, rid) != rid:
                     self.metrics.num_load_waits += 1
                     del self._last_lookup[rid]  # it retries: that lookup will count
-                    return HostLookup(0, wait_for_load=True)
+                    return TierLookup(0, wait_for_load=True)
                 pinned.append(block)
                 keys.append(key)
         self.host.pool.touch(pinned)
@@ -114,7 +115,7 @@ class LoadPlanner:
             num_device_hit_tokens, length - num_device_hit_tokens, hits, pinned, keys
         )
         self._last_lookup[rid] = (num_query, length - num_device_hit_tokens)
-        return HostLookup(length - num_device_hit_tokens)
+        return TierLookup(length - num_device_hit_tokens)
 
     def record_lookup(self, request_id: str) -> None:
         """Count the request's last lookup in the metrics (the one it was admitted with)."""
@@ -137,10 +138,9 @@ class LoadPlanner:
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 
-        Call after `device.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
+        Call after `device_kv.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
         delay_cache_blocks=True)` succeeded (or with 0 to drop the pending hit). Host sources and
-        device destinations stay pinned until the transfer completes or fails; the request is set
-        to WAITING_FOR_REMOTE_KVS until then.
+        device destinations stay pinned until the transfer completes or fails.
         """
         rid = request.request_id
         if num_external_tokens == 0:
@@ -154,7 +154,7 @@ class LoadPlanner:
                 "look up again with max_external_tokens to accept fewer"
             )
         del self._pending[rid]
-        tables = self.device.get_blocks(rid)
+        tables = self.device_kv.get_blocks(rid)
         end = hit.num_device_hit + num_external_tokens
         groups: list[int] = []
         positions: list[int] = []
@@ -175,15 +175,15 @@ class LoadPlanner:
                 host_blocks.append(hb)
                 device_blocks.append(db)
         self.host.pool.free(unused)
-        self.device.pool.touch(device_blocks)
+        self.device_kv.pin(device_blocks)
         transfer = Transfer(
-            self.new_transfer_id(),
+            self.ctx.new_transfer_id(),
             rid,
             True,
             groups,
             [b.block_id for b in host_blocks],
             [b.block_id for b in device_blocks],
-            sum(self.bytes_per_block[g] for g in groups),
+            sum(self.ctx.bytes_per_block[g] for g in groups),
         )
         keys = [(g, b.block_hash) for g, b in zip(groups, host_blocks) if b.block_hash is not None]
         for key in hit.keys:
@@ -191,7 +191,7 @@ class LoadPlanner:
                 self._claims.pop(key, None)
         self._loads[transfer.transfer_id] = _Load(
             transfer,
-            request,
+            rid,
             hit.num_device_hit,
             num_external_tokens,
             positions,
@@ -199,7 +199,6 @@ class LoadPlanner:
             device_blocks,
             keys,
         )
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.metrics.num_pending_loads = len(self._loads)
         return transfer
 
@@ -209,16 +208,16 @@ class LoadPlanner:
         self._release_pending(request_id)
         self._last_lookup.pop(request_id, None)
         for load in self._loads.values():
-            if load.request.request_id == request_id:
+            if load.req_id == request_id:
                 load.cancelled = True
 
     def _end_load(self, load: _Load) -> None:
         del self._loads[load.transfer.transfer_id]
         for key in load.keys:
-            if self._claims.get(key) == load.request.request_id:
+            if self._claims.get(key) == load.req_id:
                 del self._claims[key]
         self.host.pool.free(list(reversed(load.host_blocks)))
-        self.device.pool.free(load.device_blocks)
+        self.device_kv.unpin(load.device_blocks)
         self.metrics.num_pending_loads = len(self._loads)
 
     def complete(self, transfer_id: int) -> str | None:
@@ -227,19 +226,20 @@ class LoadPlanner:
         if load is None:
             return None
         load.reports += 1
-        if load.reports < self.tier.world_size:
+        if load.reports < self.ctx.world_size:
             return None
         self._end_load(load)
         if load.cancelled:
             return None
         self.metrics.num_loaded_blocks += load.transfer.num_blocks
         self.metrics.num_loaded_bytes += load.transfer.num_bytes
-        load.request.status = RequestStatus.WAITING
-        return load.request.request_id
+        return load.req_id
 
     def fail(
         self, transfer_id: int, failed_device_block_ids: Iterable[BlockId] | None
-    ) -> LoadFailure | None:
+    ) -> tuple[LoadFailure | None, list[Key]]:
+        """A load failed: (how its request rolls back, None if it was cancelled; the host keys
+        whose copies are suspect, for the tier to evict)."""
         load = self._loads[transfer_id]
         t = load.transfer
         bad = set(t.dst_block_ids if failed_device_block_ids is None else failed_device_block_ids)
@@ -251,27 +251,24 @@ class LoadPlanner:
             if d in bad and hb.block_hash is not None
         ]
         self._end_load(load)
-        self.tier.evict(suspect)
         self.metrics.num_failed_loads += 1
         if load.cancelled:
-            return None
+            return None, suspect
         end = load.num_device_hit + load.num_tokens
         good = end
         for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids):
             if d in bad:
                 good = min(good, pos * self.specs[g].block_size)
-        align = self.device.coordinator.alignment
+        align = self.ctx.coordinator.alignment
         good = max(good // align * align, load.num_device_hit)
         evict = [
             d
             for g, pos, d in zip(t.group_ids, load.positions, t.dst_block_ids)
-            if (pos + 1) * self.specs[g].block_size > good
+            if self.ctx.block_end(g, pos) > good
         ]
-        must_reallocate = good < end and not all(self.chained)
-        request = load.request
-        request.num_computed_tokens = 0 if must_reallocate else good
-        request.status = RequestStatus.WAITING
-        return LoadFailure(t.req_id, request.num_computed_tokens, evict, must_reallocate)
+        must_reallocate = good < end and not all(self.ctx.chained)
+        num_good = 0 if must_reallocate else good
+        return LoadFailure(t.req_id, num_good, evict, must_reallocate), suspect
 
     # ---- views ---------------------------------------------------------------------------------
 

@@ -9,13 +9,11 @@ One boundary for all groups or no hit (architecture.md §H6). Torch-free.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash
+from kvtier.kv.block import KVBlock
 from kvtier.kv.specs import FullAttention, KVSpec
-
-if TYPE_CHECKING:
-    from kvtier.offload.tier import HostTier
+from kvtier.offload.context import HostContext
 
 HostHit = list[dict[int, KVBlock]]  # per group: table position -> host block to load
 
@@ -31,15 +29,15 @@ def needed_positions(spec: KVSpec, num_device_hit: int, boundary: int) -> range:
 
 
 def extend_device_hit(
-    tier: HostTier, block_hashes: Sequence[BlockHash], num_device_hit: int, max_length: int
+    ctx: HostContext, block_hashes: Sequence[BlockHash], num_device_hit: int, max_length: int
 ) -> tuple[HostHit, int]:
     """(host blocks per group, boundary L) with num_device_hit < L ≤ max_length, or ([], 0)."""
-    align = tier.coordinator.alignment
-    views = tier.coordinator.group_hashes(block_hashes)
-    get = tier.host.get
+    align = ctx.coordinator.alignment
+    views = ctx.coordinator.group_hashes(block_hashes)
+    get = ctx.host.get
     hi = max_length // align * align
     full: dict[int, list[KVBlock]] = {}
-    for g, spec in enumerate(tier.specs):  # prefix-closed groups bound L in one scan
+    for g, spec in enumerate(ctx.specs):  # prefix-closed groups bound L in one scan
         if not isinstance(spec, FullAttention):
             continue
         bs, run = spec.block_size, []
@@ -53,7 +51,7 @@ def extend_device_hit(
     boundary = hi
     while boundary > num_device_hit:
         hit: HostHit = []
-        for g, spec in enumerate(tier.specs):
+        for g, spec in enumerate(ctx.specs):
             positions = needed_positions(spec, num_device_hit, boundary)
             if g in full:
                 base = num_device_hit // spec.block_size
@@ -68,7 +66,7 @@ def extend_device_hit(
             if len(found) < len(positions):
                 break
             hit.append(found)
-        if len(hit) == len(tier.specs):
+        if len(hit) == len(ctx.specs):
             return hit, boundary
         boundary -= align
     return [], 0

@@ -1,17 +1,14 @@
-"""Records of the store planner: candidates, in-flight stores, per-request store state, and the
-lazy-mode scan of the device LRU head. Torch-free."""
+"""Records of the store planner: candidates, in-flight stores and per-request store state.
+Plain data; `StorePlanner` (stores.py) owns every instance. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash
+from kvtier.kv.block import KVBlock
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
-
-if TYPE_CHECKING:
-    from kvtier.offload.tier import HostTier
 
 
 @dataclass(slots=True)
@@ -52,35 +49,3 @@ class StoreProgress:
     lost: frozenset[tuple[int, int]]  # (group, position) evicted from the host, to re-store
     num_in_flight: int  # its stores not yet completed
     finished: bool  # the request ended; the state goes once its stores complete
-
-
-def lazy_candidates(tier: HostTier, scan_blocks: int) -> list[Candidate]:
-    """Hashed device blocks near the head of the device free queue (the next to be evicted there)
-    whose content the host tier neither holds nor is storing.
-
-    The candidates planned leave the queue while their copy runs, so the blocks behind them move
-    up to the head: the scan goes on until it has passed `scan_blocks` blocks that *stay* in the
-    queue (unhashed, already on the host or being stored, or beyond the host's free room), so the
-    next `scan_blocks` blocks an allocation takes hold nothing the host tier could have kept.
-    Candidates past the host's room are returned too (the caller counts them as skipped).
-    """
-    cands: list[Candidate] = []
-    seen: set[Key] = set()
-    room = tier.host.num_free
-    kept = 0
-    for db in tier.device.pool.free_queue:
-        if kept >= scan_blocks:
-            break
-        h = db.block_hash
-        if h is None:
-            kept += 1
-            continue
-        key = (db.group_id, h)
-        if key in seen or key in tier._store_keys or tier.host.contains(key):
-            kept += 1
-            continue
-        seen.add(key)
-        cands.append(Candidate(db.group_id, -1, db, key, None))
-        if len(cands) > room:
-            kept += 1  # no host block for it: it stays in the queue
-    return cands

@@ -12,40 +12,53 @@ Design choices (architecture.md §Stores and §Eviction; how they differ from vL
   its own chain's earlier blocks to extend it (no thrash);
 - blocks not planned because no host block is allocatable are counted, not silently dropped;
 - finishing or preempting a request flushes its settled blocks at once.
+Owns every store record, per-request store state and the keys being stored; changes no request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from kvtier.kv.block import KVBlock
-from kvtier.offload.store_records import (
-    Candidate,
-    ReqState,
-    StoreProgress,
-    StoreRecord,
-    lazy_candidates,
-)
+from kvtier.offload.context import HostContext
+from kvtier.offload.store_records import Candidate, ReqState, StoreProgress, StoreRecord
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
 
-if TYPE_CHECKING:
-    from kvtier.offload.tier import HostTier
-
 
 class StorePlanner:
-    def __init__(self, tier: HostTier, max_restores_per_step: int, lazy_scan_blocks: int) -> None:
-        self.tier = tier
+    """Stores of one host tier; `ctx` is what it shares with the load planner.
+
+    `store_mode` "eager" stores running requests' settled blocks, "lazy" the hashed blocks near
+    the device LRU head; `store_from_settled=False` plans from the optimistic count instead.
+    """
+
+    def __init__(
+        self,
+        ctx: HostContext,
+        *,
+        store_mode: str,
+        store_from_settled: bool,
+        max_restores_per_step: int,
+        lazy_scan_blocks: int,
+    ) -> None:
+        self.ctx = ctx
+        self.store_mode = store_mode
+        self.store_from_settled = store_from_settled
         self.max_restores_per_step = max_restores_per_step
         self.lazy_scan_blocks = lazy_scan_blocks
         self._states: dict[str, ReqState] = {}
         self._stores: dict[int, StoreRecord] = {}
         self._holders: dict[Key, set[str]] = {}  # key -> requests whose chain includes it
+        self._store_keys: dict[Key, int] = {}  # keys whose store is in flight -> transfer id
 
     @property
     def num_in_flight(self) -> int:
         return len(self._stores)
+
+    def is_storing(self, key: Key) -> bool:
+        """True while a store of `key` is in flight."""
+        return key in self._store_keys
 
     def progress(self, request_id: str) -> StoreProgress | None:
         st = self._states.get(request_id)
@@ -57,10 +70,10 @@ class StorePlanner:
 
     def plan(self, requests: Iterable[Request]) -> list[Transfer]:
         out: list[Transfer] = []
-        if not self.tier.enabled:
+        if not self.ctx.enabled:
             return out
         out += self._plan_restores()  # losses of earlier steps first: heads before new tails
-        if self.tier.store_mode == "lazy":
+        if self.store_mode == "lazy":
             out += self._plan_lazy()
         else:
             for request in requests:
@@ -72,14 +85,14 @@ class StorePlanner:
     def plan_before_prune(self, request: Request) -> list[Transfer]:
         """Eager mode: stores of the request's settled, unstored blocks now, before its windows
         drop them from the device table (lazy mode stores them near the device LRU head)."""
-        if not self.tier.enabled or self.tier.store_mode == "lazy":
+        if not self.ctx.enabled or self.store_mode == "lazy":
             return []
         st = self._state(request)
         return [] if st.finished else self._plan_request(st)
 
     def flush(self, request: Request, finished: bool) -> list[Transfer]:
         st = self._states.get(request.request_id)
-        if st is None or not self.tier.enabled or self.tier.store_mode == "lazy":
+        if st is None or not self.ctx.enabled or self.store_mode == "lazy":
             return []
         out = [] if st.finished else self._plan_request(st)
         st.lost.clear()  # the device copies are about to be released
@@ -91,15 +104,15 @@ class StorePlanner:
     def _state(self, request: Request) -> ReqState:
         st = self._states.get(request.request_id)
         if st is None:
-            st = self._states[request.request_id] = ReqState(request, [0] * len(self.tier.specs))
+            st = self._states[request.request_id] = ReqState(request, [0] * len(self.ctx.specs))
         st.request = request
         return st
 
     def _plan_request(self, st: ReqState) -> list[Transfer]:
-        tier, req = self.tier, st.request
-        tables = tier.device.get_blocks(req.request_id)
-        views = tier.coordinator.group_hashes(req.block_hashes)
-        if tier.store_from_settled:  # stale records count too: never ahead of the device
+        ctx, req = self.ctx, st.request
+        tables = ctx.device_kv.get_blocks(req.request_id)
+        views = ctx.coordinator.group_hashes(req.block_hashes)
+        if self.store_from_settled:  # stale records count too: never ahead of the device
             settled = max(0, req.num_computed_tokens - req.ledger.num_in_flight_tokens)
             records = req.ledger.records
             if records and records[0].step_seq <= req.admit_seq:
@@ -114,7 +127,7 @@ class StorePlanner:
             settled = max(0, req.num_computed_tokens - req.num_output_placeholders)
         cands: list[Candidate] = []
         stop: list[int] = []  # per group: where the scan stopped
-        for g, spec in enumerate(tier.specs):
+        for g, spec in enumerate(ctx.specs):
             bs, table, view = spec.block_size, tables[g], views[g]
             pos, end = st.cursor[g], min(settled // bs, len(view), len(table))
             while pos < end:
@@ -123,15 +136,15 @@ class StorePlanner:
                     if db.block_hash != h:
                         break  # not published on the device yet: retry next step
                     key = (g, h)
-                    if key in tier._store_keys or tier.host.contains(key):
-                        tier.metrics.num_deduped_blocks += 1
+                    if key in self._store_keys or ctx.host.contains(key):
+                        ctx.metrics.num_deduped_blocks += 1
                         self._hold(st, key, pos)
                     else:
-                        parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
+                        parent = view[pos - 1] if ctx.chained[g] and pos > 0 else None
                         cands.append(Candidate(g, pos, db, key, parent))
                 pos += 1
             stop.append(pos)
-        cands.sort(key=lambda c: (self._end(c.group_id, c.position), c.group_id))
+        cands.sort(key=lambda c: (ctx.block_end(c.group_id, c.position), c.group_id))
         accepted = self._limit(st, cands, count_skipped=True)
         for g, pos in enumerate(stop):  # the cursor stops at the first candidate not planned
             rejected = [c.position for c in cands[len(accepted) :] if c.group_id == g]
@@ -141,45 +154,44 @@ class StorePlanner:
     def _limit(self, st: ReqState, cands: list[Candidate], count_skipped: bool) -> list[Candidate]:
         """The longest prefix of `cands` that fits and evicts no block of this request's chain
         lying before the block it makes room for (deeper own blocks may go to restore a head)."""
-        n = min(len(cands), self.tier.host.num_free)
+        ctx = self.ctx
+        n = min(len(cands), ctx.host.num_free)
         if count_skipped:
-            self.tier.metrics.num_skipped_pinned_full += len(cands) - n
-        for i, key in enumerate(self.tier.host.peek_evictions(n)):
+            ctx.metrics.num_skipped_pinned_full += len(cands) - n
+        for i, key in enumerate(ctx.host.peek_evictions(n)):
             if key is None or key not in st.keys:
                 continue
-            if self._end(key[0], st.keys[key]) < self._end(cands[i].group_id, cands[i].position):
+            end = ctx.block_end(cands[i].group_id, cands[i].position)
+            if ctx.block_end(key[0], st.keys[key]) < end:
                 n = i
                 break
         return cands[:n]
 
-    def _end(self, group_id: int, position: int) -> int:  # token count a position ends at
-        return (position + 1) * self.tier.specs[group_id].block_size
-
     def _plan_restores(self) -> list[Transfer]:
-        tier, budget, out = self.tier, self.max_restores_per_step, []
+        ctx, budget, out = self.ctx, self.max_restores_per_step, []
         for st in list(self._states.values()):
             if budget <= 0:
                 break
             if not st.lost or st.finished:
                 continue
-            tables = tier.device.get_blocks(st.request.request_id)
-            views = tier.coordinator.group_hashes(st.request.block_hashes)
+            tables = ctx.device_kv.get_blocks(st.request.request_id)
+            views = ctx.coordinator.group_hashes(st.request.block_hashes)
             cands: list[Candidate] = []
-            for g, pos in sorted(st.lost, key=lambda t: (self._end(t[0], t[1]), t[0])):
+            for g, pos in sorted(st.lost, key=lambda t: (ctx.block_end(t[0], t[1]), t[0])):
                 table, view = tables[g], views[g]
                 ok = pos < len(table) and pos < len(view) and table[pos].block_hash == view[pos]
                 key = (g, view[pos]) if pos < len(view) else None
-                if not ok or key is None or key in tier._store_keys or tier.host.contains(key):
+                if not ok or key is None or key in self._store_keys or ctx.host.contains(key):
                     st.lost.discard((g, pos))  # device copy gone, or cached again: nothing to do
                     continue
-                parent = view[pos - 1] if tier.chained[g] and pos > 0 else None
+                parent = view[pos - 1] if ctx.chained[g] and pos > 0 else None
                 cands.append(Candidate(g, pos, table[pos], key, parent))
             accepted = self._limit(st, cands[:budget], count_skipped=False)
             for c in accepted:
                 st.lost.discard((c.group_id, c.position))
                 st.restored.add((c.group_id, c.position))
             budget -= len(accepted)
-            tier.metrics.num_restored_blocks += len(accepted)
+            ctx.metrics.num_restored_blocks += len(accepted)
             out += self._launch(st, accepted, restore=True)
         return out
 
@@ -188,46 +200,78 @@ class StorePlanner:
         caches makes room for: evicting one would only swap which of two device blocks has a
         host copy, and the evicted one would come back to the scan — with a host smaller than
         the device cache, an idle engine stored and evicted the same blocks forever."""
-        tier = self.tier
-        cands = lazy_candidates(tier, self.lazy_scan_blocks)
-        n = min(len(cands), tier.host.num_free)
-        for i, key in enumerate(tier.host.peek_evictions(n)):
-            if key is not None and tier.device.pool.get_cached_block(*key) is not None:
+        ctx = self.ctx
+        cands = self._lazy_candidates()
+        n = min(len(cands), ctx.host.num_free)
+        for i, key in enumerate(ctx.host.peek_evictions(n)):
+            if key is not None and ctx.device_kv.get_cached_block(*key) is not None:
                 n = i
                 break
-        tier.metrics.num_skipped_pinned_full += len(cands) - n
+        ctx.metrics.num_skipped_pinned_full += len(cands) - n
         return self._launch(None, cands[:n], restore=False)
+
+    def _lazy_candidates(self) -> list[Candidate]:
+        """Hashed device blocks near the head of the device free queue (the next to be evicted
+        there) whose content the host tier neither holds nor is storing.
+
+        The candidates planned leave the queue while their copy runs, so the blocks behind them
+        move up to the head: the scan goes on until it has passed `lazy_scan_blocks` blocks that
+        *stay* in the queue (unhashed, already on the host or being stored, or beyond the host's
+        free room), so the next `lazy_scan_blocks` blocks an allocation takes hold nothing the
+        host tier could have kept. Candidates past the host's room are returned too (the caller
+        counts them as skipped).
+        """
+        cands: list[Candidate] = []
+        seen: set[Key] = set()
+        room = self.ctx.host.num_free
+        kept = 0
+        for db in self.ctx.device_kv.eviction_order():
+            if kept >= self.lazy_scan_blocks:
+                break
+            h = db.block_hash
+            if h is None:
+                kept += 1
+                continue
+            key = (db.group_id, h)
+            if key in seen or key in self._store_keys or self.ctx.host.contains(key):
+                kept += 1
+                continue
+            seen.add(key)
+            cands.append(Candidate(db.group_id, -1, db, key, None))
+            if len(cands) > room:
+                kept += 1  # no host block for it: it stays in the queue
+        return cands
 
     def _launch(self, st: ReqState | None, cands: list[Candidate], restore: bool) -> list[Transfer]:
         if not cands:
             return []
-        tier = self.tier
-        host_blocks, evicted = tier.host.allocate(len(cands))
-        tier.metrics.num_evicted_blocks += len(evicted)
-        tier.metrics.num_orphans_demoted = tier.host.num_orphans_demoted
+        ctx = self.ctx
+        host_blocks, evicted = ctx.host.allocate(len(cands))
+        ctx.metrics.num_evicted_blocks += len(evicted)
+        ctx.metrics.num_orphans_demoted = ctx.host.num_orphans_demoted
         for key in evicted:  # a re-store's own chain is not told (it chose what to evict)
             self.on_evicted(key, notify=True, sparing=st if restore else None)
         device_blocks = [c.device_block for c in cands]
-        tier.device.pool.touch(device_blocks)
+        ctx.device_kv.pin(device_blocks)
         transfer = Transfer(
-            tier.new_transfer_id(),
+            ctx.new_transfer_id(),
             "" if st is None else st.request.request_id,
             False,
             [c.group_id for c in cands],
             [b.block_id for b in device_blocks],
             [b.block_id for b in host_blocks],
-            sum(tier.bytes_per_block[c.group_id] for c in cands),
+            sum(ctx.bytes_per_block[c.group_id] for c in cands),
         )
         self._stores[transfer.transfer_id] = StoreRecord(
             transfer, host_blocks, device_blocks, cands
         )
         for c in cands:
-            tier._store_keys[c.key] = transfer.transfer_id
+            self._store_keys[c.key] = transfer.transfer_id
             if st is not None:
                 self._hold(st, c.key, c.position)
         if st is not None:
             st.transfers.add(transfer.transfer_id)
-        tier.metrics.num_pending_stores = len(self._stores)
+        ctx.metrics.num_pending_stores = len(self._stores)
         return [transfer]
 
     # ---- holders and eviction notices ----------------------------------------------------------
@@ -263,7 +307,7 @@ class StorePlanner:
         if store is None:
             return  # unknown (already ended) ids are ignored: completions may repeat after a fail
         store.reports += 1
-        if store.reports < self.tier.world_size:
+        if store.reports < self.ctx.world_size:
             return
         self._finish_store(store, publish=not store.abandoned)
 
@@ -271,36 +315,36 @@ class StorePlanner:
         store = self._stores.get(transfer_id)
         if store is None:
             return
-        self.tier.metrics.num_failed_stores += 1
+        self.ctx.metrics.num_failed_stores += 1
         self._finish_store(store, publish=False)
         for c in store.cands:  # every request holding these keys re-stores them (rate-limited)
             self.on_evicted(c.key, notify=True)
 
     def _finish_store(self, store: StoreRecord, publish: bool) -> None:
-        tier, t = self.tier, store.transfer
+        ctx, t = self.ctx, store.transfer
         del self._stores[t.transfer_id]
         for c in store.cands:
-            del tier._store_keys[c.key]
+            del self._store_keys[c.key]
         if publish:
-            for g, spec in enumerate(tier.specs):
+            for g, spec in enumerate(ctx.specs):
                 idx = sorted(
                     (i for i, c in enumerate(store.cands) if c.group_id == g),
                     key=lambda i: store.cands[i].position,
                 )
-                tier.host.publish(
+                ctx.host.publish(
                     g,
                     [store.host_blocks[i] for i in idx],
                     [store.cands[i].key[1] for i in idx],
                     [store.cands[i].parent for i in idx],
                     spec.block_size,
                 )
-            tier.metrics.num_stored_blocks += t.num_blocks
-            tier.metrics.num_stored_bytes += t.num_bytes
+            ctx.metrics.num_stored_blocks += t.num_blocks
+            ctx.metrics.num_stored_bytes += t.num_bytes
         else:
-            tier.host.pool.free(store.host_blocks)
-        tier.device.pool.free(store.device_blocks)
-        tier.metrics.num_orphans_demoted = tier.host.num_orphans_demoted
-        tier.metrics.num_pending_stores = len(self._stores)
+            ctx.host.pool.free(store.host_blocks)
+        ctx.device_kv.unpin(store.device_blocks)
+        ctx.metrics.num_orphans_demoted = ctx.host.num_orphans_demoted
+        ctx.metrics.num_pending_stores = len(self._stores)
         st = self._states.get(t.req_id)
         if st is not None:
             st.transfers.discard(t.transfer_id)
@@ -325,9 +369,8 @@ class StorePlanner:
         return [b for s in self._stores.values() for b in s.device_blocks]
 
     def check_integrity(self) -> None:
-        tier = self.tier
         keys = {c.key: tid for tid, s in self._stores.items() for c in s.cands}
-        assert keys == tier._store_keys, "in-flight store keys drifted"
+        assert keys == self._store_keys, "in-flight store keys drifted"
         for s in self._stores.values():
             for b in s.host_blocks:
                 assert b.block_hash is None, f"host {b!r} published before its store completed"
@@ -340,4 +383,4 @@ class StorePlanner:
                 assert rid in self._holders.get(key, ()), "key without its holder"
             for tid in st.transfers:
                 assert tid in self._stores, "request lists an ended store"
-        assert tier.metrics.num_pending_stores == len(self._stores)
+        assert self.ctx.metrics.num_pending_stores == len(self._stores)

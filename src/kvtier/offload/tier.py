@@ -1,13 +1,16 @@
-"""HostTier: the scheduler half of the host-memory KV tier (lookup, loads, stores, completions).
+"""HostTier: the scheduler half of the host-memory KV tier, the first `sched.connector.KVTier`.
 
-Torch-free. The scheduler calls, per step:
+Owns the host cache, the load planner (`loads.py`) and the store planner (`stores.py`), which share
+`HostContext` and never see each other or the tier; it routes between them (a failed load's
+suspect keys are evicted here, evictions reach the store planner here). It returns decisions and
+changes no request. The scheduler calls, per step:
   lookup(req, device_hit)        waiting request: tokens the host tier adds beyond the device hit
-  plan_load(req, n)              after device.allocate_slots(..., num_external_computed_tokens=n,
+  plan_load(req, n)              after device_kv.allocate_slots(..., num_external_computed_tokens=n,
                                  delay_cache_blocks=True) succeeded; the request then waits
   plan_stores(running)           once per step, after updates: stores of settled blocks, re-stores
   complete(ids) / fail(id)       transfers the runner reported done / failed
   finish_request / preempt_request   before the request's device blocks are freed (flushes stores)
-`device_pins()` feeds `KVCacheManager.check_integrity(num_pinned=...)`.
+`device_pins()` feeds `KVCacheManager.check_integrity(num_pinned=...)`. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from kvtier.kv.block import BlockId
-from kvtier.kv.coordinator import KVCacheCoordinator
+from kvtier.ids import BlockId, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.specs import FullAttention, KVSpec, Mamba
+from kvtier.kv.specs import KVSpec
 from kvtier.kv.stats import PoolStats
+from kvtier.offload.context import HostContext
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.store_records import StoreProgress
 from kvtier.offload.stores import StorePlanner
-from kvtier.offload.types import HostLookup, HostTierMetrics, Key, LoadFailure, Transfer
+from kvtier.offload.types import Key, Transfer
+from kvtier.sched.connector import LoadFailure, TierLookup
 from kvtier.sched.request import Request
 
 
@@ -49,7 +54,7 @@ class HostTier:
 
     def __init__(
         self,
-        device: KVCacheManager,
+        device_kv: KVCacheManager,
         num_host_blocks: int,
         *,
         store_mode: str = "eager",
@@ -64,46 +69,45 @@ class HostTier:
             raise ValueError(f"store mode must be 'eager' or 'lazy', got {store_mode!r}")
         if world_size < 1:
             raise ValueError(f"world_size must be ≥ 1, got {world_size}")
-        self.device = device
-        self.specs = device.specs
-        self.store_mode = store_mode
-        self.world_size = world_size
-        self.store_from_settled = store_from_settled
+        specs = device_kv.specs
         per_group = (
-            [bytes_per_block] * len(self.specs)
+            [bytes_per_block] * len(specs)
             if isinstance(bytes_per_block, int)
             else list(bytes_per_block)
         )
-        if len(per_group) != len(self.specs):
+        if len(per_group) != len(specs):
             raise ValueError("bytes_per_block needs one value per KV-cache group")
-        self.bytes_per_block = per_group
-        self.metrics = HostTierMetrics()
-        self._store_keys: dict[Key, int] = {}  # keys whose store is in flight -> transfer id
-        self.host = HostCache(
-            num_host_blocks, lambda k: k in self._store_keys, enable_kv_events=enable_kv_events
+        host = HostCache(
+            num_host_blocks,
+            lambda key: self.stores.is_storing(key),
+            enable_kv_events=enable_kv_events,
         )
-        self.coordinator = KVCacheCoordinator(self.specs, self.host.pool)
-        # Mamba state blocks have no external-load destination in the device table yet.
-        self.enabled = not any(isinstance(s, Mamba) for s in self.specs)
-        self.chained = [isinstance(s, FullAttention) for s in self.specs]
-        self._next_id = 0
-        self.loads = LoadPlanner(self)
-        self.stores = StorePlanner(self, max_restores_per_step, lazy_scan_blocks)
-
-    def new_transfer_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+        ctx = HostContext(device_kv, host, per_group, world_size)
+        self.device_kv = device_kv  # the device tier's KV manager (tables, pins)
+        self.host = host
+        self.specs = ctx.specs
+        self.coordinator = ctx.coordinator
+        self.metrics = ctx.metrics
+        self.store_mode = store_mode
+        self.store_from_settled = store_from_settled
+        self.loads = LoadPlanner(ctx)
+        self.stores = StorePlanner(
+            ctx,
+            store_mode=store_mode,
+            store_from_settled=store_from_settled,
+            max_restores_per_step=max_restores_per_step,
+            lazy_scan_blocks=lazy_scan_blocks,
+        )
 
     # ---- lookup --------------------------------------------------------------------------------
 
     def lookup(
         self, request: Request, num_device_hit_tokens: int, max_external_tokens: int | None = None
-    ) -> HostLookup:
+    ) -> TierLookup:
         """Tokens beyond `num_device_hit_tokens` the host tier can restore for a waiting request.
 
         Every group is restored to one aligned boundary or nothing (architecture.md §H6). The hit
-        blocks are
-        pinned until `plan_load` or the next lookup of this request; call again with
+        blocks are pinned until `plan_load` or the next lookup of this request; call again with
         `max_external_tokens` to accept fewer tokens (window groups need the exact boundary).
         `wait_for_load`: another request is loading this prefix; retry after it completes.
         """
@@ -117,14 +121,15 @@ class HostTier:
     def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
         """Pair the pending hit's host blocks with the device blocks just allocated for them.
 
-        Call after `device.allocate_slots(..., num_external_computed_tokens=num_external_tokens,
-        delay_cache_blocks=True)` succeeded (or with 0 to drop the pending hit, e.g. when the
-        allocation failed). Host sources and device destinations stay pinned until the transfer
-        completes or fails; the request is WAITING_FOR_REMOTE_KVS until then.
+        Call after `device_kv.allocate_slots(..., num_external_computed_tokens=
+        num_external_tokens, delay_cache_blocks=True)` succeeded (or with 0 to drop the pending
+        hit, e.g. when the allocation failed). Host sources and device destinations stay pinned
+        until the transfer completes or fails; the scheduler keeps the request waiting until
+        `complete` names it.
         """
         return self.loads.plan_load(request, num_external_tokens)
 
-    def cancel_load(self, request_id: str) -> None:
+    def cancel_load(self, request_id: ReqId) -> None:
         """Drop the request's pending hit; an in-flight load keeps its pins until the copy
         completes or fails (it still writes the destination blocks), then reports nothing."""
         self.loads.cancel_load(request_id)
@@ -172,17 +177,21 @@ class HostTier:
     def num_pending_stores(self) -> int:
         return self.stores.num_in_flight
 
-    def store_progress(self, request_id: str) -> StoreProgress | None:
+    def is_loading(self, request_id: ReqId) -> bool:
+        """True while a load planned for the request is in flight (cancelled or not)."""
+        return self.loads.is_loading(request_id)
+
+    def store_progress(self, request_id: ReqId) -> StoreProgress | None:
         """How far the eager store of a request got (None: the tier keeps no state for it)."""
         return self.stores.progress(request_id)
 
     # ---- completions ---------------------------------------------------------------------------
 
-    def complete(self, transfer_ids: Iterable[int]) -> list[str]:
+    def complete(self, transfer_ids: Iterable[int]) -> list[ReqId]:
         """Transfers one worker reported done (any order; repeats of ended ids are ignored).
-        Returns the ids of requests whose load finished: they are WAITING again with their KV on
-        the device; the scheduler publishes their blocks (`device.cache_blocks`) and runs them."""
-        loaded: list[str] = []
+        Returns the ids of requests whose load finished, their KV now on the device: the
+        scheduler publishes their blocks (`KVCacheManager.cache_blocks`) and lets them run."""
+        loaded: list[ReqId] = []
         for tid in transfer_ids:
             if self.loads.owns(tid):
                 rid = self.loads.complete(tid)
@@ -195,13 +204,16 @@ class HostTier:
     def fail(
         self, transfer_id: int, failed_device_block_ids: Iterable[BlockId] | None = None
     ) -> LoadFailure | None:
-        """A transfer failed (None: every block). A load rolls its request back to the last good
-        block (recomputed later, same output) and says what to evict and whether to reallocate;
-        a failed store is dropped and re-stored like an eviction (rate-limited)."""
+        """A transfer failed (`failed_device_block_ids` None: every block). For a load, how its
+        request rolls back to the last good block (recomputed later, same output: what to evict,
+        whether to reallocate); its suspect host copies are evicted. A failed store is dropped
+        and re-stored like an eviction (rate-limited); returns None then."""
         if not self.loads.owns(transfer_id):
             self.stores.fail(transfer_id)
             return None
-        return self.loads.fail(transfer_id, failed_device_block_ids)
+        failure, suspect = self.loads.fail(transfer_id, failed_device_block_ids)
+        self.evict(suspect)
+        return failure
 
     def evict(self, keys: Iterable[Key]) -> int:
         """Drop host entries known to be bad (e.g. a load from them failed; mutates). Requests
@@ -230,7 +242,7 @@ class HostTier:
         (load pins: device destinations, host sources and pending hits; store pins: device
         sources, host destinations). Changes nothing."""
         device = replace(
-            self.device.pool.stats(),
+            self.device_kv.pool_stats(),
             num_load_pins=len(self.loads.device_blocks()),
             num_store_pins=len(self.stores.pinned_device_blocks()),
         )
@@ -244,11 +256,12 @@ class HostTier:
     def device_pins(self) -> dict[BlockId, int]:
         """Device block id -> references the tier holds (load destinations, store sources)."""
         pins: dict[BlockId, int] = {}
-        blocks = self.loads.device_blocks()
-        blocks += self.stores.pinned_device_blocks()
-        for b in blocks:
+        for b in self._pinned_device_blocks():
             pins[b.block_id] = pins.get(b.block_id, 0) + 1
         return pins
+
+    def _pinned_device_blocks(self) -> list[KVBlock]:
+        return self.loads.device_blocks() + self.stores.pinned_device_blocks()
 
     def check_integrity(self) -> None:
         """Assert every host reference has exactly one holder and every device pin is backed."""
@@ -262,9 +275,8 @@ class HostTier:
             assert b.ref_cnt == holders.get(b.block_id, 0), (
                 f"host {b!r}: {holders.get(b.block_id, 0)} holders"
             )
-        for block_id, n in self.device_pins().items():
-            assert self.device.pool.blocks[block_id].ref_cnt >= n, (
-                f"device block {block_id} unpinned"
-            )
+        pins = self.device_pins()
+        for b in self._pinned_device_blocks():
+            assert b.ref_cnt >= pins[b.block_id], f"device {b!r} unpinned"
         self.loads.check_integrity()
         self.stores.check_integrity()

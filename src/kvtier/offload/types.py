@@ -1,13 +1,11 @@
-"""Plain records of the host tier: transfers, lookup answers, load failures and the metrics.
-
-Torch-free data only; `HostTier` (tier.py) creates and consumes them.
-"""
+"""Plain records of the host tier: cache keys, transfers and the metrics. (Lookup answers and load
+failures are the scheduler's: `sched/connector.py`.) Torch-free data only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.kv.block import BlockHash
+from kvtier.ids import BlockHash
 from kvtier.sched.output import PlannedTransfer
 
 Key = tuple[int, BlockHash]  # (KV-cache group id, chained block hash): one host-cache entry
@@ -43,38 +41,6 @@ class Transfer:
             list(self.dst_block_ids),
             self.is_load,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class HostLookup:
-    """Answer of `HostTier.lookup` for a waiting request.
-
-    `num_tokens`: tokens beyond the device hit the host tier can restore (a multiple of every
-    group's block size; 0 = no hit). `wait_for_load`: part of that prefix is being loaded for
-    another request right now; keep this request waiting and look up again after that load
-    completes (the device cache will then hit it) instead of loading it twice.
-    """
-
-    num_tokens: int
-    wait_for_load: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class LoadFailure:
-    """What the scheduler must do after a failed load: roll back and recompute (architecture.md
-    §H7).
-
-    The tier has already set the request's `num_computed_tokens` to `num_good_tokens` and its
-    status back to WAITING. `evict_device_block_ids`: destination blocks whose content is bad;
-    drop them from the device prefix cache (`pool.evict_blocks`) if they were published.
-    `must_reallocate`: a window or state group cannot roll back inside its table (positions
-    before the old boundary are null), so free the request's device blocks and admit it afresh.
-    """
-
-    req_id: str
-    num_good_tokens: int
-    evict_device_block_ids: list[int]
-    must_reallocate: bool
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""Logprob records of the runner: what a forward leaves on the device (`LogprobRows`, tensors and
-whose rows they are) and what the host reads from it once the step's event completed."""
+"""What a forward leaves on the device for logprobs (`LogprobRows`: tensors and whose rows they
+are), read by the host into the contract's `TokenLogprobs` once the step's event completed."""
 
 from __future__ import annotations
 
@@ -7,21 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of a token (sampled, or of the prompt) and the top candidates at its position."""
-
-    logprob: float
-    top: dict[int, float]
-
-
-@dataclass(slots=True)
-class PromptLogprobs:
-    """Logprobs of the prompt tokens at positions start, start + 1, ... (one step's chunk)."""
-
-    start: int  # ≥ 1: the first prompt token has no logprob
-    logprobs: list[TokenLogprobs]
+from kvtier.sched.output import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -5,8 +5,10 @@ inside the forward op from the device-side state (`state.py`), so step k+1 reads
 tokens on the device, with no host round trip, even with speculative drafts rolled back. Every
 tensor an op uses lives on `device.torch_device`; the op never waits for the device to read a
 value back (n-gram drafts excepted: they are proposed on the device's tokens in Python). The host
-reads results only after the step's event, through declared host ops. Every op declares the blocks
-and buffers it touches, for the sanitizer.
+reads results only after the step's event, through declared host ops, and hands them back in the
+`RunnerOutput` (tokens, logprobs, draft counts, finished copies). Every op declares the blocks and
+buffers it touches, for the sanitizer; what a request needs (its draw parameters) arrives in the
+step's `NewRequestData`, so the runner keeps no host-side request registry.
 """
 
 from __future__ import annotations
@@ -16,20 +18,33 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.device import COMPUTE, AccessSet, Device, EventId, OpMeta, Work
+from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
+from kvtier.ids import EventId
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
-from kvtier.model.sampler import SamplingParams as ModelSamplingParams
 from kvtier.model.transformer import CausalLM
-from kvtier.runner.logprobs import LogprobRows, PromptLogprobs, TokenLogprobs
+from kvtier.runner.logprobs import LogprobRows
 from kvtier.runner.state import DeviceRequest, DeviceState
 from kvtier.runner.transfers import TransferEngine
+from kvtier.sampling import DrawParams
 from kvtier.sched.ngram import NgramProposer
-from kvtier.sched.output import RunnerOutput, SchedulerOutput
+from kvtier.sched.output import PromptLogprobs, RunnerOutput, SchedulerOutput
 
 TOKEN_STATE = "token_state"  # the device-side request state (tokens, positions)
 SAMPLED = "sampled_tokens"  # [max_num_seqs, 1 + k] device buffer the forward writes
-LOGPROBS = "logprobs_{}"  # per ring slot: the logprob tensors a forward leaves for the host
+GENERATOR = "sampler_generator"  # the sampler's random state, advanced by every forward
+RESULTS = "step_results_{}"  # per ring slot: what a forward leaves for the host besides tokens
+
+
+@dataclass(slots=True)
+class _StepResults:
+    """Written inside a forward op (buffer `step_results_{slot}`), read by the host op of
+    `wait` once the step's event completed."""
+
+    sampled: LogprobRows | None = None  # logprobs of sampled tokens, for requests that asked
+    prompt: LogprobRows | None = None  # logprobs of prompt tokens, for requests that asked
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
@@ -76,15 +91,14 @@ class ModelRunner:
         self.state = DeviceState(
             max_num_seqs + 1, max_model_len, self.torch_device, num_speculative_tokens > 0
         )
-        self.params: dict[str, ModelSamplingParams] = {}  # host side: set before scheduling
-        self.num_prompt_logprobs: dict[str, int] = {}  # host side: requests that ask for them
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
         self.eos_token_ids = tuple(eos_token_ids)
         self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         width = 1 + num_speculative_tokens
-        device.alloc_buffer(TOKEN_STATE, (1,), "int64")
+        device.alloc_buffer(TOKEN_STATE, (1,), "int64")  # names what `state` holds
+        device.alloc_buffer(GENERATOR, (1,), "int64")  # names `generator`
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
         self.ring = max_async_depth + 1
         self.host_out = [
@@ -94,32 +108,10 @@ class ModelRunner:
         self.events = [device.new_event() for _ in range(self.ring)]
         self.transfers = TransferEngine(device, order_after_compute=order_copies_after_compute)
         for i in range(self.ring):
-            device.alloc_buffer(LOGPROBS.format(i), (1,), "int64")  # names what _rows holds
-        # Per slot, written inside the forward op: (sampled rows, prompt rows).
-        self._rows: list[tuple[LogprobRows | None, LogprobRows | None]] = [
-            (None, None) for _ in range(self.ring)
-        ]
-        self._logprobs: list[dict[str, list[TokenLogprobs]]] = [{} for _ in range(self.ring)]
-        self._prompt_logprobs: list[dict[str, PromptLogprobs]] = [{} for _ in range(self.ring)]
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+            device.alloc_buffer(RESULTS.format(i), (1,), "int64")  # names `_results[i]`
+        self._results = [_StepResults() for _ in range(self.ring)]
 
     # ---- host side -----------------------------------------------------------------------------
-
-    def add_request(
-        self, req_id: str, params: ModelSamplingParams, prompt_logprobs: int | None = None
-    ) -> None:
-        """Register a request's sampling parameters (and how many top candidates its prompt
-        logprobs want, None: none) before it is first scheduled."""
-        self.params[req_id] = params
-        if prompt_logprobs is not None:
-            self.num_prompt_logprobs[req_id] = prompt_logprobs
-
-    def remove_request(self, req_id: str) -> None:
-        """Forget host-side data of a finished or aborted request (safe at any time: steps
-        already launched carry what they need; device state drops with its diff)."""
-        self.params.pop(req_id, None)
-        self.num_prompt_logprobs.pop(req_id, None)
 
     def execute(self, output: SchedulerOutput) -> StepHandle:
         """Launch step `output` and return at once; `wait` gives its `RunnerOutput`."""
@@ -131,26 +123,14 @@ class ModelRunner:
             writes={
                 "device": sorted(writes),
                 TOKEN_STATE: None,
+                GENERATOR: None,
                 SAMPLED: None,
-                LOGPROBS.format(slot): None,
+                RESULTS.format(slot): None,
             },
         )
         work = Work.forward(max(1, output.total_num_scheduled_tokens), self.model.config.num_layers)
-        # Read on the host now: the op may run later (sim), after the request is forgotten here.
-        params = {new.req_id: self.params[new.req_id] for new in output.scheduled_new_reqs}
-        prompt_k = {
-            new.req_id: self.num_prompt_logprobs[new.req_id]
-            for new in output.scheduled_new_reqs
-            if new.req_id in self.num_prompt_logprobs
-        }
         self.transfers.launch_loads(output.planned_transfers, output.step_seq)
-        self.device.launch(
-            COMPUTE,
-            lambda: self._forward(output, params, prompt_k, slot),
-            access,
-            meta,
-            work,
-        )
+        self.device.launch(COMPUTE, lambda: self._forward(output, slot), access, meta, work)
         self.transfers.forward_launched()
         self.transfers.launch_stores(output.planned_transfers, output.step_seq)
         host = self.host_out[slot]
@@ -166,41 +146,35 @@ class ModelRunner:
         return StepHandle(output, slot, self.events[slot])
 
     def wait(self, handle: StepHandle) -> RunnerOutput:
-        """Block until the step's tokens are on the host; return them as a `RunnerOutput`."""
+        """Block until the step's results are on the host; return them as a `RunnerOutput`
+        (sampled tokens, logprobs of requests that asked, draft counts, finished copies)."""
         self.device.synchronize_event(handle.event)
-        host = self.host_out[handle.slot]
-        sampled: dict[str, list[int]] = {}
+        slot = handle.slot
+        host = self.host_out[slot]
+        out = RunnerOutput(handle.output.step_seq, {})
 
         def read() -> None:
             req_ids = handle.rows
             for req_id, row in zip(req_ids, host[: len(req_ids)].tolist(), strict=True):
                 tokens = [t for t in row if t >= 0]
                 if tokens:
-                    sampled[req_id] = tokens
-            sampled_rows, prompt_rows = self._rows[handle.slot]
-            self._rows[handle.slot] = (None, None)
-            got = sampled_rows.read() if sampled_rows is not None else {}
-            self._logprobs[handle.slot] = {req_id: lps for req_id, (_, lps) in got.items()}
-            got = prompt_rows.read() if prompt_rows is not None else {}
-            self._prompt_logprobs[handle.slot] = {
+                    out.sampled_token_ids[req_id] = tokens
+            results, self._results[slot] = self._results[slot], _StepResults()
+            got = results.sampled.read() if results.sampled is not None else {}
+            out.logprobs = {req_id: lps for req_id, (_, lps) in got.items()}
+            got = results.prompt.read() if results.prompt is not None else {}
+            out.prompt_logprobs = {
                 req_id: PromptLogprobs(pos, lps) for req_id, (pos, lps) in got.items()
             }
+            out.num_draft_tokens = results.num_draft_tokens
+            out.num_accepted_tokens = results.num_accepted_tokens
 
         access = AccessSet.of(
-            reads={f"sampled_host_{handle.slot}": None, LOGPROBS.format(handle.slot): None}
+            reads={f"sampled_host_{slot}": None}, writes={RESULTS.format(slot): None}
         )
         self.device.host_op(read, access, OpMeta("read-sampled", handle.output.step_seq))
-        finished, failed = self.transfers.poll()
-        return RunnerOutput(handle.output.step_seq, sampled, finished, failed)
-
-    def logprobs(self, handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of the step's sampled tokens for requests that asked (after `wait`)."""
-        return self._logprobs[handle.slot]
-
-    def prompt_logprobs(self, handle: StepHandle) -> dict[str, PromptLogprobs]:
-        """Logprobs of the prompt tokens the step's chunks computed, for requests that asked
-        (after `wait`)."""
-        return self._prompt_logprobs[handle.slot]
+        out.finished_transfers, out.failed_transfers = self.transfers.poll()
+        return out
 
     def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
         """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
@@ -239,16 +213,10 @@ class ModelRunner:
     # ---- device side (runs inside the forward op) ---------------------------------------------
 
     @torch.inference_mode()
-    def _forward(
-        self,
-        output: SchedulerOutput,
-        params: dict[str, ModelSamplingParams],
-        prompt_k: dict[str, int],
-        slot: int,
-    ) -> None:
+    def _forward(self, output: SchedulerOutput, slot: int) -> None:
         state = self.state
-        state.apply_diffs(output, params, self.eos_token_ids, prompt_k)
-        self._rows[slot] = (None, None)
+        state.apply_diffs(output, self.eos_token_ids)
+        results = self._results[slot] = _StepResults()
         spec = output.scheduled_spec_decode_tokens
         plan: list[_Planned] = []
         row_idx: list[int] = []  # token buffer (row, position) of every input token
@@ -287,12 +255,10 @@ class ModelRunner:
         positions = meta.query_positions().to(self.torch_device, non_blocking=True)
         hidden = self.model(ids, positions, self.kv_caches, meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
-        sampled_rows = self._sample(plan, meta, hidden)
+        sampled_rows = self._sample(plan, meta, hidden, results)
         # queued copies to host memory; the host reads them once the step's event completed
-        self._rows[slot] = (
-            None if sampled_rows is None else sampled_rows.to_host(),
-            None if prompt_rows is None else prompt_rows.to_host(),
-        )
+        results.sampled = None if sampled_rows is None else sampled_rows.to_host()
+        results.prompt = None if prompt_rows is None else prompt_rows.to_host()
 
     def _index(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """Host-built int64 index tensors on the device (no wait: the host knows them)."""
@@ -326,13 +292,17 @@ class ModelRunner:
         return LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
 
     def _sample(
-        self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
+        self,
+        plan: list[_Planned],
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+        results: _StepResults,
     ) -> LogprobRows | None:
         """Sample every request whose step reaches its last known token, accept drafts and write
         the tokens to the sampled buffer (row i: the step's i-th request) and the token buffer;
         returns the logprob rows of requests that asked."""
         index: list[int] = []  # hidden-state row of every sampled position
-        row_params: list[ModelSamplingParams] = []
+        row_params: list[DrawParams] = []
         positions: list[int] = []
         sampling: list[tuple[_Planned, int, int]] = []  # request, its first row, its output row
         for i, (p, end) in enumerate(zip(plan, meta.query_start_loc[1:], strict=True)):
@@ -353,7 +323,7 @@ class ModelRunner:
         banned = _banned_before_min_tokens(sampling)
         out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=self.logprobs_mode)
         if self.state.track_tokens:
-            counts = self._accept_drafts(sampling, out.token_ids)
+            counts = self._accept_drafts(sampling, out.token_ids, results)
         else:  # one token per sampling request, left on the device
             counts = [1] * len(sampling)
             out_rows, buf_rows, buf_pos = self._index(
@@ -378,7 +348,10 @@ class ModelRunner:
         return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
 
     def _accept_drafts(
-        self, sampling: list[tuple[_Planned, int, int]], token_ids: torch.Tensor
+        self,
+        sampling: list[tuple[_Planned, int, int]],
+        token_ids: torch.Tensor,
+        results: _StepResults,
     ) -> list[int]:
         """Accept each request's drafts while the target agrees, plus one token; returns how
         many tokens each request gained. Reads the sampled tokens back to the host: the next
@@ -392,8 +365,8 @@ class ModelRunner:
             while accepted < len(p.drafts) and tokens[first + accepted] == p.drafts[accepted]:
                 accepted += 1
             new = tokens[first : first + accepted + 1]
-            self.num_draft_tokens += len(p.drafts)
-            self.num_accepted_tokens += accepted
+            results.num_draft_tokens += len(p.drafts)
+            results.num_accepted_tokens += accepted
             st = p.state
             assert st.token_ids is not None
             del st.token_ids[st.num_tokens :]

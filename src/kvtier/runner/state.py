@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.model.sampler import SamplingParams as ModelSamplingParams
+from kvtier.sampling import DrawParams
 from kvtier.sched.output import SchedulerOutput
 
 
@@ -23,7 +23,7 @@ class DeviceRequest:
     num_tokens: int  # tokens the device holds: prompt + every token sampled so far
     position: int  # tokens whose KV is written: the next query position
     tables: list[list[int]]  # block ids per KV-cache group (0 = null block)
-    params: ModelSamplingParams
+    params: DrawParams
     known_ids: list[int]  # the tokens the host sent (prompt, and outputs when it resumed)
     num_prompt_tokens: int
     min_tokens: int = 0
@@ -49,17 +49,11 @@ class DeviceState:
     def __getitem__(self, req_id: str) -> DeviceRequest:
         return self.requests[req_id]
 
-    def apply_diffs(
-        self,
-        output: SchedulerOutput,
-        params: dict[str, ModelSamplingParams],
-        eos_ids: tuple[int, ...],
-        prompt_logprobs: dict[str, int],
-    ) -> None:
+    def apply_diffs(self, output: SchedulerOutput, eos_ids: tuple[int, ...]) -> None:
         """Bring the state to the tables of step `output` (drops, new requests, appended blocks).
 
-        `prompt_logprobs` names the new requests that want them: not again when a request
-        resumes with outputs (its prompt logprobs were delivered with its first output)."""
+        A new request's prompt logprobs are computed only on its first run, not again when it
+        resumes with outputs (they were delivered with its first output)."""
         for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
             gone = self.requests.pop(req_id, None)
             if gone is not None:
@@ -75,13 +69,13 @@ class DeviceState:
                 num_tokens=len(ids),
                 position=new.num_computed_tokens,
                 tables=[list(t) for t in new.block_ids],
-                params=params[new.req_id],
+                params=new.draw,
                 known_ids=ids,
                 num_prompt_tokens=new.num_prompt_tokens,
-                min_tokens=new.sampling.min_tokens,
+                min_tokens=new.stop.min_tokens,
                 # as vLLM's all_stop_token_ids: EOS is banned before min_tokens even with ignore_eos
-                eos_ids=eos_ids + new.sampling.stop_token_ids,
-                num_prompt_logprobs=prompt_logprobs.get(new.req_id)
+                eos_ids=eos_ids + new.stop.stop_token_ids,
+                num_prompt_logprobs=new.draw.prompt_logprobs
                 if len(ids) == new.num_prompt_tokens
                 else None,
                 token_ids=list(ids) if self.track_tokens else None,

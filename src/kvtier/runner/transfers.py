@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.device import COMPUTE, LOAD, STORE, Device, EventId, OpMeta, StreamId, Tier
+from kvtier.device import COMPUTE, LOAD, STORE, Device, OpMeta, Tier
+from kvtier.ids import EventId, StreamId
 from kvtier.sched.output import PlannedTransfer
 
 

@@ -1,44 +1,44 @@
-"""Torch-free scheduling: requests and their step ledgers, queues, the scheduler, step contracts."""
+"""Torch-free scheduling: requests and their step ledgers, queues, the scheduler with its admission,
+the step contracts and the protocol of the KV tiers below the device. (Its test doubles live in
+`kvtier.bench.fake_runner` and `tests/sched/`.)"""
 
-from kvtier.sched.fake_runner import FakeEngine, FakeRunner, hashed_token
+from kvtier.sched.admission import Admission
+from kvtier.sched.connector import KVTier, LoadFailure, TierLookup
 from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
-from kvtier.sched.oracle import AccessOracle, Violation
 from kvtier.sched.output import (
     CachedRequestData,
     NewRequestData,
     PlannedTransfer,
-    RequestOutput,
+    RequestUpdate,
     RunnerOutput,
     SchedulerOutput,
 )
 from kvtier.sched.queues import FCFSQueue, PriorityQueue, RequestQueue, make_queue
-from kvtier.sched.request import Request, RequestStatus, SamplingParams, StepLedger, StepRecord
+from kvtier.sched.request import Request, RequestStatus, StepLedger, StepRecord
 from kvtier.sched.scheduler import Scheduler
 
 __all__ = [
-    "AccessOracle",
+    "Admission",
     "CachedRequestData",
     "FCFSQueue",
-    "FakeEngine",
-    "FakeRunner",
+    "KVTier",
+    "LoadFailure",
     "NewRequestData",
     "NgramProposer",
     "OptimisticLifetimes",
     "PlannedTransfer",
     "PriorityQueue",
     "Request",
-    "RequestOutput",
     "RequestQueue",
     "RequestStatus",
+    "RequestUpdate",
     "RunnerOutput",
-    "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
     "SettledLifetimes",
     "StepLedger",
     "StepRecord",
-    "Violation",
-    "hashed_token",
+    "TierLookup",
     "make_queue",
 ]

@@ -39,7 +39,7 @@ class SettledLifetimes:
         self.block_sizes = [s.block_size for s in self.specs]
         # Mamba groups record a prefix-cache snapshot when a step ends on their block boundary.
         self.snapshot_sizes = [s.block_size for s in self.specs if isinstance(s, Mamba)]
-        self.cache_unit = kv.coordinator.hash_block_size  # every group caches whole multiples
+        self.cache_unit = kv.hasher.block_size  # every group caches whole multiples of it
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
         """(token count to prune at, step stamp for the quarantine).

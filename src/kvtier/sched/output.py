@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.sched.request import ReqId, RequestStatus, SamplingParams
+from kvtier.ids import BlockId, ReqId
+from kvtier.sampling import DrawParams, StopConditions
+from kvtier.sched.request import RequestStatus
 
-BlockIds = tuple[list[int], ...]  # one list of block ids per KV-cache group
+BlockIds = tuple[list[BlockId], ...]  # one list of block ids per KV-cache group
 
 
 @dataclass(slots=True)
@@ -19,7 +21,8 @@ class NewRequestData:
     req_id: ReqId
     token_ids: list[int]  # every known token: prompt, plus outputs of a resumed request
     num_prompt_tokens: int  # prefix of token_ids that is prompt
-    sampling: SamplingParams  # stop conditions the runner may need (e.g. min_tokens masking)
+    stop: StopConditions  # what the runner needs of them: min_tokens and stop ids (masking)
+    draw: DrawParams  # how to draw its tokens, which logprobs to return
     block_ids: BlockIds  # the whole block table per group (null block = id 0 where skipped)
     num_computed_tokens: int  # tokens already in KV (prefix hit); this step starts there
 
@@ -66,6 +69,22 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of a token (sampled, or of the prompt) and the top candidates at its position."""
+
+    logprob: float
+    top: dict[int, float]  # candidate token id -> its logprob
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions start, start + 1, ... (one step's chunk)."""
+
+    start: int  # ≥ 1: the first prompt token has no logprob
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     """What executing step `step_seq` produced."""
 
@@ -76,10 +95,17 @@ class RunnerOutput:
     # Transfers (by transfer_id, of this or any earlier step) whose copy has completed, or failed.
     finished_transfers: list[int] = field(default_factory=list)
     failed_transfers: list[int] = field(default_factory=list)
+    # Per request that asked (DrawParams.logprobs): one entry per sampled token, in order.
+    logprobs: dict[ReqId, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request that asked (DrawParams.prompt_logprobs): the prompt positions this step's
+    # chunk predicted.
+    prompt_logprobs: dict[ReqId, PromptLogprobs] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # drafts verified in this step
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class RequestUpdate:
     """Tokens a request gained in one update, and its finish status once it ends."""
 
     req_id: ReqId  # the request

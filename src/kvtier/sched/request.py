@@ -1,4 +1,4 @@
-"""A scheduled request: sampling parameters, status, output tokens and the per-step ledger.
+"""A scheduled request: stop conditions, status, output tokens and the per-step ledger.
 
 The ledger is the only place in-flight tokens, output placeholders and stale shares come from;
 nothing here picks requests or touches blocks.
@@ -11,11 +11,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.checks import check_bool, check_int, check_ints
+from kvtier.ids import ReqId
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
-
-ReqId = str
+from kvtier.sampling import DrawParams, StopConditions
 
 
 class RequestStatus(enum.Enum):
@@ -35,32 +34,6 @@ class RequestStatus(enum.Enum):
 _FINISHED = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """What ends a request and whether it speculates (the sampled values come from the runner)."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0  # EOS and stop tokens are ignored before this many outputs
-    stop_token_ids: tuple[int, ...] = ()
-    eos_token_id: int | None = None
-    ignore_eos: bool = False
-    use_ngram: bool = False  # propose draft tokens by prompt lookup (needs a scheduler with k > 0)
-    skip_reading_prefix_cache: bool = False  # compute every prompt position (prompt logprobs)
-
-    def __post_init__(self) -> None:
-        """Type and range checks naming the field; lists become tuples, numpy ints ints."""
-        put = object.__setattr__
-        put(self, "max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
-        hint = f" (at most max_tokens={self.max_tokens})"
-        put(self, "min_tokens", check_int("min_tokens", self.min_tokens, 0, self.max_tokens, hint))
-        put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids, lo=0))
-        if self.eos_token_id is not None:
-            put(self, "eos_token_id", check_int("eos_token_id", self.eos_token_id, lo=0))
-        check_bool("ignore_eos", self.ignore_eos)
-        check_bool("use_ngram", self.use_ngram)
-        check_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
 
 
 @dataclass(slots=True)
@@ -175,15 +148,17 @@ class Request(KVSequence):
         self,
         request_id: ReqId,
         prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
+        stop: StopConditions | None = None,
         *,
+        draw: DrawParams | None = None,
         priority: int = 0,
         arrival_seq: int = 0,
         hasher: BlockHasher | None = None,
         extras: HashExtras | None = None,
     ) -> None:
         super().__init__(request_id, prompt_token_ids, hasher, extras)
-        self.sampling = sp = sampling or SamplingParams()
+        self.stop = sp = stop or StopConditions()
+        self.draw = draw or DrawParams()  # carried to the runner; the scheduler never reads it
         stops = set(sp.stop_token_ids)
         if sp.eos_token_id is not None and not sp.ignore_eos:
             stops.add(sp.eos_token_id)
@@ -195,6 +170,7 @@ class Request(KVSequence):
         self.last_sched_seq = 0  # the last step that scheduled tokens of this request
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_external_cached_tokens = 0  # of which loaded from a tier below the device
         self.admit_seq = 0  # the step that (re)admitted it; hit blocks may be written up to it
         self.lookup_counted = False  # its prefix lookup is in the stats (reset on preemption)
         # Scheduler memo of its last KV calls for this table (reset when the table is dropped):
@@ -235,14 +211,14 @@ class Request(KVSequence):
         num_pending = self.ledger.num_pending_samples
         num_tokens = len(self.all_token_ids) + num_pending
         return (
-            num_tokens - self.num_prompt_tokens >= self.sampling.max_tokens
+            num_tokens - self.num_prompt_tokens >= self.stop.max_tokens
             or num_tokens >= max_model_len
         )
 
     def max_new_drafts(self, k: int, max_model_len: int) -> int:
         """Drafts that still fit before max_tokens / max_model_len, at most `k`."""
         num_pending = self.ledger.num_pending_samples
-        room_out = self.sampling.max_tokens - self.num_output_tokens - num_pending - 1
+        room_out = self.stop.max_tokens - self.num_output_tokens - num_pending - 1
         room_len = max_model_len - self.num_tokens - self.ledger.num_placeholders - 1
         return max(0, min(k, room_out, room_len))
 
@@ -270,7 +246,7 @@ class Request(KVSequence):
         Returns (the finished status if one was reached, else None; the tokens appended). Tokens
         after a stop are dropped. EOS and stop tokens count only from `min_tokens` outputs on.
         """
-        sp = self.sampling
+        sp = self.stop
         num_out = len(self.all_token_ids) - self.num_prompt_tokens
         room = min(sp.max_tokens - num_out, max_model_len - len(self.all_token_ids))
         assert room > 0, f"{self.request_id} delivered past its length limit"

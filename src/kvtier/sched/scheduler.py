@@ -8,30 +8,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
-from kvtier.sched.admission import AdmissionMixin
+from kvtier.sched.admission import Admission
 from kvtier.sched.lifetimes import OptimisticLifetimes, SettledLifetimes
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import (
     BlockIds,
-    NewRequestData,
     PlannedTransfer,
-    RequestOutput,
+    RequestUpdate,
     RunnerOutput,
     SchedulerOutput,
 )
 from kvtier.sched.queues import make_queue
-from kvtier.sched.request import ReqId, Request, RequestStatus
+from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.step_build import StepBuild
 
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
-    from kvtier.sched.connector import KVConnector
+    from kvtier.sched.connector import KVTier
 
 MAX_ASYNC_DEPTH = 3
 
 
-class Scheduler(AdmissionMixin):
+class Scheduler:
     """Continuous-batching scheduler over one `KVCacheManager`.
 
     `async_depth` is how many scheduled steps may be unprocessed at once (1 = synchronous,
@@ -51,7 +51,7 @@ class Scheduler(AdmissionMixin):
         num_speculative_tokens: int = 0,
         policy: str = "fcfs",
         settled: bool = True,
-        connector: KVConnector | None = None,
+        tier: KVTier | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be ≥ 1, got {max_num_seqs}")
@@ -83,8 +83,15 @@ class Scheduler(AdmissionMixin):
         self.num_arrivals = 0
         self.num_preemptions = 0
         self._finished_ids: list[ReqId] = []  # for the next SchedulerOutput
-        self.connector = connector  # the host tier, if any: loads, stores, their completions
+        self.tier = tier  # the KV tier below the device, if any: loads, stores, their completions
         self._transfers: list[PlannedTransfer] = []  # planned since the last SchedulerOutput
+        self.admission = Admission(
+            kv,
+            self.lifetimes,
+            tier,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )
 
     @classmethod
     def from_config(
@@ -113,8 +120,8 @@ class Scheduler(AdmissionMixin):
                 f"request {req_id!r}: prompt of {request.num_tokens} tokens leaves no room for "
                 f"output within max_model_len={self.max_model_len}; shorten it or raise the limit"
             )
-        num_tokens = min(request.num_tokens + request.sampling.max_tokens, self.max_model_len)
-        if self.kv.blocks_for_requests(1, num_tokens) > self.kv.pool.num_blocks - 1:
+        num_tokens = min(request.num_tokens + request.stop.max_tokens, self.max_model_len)
+        if self.kv.blocks_for_requests(1, num_tokens) > self.kv.num_blocks - 1:
             raise ValueError(
                 f"request {req_id!r} needs more KV blocks than the pool holds at {num_tokens} "
                 f"tokens; lower max_tokens or add KV blocks"
@@ -146,11 +153,11 @@ class Scheduler(AdmissionMixin):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs, or the connector still has copies to report
-        (a load of a request aborted while loading pins blocks until it is reported)."""
+        """True while any request waits or runs, or the tier below the device still has copies
+        to report (a load of a request aborted while loading pins blocks until it is reported)."""
         if self.running or len(self.waiting) > 0:
             return True
-        return self.connector is not None and self.connector.has_pending_transfers
+        return self.tier is not None and self.tier.has_pending_transfers
 
     @property
     def num_unprocessed_steps(self) -> int:
@@ -161,7 +168,7 @@ class Scheduler(AdmissionMixin):
     def protections(self) -> dict[str, bool]:
         """The block-lifetime protections in force here (architecture.md §Protections; the third,
         `event`, is the runner's)."""
-        return {"settled": self.settled, "quarantine": self.kv.pool.enable_quarantine}
+        return {"settled": self.settled, "quarantine": self.kv.enable_quarantine}
 
     def can_schedule(self) -> bool:
         """True if another step may be scheduled before the oldest one is processed."""
@@ -206,22 +213,21 @@ class Scheduler(AdmissionMixin):
                 request, n, drafts, blocks, request.schedule_step(seq, n, len(drafts), samples)
             )
             i += 1
-        num_scheduled, budget = step.num_scheduled, step.budget
-        new_reqs: list[NewRequestData] = []
         if not step.preempted and not blocked:
-            budget = self._admit(seq, budget, num_scheduled, new_reqs)
+            self._transfers += self.admission.admit(step, self.waiting, running)
         self.sched_step_seq = seq
-        self.num_in_flight_tokens += self.max_num_batched_tokens - budget
+        total = self.max_num_batched_tokens - step.budget
+        self.num_in_flight_tokens += total
         finished, self._finished_ids = self._finished_ids, []
-        if self.connector is not None:
-            self._transfers += [t.planned() for t in self.connector.plan_stores(self.running)]
+        if self.tier is not None:
+            self._transfers += [t.planned() for t in self.tier.plan_stores(self.running)]
         transfers, self._transfers = self._transfers, []
         return SchedulerOutput(
             step_seq=seq,
-            scheduled_new_reqs=new_reqs,
+            scheduled_new_reqs=step.new,
             scheduled_cached_reqs=step.cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=step.spec_tokens,
             preempted_req_ids=step.preempted,
             finished_req_ids=finished,
@@ -237,7 +243,7 @@ class Scheduler(AdmissionMixin):
         if num_new <= 0:
             return 0, _NO_DRAFTS, False
         drafts = _NO_DRAFTS
-        if num_new == 1 and self.proposer is not None and request.sampling.use_ngram:
+        if num_new == 1 and self.proposer is not None and request.stop.use_ngram:
             k = min(
                 request.max_new_drafts(self.num_speculative_tokens, self.max_model_len), budget - 1
             )
@@ -265,16 +271,12 @@ class Scheduler(AdmissionMixin):
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
             return tuple([] for _ in self.lifetimes.block_sizes)
-        req_id = request.request_id
         kv, running = self.kv, self.running
-        before = [len(table) for table in kv.get_blocks(req_id)]
         while True:
-            if kv.allocate_slots(request, n) is not None:
+            appended = kv.allocate_slots(request, n)
+            if appended is not None:
                 request.num_slot_tokens = self.lifetimes.num_slot_tokens(end)
-                tables = kv.get_blocks(req_id)
-                return tuple(
-                    [b.block_id for b in t[k:]] for t, k in zip(tables, before, strict=True)
-                )
+                return tuple([b.block_id for b in blocks] for blocks in appended)
             ending = [r.request_id for r in running if r.reaches_max_tokens(self.max_model_len)]
             if kv.num_blocks_short(request, n) <= kv.num_blocks_returning(ending):
                 return None  # the steps in flight will return enough: wait for them
@@ -292,8 +294,8 @@ class Scheduler(AdmissionMixin):
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks to the quarantine, ledger records stale, back to the queue."""
-        if self.connector is not None:  # store what is settled first: it may come back as a hit
-            self._transfers += [t.planned() for t in self.connector.preempt_request(request)]
+        if self.tier is not None:  # store what is settled first: it may come back as a hit
+            self._transfers += [t.planned() for t in self.tier.preempt_request(request)]
         self.lifetimes.free(request)
         request.ledger.mark_stale()
         request.num_computed_tokens = 0
@@ -305,7 +307,7 @@ class Scheduler(AdmissionMixin):
 
     # ---- update --------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Process step `output.step_seq` (mutates). Steps must be processed in schedule order.
 
         Consumes each scheduled request's ledger record, rolls back rejected drafts, delivers
@@ -323,9 +325,9 @@ class Scheduler(AdmissionMixin):
         self.processed_step_seq = seq
         self.num_in_flight_tokens -= output.total_num_scheduled_tokens
         self.kv.release_quarantine(seq)
-        if self.connector is not None:
-            self._transfers_done(result)
-        outputs: list[RequestOutput] = []
+        if self.tier is not None:
+            self.admission.apply_transfers(result, self.requests)
+        outputs: list[RequestUpdate] = []
         num_finished = 0
         sampled = result.sampled_token_ids
         requests, running_status = self.requests, RequestStatus.RUNNING
@@ -348,7 +350,7 @@ class Scheduler(AdmissionMixin):
                 if not record.stale:
                     request.num_computed_tokens -= record.num_draft_tokens - (len(tokens) - 1)
                 reason, delivered = request.deliver(tokens, self.max_model_len)
-                outputs.append(RequestOutput(req_id, delivered, reason))
+                outputs.append(RequestUpdate(req_id, delivered, reason))
                 if reason is not None:
                     num_finished += status is running_status
                     self._finish(request, reason)
@@ -366,20 +368,20 @@ class Scheduler(AdmissionMixin):
 
     def _prune(self, request: Request, processed_step_seq: int) -> None:
         """Prune the request's windows, storing first what they are about to drop (mutates)."""
-        if self.connector is not None and self.lifetimes.prune_due(request):
-            self._transfers += [t.planned() for t in self.connector.store_before_prune(request)]
+        if self.tier is not None and self.lifetimes.prune_due(request):
+            self._transfers += [t.planned() for t in self.tier.store_before_prune(request)]
         self.lifetimes.prune(request, processed_step_seq)
 
     def _finish(self, request: Request, reason: RequestStatus) -> None:
         """Mark finished; free its blocks stamped with its last scheduled step (mutates)."""
-        if self.connector is not None:
-            self._transfers += [t.planned() for t in self.connector.finish_request(request)]
+        if self.tier is not None:
+            self._transfers += [t.planned() for t in self.tier.finish_request(request)]
         if request.status is RequestStatus.RUNNING:
             self.lifetimes.cache(request)
             self.lifetimes.free(request)
         else:
             self.waiting.remove(request)
-            if self.kv.coordinator.has_request(request.request_id):  # loading or loaded
+            if self.kv.has_request(request.request_id):  # loading or loaded
                 self.lifetimes.free(request)
         request.status = reason
         request.ledger.mark_stale()  # outputs of steps still in flight are dropped

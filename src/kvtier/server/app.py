@@ -18,7 +18,7 @@ from kvtier.engine.params import SamplingParams
 from kvtier.server.body_limit import BodyLimit
 from kvtier.server.engine_loop import Delta, EngineLoop, TokenLogprob
 from kvtier.server.generation import ClientDisconnected, Generation, collect, stream
-from kvtier.server.prompts import Encoded, Prompt, encode, resolve_max_tokens
+from kvtier.server.prompts import Prompt, PromptTokens, encode, resolve_max_tokens
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -108,7 +108,7 @@ def build_app(
         check_model(model_id)
         return card
 
-    async def encode_all(prompts: list[Prompt], add_generation_prompt: bool) -> list[Encoded]:
+    async def encode_all(prompts: list[Prompt], add_generation_prompt: bool) -> list[PromptTokens]:
         """Token ids of every prompt, computed in a worker thread (never the engine's)."""
         tok, vocab = engine.tokenizer, engine.vocab_size
         assert tok is not None, "the engine loop is started before the app serves"
@@ -117,7 +117,7 @@ def build_app(
         )
 
     def requests(
-        encoded: list[Encoded],
+        encoded: list[PromptTokens],
         body: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
         params: tuple[str, str],
@@ -148,7 +148,7 @@ def build_app(
         prompt_logprobs = body.logprobs if body.echo else None
         params = ("prompt", "max_tokens")
         todo = requests(encoded, body, max_tokens, params, body.logprobs, prompt_logprobs)
-        gen = Generation(engine, "cmpl", [e.text for e in encoded], body.n)
+        gen = Generation(engine, "cmpl", [e.text or "" for e in encoded], body.n)
         await gen.start(todo, body.priority)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
         head["model"] = body.model
@@ -210,7 +210,7 @@ def build_app(
         num_logprobs = body.num_logprobs()
         encoded = await encode_all([body.dict_messages()], body.add_generation_prompt)
         todo = requests(encoded, body, max_tokens, ("messages", max_param), num_logprobs)
-        gen = Generation(engine, "chatcmpl", [e.text for e in encoded], body.n)
+        gen = Generation(engine, "chatcmpl", [e.text or "" for e in encoded], body.n)
         await gen.start(todo, body.priority)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}

@@ -61,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(ServerConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    loop = EngineLoop(
-        engine_args(args), cfg.max_waiting_requests, cfg.torch_threads, _fail_at_step()
-    )
+    loop = EngineLoop(engine_args(args), cfg.max_waiting_requests, _fail_at_step())
     loop.start()
     log.info(loop.layout_summary)
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME

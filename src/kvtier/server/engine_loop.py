@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvtier.engine.core import EngineCore, RequestState
+from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.engine.requests import StepOutput
 from kvtier.model.tokenizer import Tokenizer
+from kvtier.sched.output import TokenLogprobs
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.protocol import APIError
 
@@ -97,8 +99,6 @@ class _Live:
     num_prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
-    num_logprobs_sent: int = 0
-    prompt_logprobs_sent: bool = False
 
 
 class EngineLoop:
@@ -108,12 +108,10 @@ class EngineLoop:
         self,
         args: EngineArgs,
         max_waiting_requests: int,
-        torch_threads: int | None = None,
         fail_at_step: int | None = None,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
-        self.torch_threads = torch_threads
         # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
         # (1-based), exactly where a real step failure would surface.
         self.fail_at_step = fail_at_step
@@ -178,11 +176,7 @@ class EngineLoop:
 
     def _main(self) -> None:
         try:
-            if self.torch_threads:
-                import torch
-
-                torch.set_num_threads(self.torch_threads)
-            engine = EngineCore(self.args)
+            engine = EngineCore(self.args)  # sets torch's threads (args.torch_threads)
             self.max_model_len = engine.plan.max_model_len
             self.vocab_size = engine.model_config.vocab_size
             self.tokenizer = engine.tokenizer
@@ -239,7 +233,7 @@ class EngineLoop:
                 if self.num_steps == self.fail_at_step:
                     raise RuntimeError(f"injected fault at engine step {self.num_steps}")
                 self._dispatch(engine, engine.step())
-            self.metrics.update(engine)
+            self.metrics.update(engine.stats())
 
     def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -255,11 +249,11 @@ class EngineLoop:
                 arg.sink.put(Failed(APIError(f"internal error: {exc}", 500, kind="server_error")))
         elif kind == "abort":
             live = self._live.pop(arg, None)
-            if live is not None and engine.abort(arg):
-                state = engine.requests.pop(arg)
+            result = engine.abort(arg) if live is not None else None
+            if live is not None and result is not None:
                 self.metrics.finished(live.sub.arrival, time.monotonic(), "abort")
                 usage = Usage(
-                    live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
+                    live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
                 live.sub.sink.put(Delta("", [], "abort", None, usage))
         elif kind == "call":
@@ -292,17 +286,16 @@ class EngineLoop:
     def _backlog(engine: EngineCore) -> int:
         """Waiting requests beyond the free running slots (negative: room to start more now).
         Slots only: a request held back by KV blocks still counts as able to run."""
-        sched = engine.scheduler  # TODO(stats): the engine's public stats() once it lands
-        free = engine.args.scheduler.max_num_seqs - len(sched.running)
-        return len(sched.waiting) - free
+        stats = engine.stats()
+        free = engine.args.scheduler.max_num_seqs - stats.num_running
+        return stats.num_waiting + stats.num_loading - free
 
-    def _dispatch(self, engine: EngineCore, outs: list[Any]) -> None:
+    def _dispatch(self, engine: EngineCore, outs: list[StepOutput]) -> None:
         now = time.monotonic()
+        decode = engine.tokenizer.decode
         for out in outs:
             live = self._live.get(out.req_id)
             if live is None:
-                if out.finished:  # aborted while its last step ran: nobody waits for it
-                    engine.requests.pop(out.req_id, None)
                 continue
             if out.new_token_ids:
                 self.metrics.tokens(
@@ -310,20 +303,21 @@ class EngineLoop:
                 )
                 live.first_token = live.first_token or now
                 live.last_token = now
-            state = engine.requests[out.req_id]
             delta = Delta(out.new_text, list(out.new_token_ids))
-            if state.params.logprobs is not None:
-                delta.logprobs = _new_logprobs(engine, state, live)
-            if state.prompt_logprobs is not None and not live.prompt_logprobs_sent:
-                live.prompt_logprobs_sent = True  # complete: the prefill ended with this token
-                delta.prompt_logprobs = _prompt_logprobs(engine, state)
-            if out.finished:
-                del engine.requests[out.req_id], self._live[out.req_id]
-                delta.finish_reason = state.finish_reason or "stop"
-                delta.stop_reason = state.stop_reason
+            if out.new_logprobs is not None:
+                delta.logprobs = _token_logprobs(decode, out.new_token_ids, out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                delta.prompt_logprobs = _prompt_logprobs(
+                    decode, live.sub.token_ids, out.prompt_logprobs
+                )
+            if out.result is not None:
+                del self._live[out.req_id]
+                result = out.result
+                delta.finish_reason = result.finish_reason
+                delta.stop_reason = result.stop_reason
                 self.metrics.finished(live.sub.arrival, now, delta.finish_reason)
                 delta.usage = Usage(
-                    live.num_prompt_tokens, len(state.token_ids), state.request.num_cached_tokens
+                    live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
             live.sub.sink.put(delta)
 
@@ -332,36 +326,35 @@ def _engine_failed(exc: BaseException) -> APIError:
     return APIError(f"engine failed: {exc}", 500, kind="server_error")
 
 
-def _new_logprobs(engine: EngineCore, state: RequestState, live: _Live) -> list[TokenLogprob]:
-    """Logprobs of the tokens appended since the last delta, with token texts."""
-    decode = engine.tokenizer.decode
-    start, end = live.num_logprobs_sent, min(len(state.logprobs), len(state.token_ids))
-    live.num_logprobs_sent = end
+def _token_logprobs(
+    decode: Callable[..., str], token_ids: list[int], logprobs: list[TokenLogprobs]
+) -> list[TokenLogprob]:
+    """Each token with its logprob and top candidates, as text."""
     return [
         TokenLogprob(
             decode([tok], skip_special_tokens=False),
             lp.logprob,
             [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
         )
-        for tok, lp in zip(state.token_ids[start:end], state.logprobs[start:end])
+        for tok, lp in zip(token_ids, logprobs)
     ]
 
 
-def _prompt_logprobs(engine: EngineCore, state: RequestState) -> list[TokenLogprob]:
+def _prompt_logprobs(
+    decode: Callable[..., str], prompt: list[int], logprobs: list[TokenLogprobs | None]
+) -> list[TokenLogprob]:
     """Every prompt token with its logprob and top candidates, the token's own first."""
-    assert state.prompt_logprobs is not None
 
     def text(token_id: int) -> str:
-        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return decode([token_id], skip_special_tokens=False)
 
-    prompt = state.request.all_token_ids[: state.request.num_prompt_tokens]
     return [
         TokenLogprob(text(tok), None, [])
         if lp is None
         else TokenLogprob(
             text(tok), lp.logprob, [(text(t), v) for t, v in ({tok: lp.logprob} | lp.top).items()]
         )
-        for tok, lp in zip(prompt, state.prompt_logprobs, strict=True)
+        for tok, lp in zip(prompt, logprobs, strict=True)
     ]
 
 
@@ -383,5 +376,5 @@ def layout_summary(engine: EngineCore) -> str:
     return (
         f"KV layout: {len(plan.groups)} groups [{'; '.join(groups)}], block {plan.block_size} "
         f"tokens, max_model_len {plan.max_model_len}; tiers: {tiers}; max concurrency at max "
-        f"length {plan.max_concurrency()}"
+        f"length {plan.max_concurrency()} (admission {plan.admission.name})"
     )

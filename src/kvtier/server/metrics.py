@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
+    from kvtier.engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -26,6 +27,12 @@ class EngineMetrics:
         self.kv_blocks = Gauge(
             "kvtier:kv_cache_num_blocks",
             "KV blocks in the tier (null block excluded)",
+            tier,
+            registry=r,
+        )
+        self.max_concurrency = Gauge(
+            "kvtier:max_concurrency",
+            "Requests of max_model_len tokens the tier holds at once, as admission charges them",
             tier,
             registry=r,
         )
@@ -113,7 +120,8 @@ class EngineMetrics:
     def set_layout(self, engine: EngineCore) -> None:
         for t in engine.plan.tiers:
             self.kv_blocks.labels(t.name).set(t.num_blocks - 1)
-        self.update(engine)
+            self.max_concurrency.labels(t.name).set(engine.plan.max_concurrency(t.name))
+        self.update(engine.stats())
 
     # ---- engine thread ---------------------------------------------------------------------------
 
@@ -122,28 +130,26 @@ class EngineMetrics:
         self._seen[name] = value
         return d
 
-    def update(self, engine: EngineCore) -> None:
-        kv, sched = engine.kv, engine.scheduler
-        self.kv_usage.labels("device").set(kv.usage)
-        self.prefix_queries.labels("device").inc(self._delta("q", kv.stats.num_query_tokens))
-        self.prefix_hits.labels("device").inc(self._delta("h", kv.stats.num_hit_tokens))
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.preemptions.inc(self._delta("p", sched.num_preemptions))
-        self.quarantined.set(kv.pool.num_quarantined_refs)
-        tier = engine.host_tier
-        if tier is not None:
-            m = tier.metrics
-            self.kv_usage.labels("host").set(tier.host.pool.usage)
+    def update(self, stats: EngineStats) -> None:
+        """Set the gauges and advance the counters to an engine snapshot (`EngineCore.stats`)."""
+        prefix = stats.prefix_cache
+        self.kv_usage.labels("device").set(stats.device.usage)
+        self.prefix_queries.labels("device").inc(self._delta("q", prefix.num_query_tokens))
+        self.prefix_hits.labels("device").inc(self._delta("h", prefix.num_hit_tokens))
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting + stats.num_loading)
+        self.preemptions.inc(self._delta("p", stats.num_preemptions))
+        self.quarantined.set(stats.device.num_quarantined_refs)
+        m = stats.host_metrics
+        if stats.host is not None and m is not None:
+            self.kv_usage.labels("host").set(stats.host.usage)
             self.prefix_queries.labels("host").inc(self._delta("hq", m.num_query_tokens))
             self.prefix_hits.labels("host").inc(self._delta("hh", m.num_hit_tokens))
             self.transfer_bytes.labels("device_to_host").inc(self._delta("sb", m.num_stored_bytes))
             self.transfer_bytes.labels("host_to_device").inc(self._delta("lb", m.num_loaded_bytes))
             self.pending_transfers.set(m.num_pending_loads + m.num_pending_stores)
-        sanitizer = engine.device.sanitizer
-        if sanitizer is not None:
-            for kind, n in sanitizer.counts.items():
-                self.hazards.labels(kind).inc(self._delta(kind, n))
+        for kind, n in stats.hazards.items():
+            self.hazards.labels(kind).inc(self._delta(kind, n))
 
     def admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -1,32 +1,15 @@
-"""Prompts → token ids on the HTTP side (text, token ids, or chat messages through the template),
-with the context-length checks. Called in a worker thread (`asyncio.to_thread`), so the engine
-thread only ever receives token ids; the tokenizer releases the GIL while it encodes."""
+"""Prompts → token ids on the HTTP side: `engine/prompts.py` `encode_prompt` (the one front end,
+shared with the offline `LLM`) with its errors as 400s naming `prompt` or `messages`, and the
+context-length check. Called in a worker thread (`asyncio.to_thread`), so the engine thread only
+ever receives token ids; the tokenizer releases the GIL while it encodes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from kvtier.engine.prompts import Prompt, PromptTokens, encode_prompt
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.server.protocol import APIError, render_default_chat
+from kvtier.server.protocol import APIError
 
-Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    text: str  # the prompt as text (echo)
-    token_ids: list[int]
-
-
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_gen: bool) -> str:
-    """The tokenizer's chat template, or the plain `role: text` one; APIError on template errors."""
-    try:
-        if tokenizer.chat_template:
-            return tokenizer.apply_chat_template(messages, add_gen)
-        return render_default_chat(messages, add_gen)
-    except Exception as exc:  # template errors are the request's fault
-        raise APIError(f"chat template: {exc}", param="messages") from None
+__all__ = ["Prompt", "PromptTokens", "encode", "resolve_max_tokens"]
 
 
 def encode(
@@ -35,24 +18,25 @@ def encode(
     vocab_size: int,
     add_generation_prompt: bool = True,
     add_special_tokens: bool | None = None,
-) -> Encoded:
-    """Token ids of one prompt; APIError (400) for empty prompts and ids outside the vocabulary.
-    `add_special_tokens=None`: text gets them, a chat template writes its own (the plain
-    template gets the tokenizer's, as `generate` does)."""
-    if isinstance(prompt, str):
-        special = True if add_special_tokens is None else add_special_tokens
-        return Encoded(prompt, tokenizer.encode(prompt, add_special_tokens=special))
-    if prompt and isinstance(prompt[0], dict):
-        messages: list[dict[str, Any]] = prompt
-        text = render_chat(tokenizer, messages, add_generation_prompt)
-        special = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
-        return Encoded(text, tokenizer.encode(text, add_special_tokens=special))
-    ids: list[int] = prompt  # type: ignore[assignment]
-    if not ids:
-        raise APIError("prompt must not be empty", param="prompt")
-    if any(not 0 <= t < vocab_size for t in ids):
-        raise APIError(f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
-    return Encoded(tokenizer.decode(ids), list(ids))
+) -> PromptTokens:
+    """Token ids of one prompt and its text (token ids are decoded for echo); APIError (400) for
+    what `encode_prompt` refuses (empty prompts, ids outside the vocabulary, template errors)."""
+    is_chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    param = "messages" if is_chat else "prompt"
+    try:
+        tokens = encode_prompt(
+            tokenizer,
+            prompt,
+            vocab_size=vocab_size,
+            name=param,
+            add_generation_prompt=add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+        )
+    except (TypeError, ValueError) as exc:
+        raise APIError(str(exc), param=param) from None
+    if tokens.text is None:
+        return PromptTokens(tokenizer.decode(tokens.token_ids), tokens.token_ids)
+    return tokens
 
 
 def resolve_max_tokens(

@@ -295,19 +295,6 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-# Used when the tokenizer config has no chat template: one "role: text" line per message.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def render_default_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    """DEFAULT_CHAT_TEMPLATE without jinja2."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant:" if add_generation_prompt else "")
-
-
 def validation_error(errors: list[Any]) -> APIError:
     """A pydantic error list → one 400 naming the first offending field, as OpenAI words it."""
     err = errors[0]

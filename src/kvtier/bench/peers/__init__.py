@@ -1,17 +1,18 @@
 """Peer engines for `kvtier bench compare`: each installs into its own venv (never the project's
 environment, never vendored) and runs the same local model folder and workload as ours.
 
-The `vllm_*.py` modules here are scripts executed by the peer venv's python: they never import
-kvtier (the peer venv does not have it) and print JSON lines on stdout. `venv` installs and finds
-the peer; `procs` runs its processes (a line-protocol worker and an HTTP server). Shipping them
-inside the package (not tools/) lets an installed `kvtier` find the scripts by path.
+`venv` installs and finds the peer; `procs` runs its processes (a line-protocol worker and an HTTP
+server). The programs those processes run are `scripts/vllm_*.py`: executed by the peer venv's
+python, they never import kvtier (the peer venv does not have it) and print JSON lines on stdout.
+They are package data, not modules of kvtier (architecture.md §Shipping): an installed `kvtier`
+finds them by path, and nothing of kvtier imports, type-checks or layers them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-SCRIPTS = Path(__file__).parent
+SCRIPTS = Path(__file__).parent / "scripts"
 VLLM_OFFLINE_SCRIPT = SCRIPTS / "vllm_offline.py"
 VLLM_SCHED_SCRIPT = SCRIPTS / "vllm_sched.py"
 VLLM_SERVE_SCRIPT = SCRIPTS / "vllm_serve.py"

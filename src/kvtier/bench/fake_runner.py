@@ -1,23 +1,43 @@
-"""A deterministic fake runner and a batch-queue driver, for tests and host-overhead benchmarks.
+"""A deterministic fake runner: `kvtier bench sched` drives the real scheduler with it (and the
+scheduler tests do too), so it ships with the benchmarks rather than in `sched/`.
 
 Sampled tokens are a pure function of (request, position), so outputs must not depend on async
-depth, chunking or caching. Drafts are accepted by matching that truth or at a seeded rate.
+depth, chunking or caching. Drafts are accepted by matching that truth or at a seeded rate. An
+optional `StepObserver` (the tests' access oracle) sees every step scheduled, executed and
+processed.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.ngram import NgramProposer
-from kvtier.sched.oracle import AccessOracle
-from kvtier.sched.output import RequestOutput, RunnerOutput, SchedulerOutput
-from kvtier.sched.scheduler import Scheduler
+from kvtier.sched.output import RunnerOutput, SchedulerOutput
 
 TokenFn = Callable[[str, int], int]
+
+
+class StepObserver(Protocol):
+    """What watches a fake run: each step as scheduled, each request's share as executed (its
+    tables as the runner built them, its query positions [start, end), the lower start it
+    declared when drafts were unverified), and each step once the host processed it."""
+
+    def on_schedule(self, output: SchedulerOutput) -> None: ...
+
+    def on_execute(
+        self,
+        step_seq: int,
+        req_id: str,
+        runner_tables: list[list[int]],
+        start: int,
+        end: int,
+        declared_start: int | None = None,
+    ) -> None: ...
+
+    def on_processed(self, step_seq: int) -> None: ...
 
 
 def hashed_token(vocab_size: int) -> TokenFn:
@@ -50,7 +70,7 @@ class FakeRunner:
         token_fn: TokenFn | None = None,
         acceptance_rate: float | None = None,
         seed: int = 0,
-        oracle: AccessOracle | None = None,
+        oracle: StepObserver | None = None,
         num_speculative_tokens: int = 1,
     ) -> None:
         if acceptance_rate is not None and not 0.0 <= acceptance_rate <= 1.0:
@@ -129,47 +149,3 @@ class FakeRunner:
         """The host processed `step_seq` (tells the oracle)."""
         if self.oracle is not None:
             self.oracle.on_processed(step_seq)
-
-
-class FakeEngine:
-    """The engine loop over a fake runner: a `BatchQueue` of up to `async_depth` steps."""
-
-    def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
-        self.queue: BatchQueue[RunnerOutput] = BatchQueue(scheduler, runner.execute)
-
-    @property
-    def num_steps(self) -> int:
-        return self.queue.num_steps
-
-    @property
-    def in_flight(self) -> deque[tuple[SchedulerOutput, RunnerOutput]]:
-        return self.queue.in_flight
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule one step if allowed, else process the oldest; returns processed outputs."""
-        return self._process(self.queue.advance())
-
-    def process_oldest(self) -> list[RequestOutput]:
-        """Feed the oldest in-flight step's result back to the scheduler ([] if none)."""
-        return self._process(self.queue.pop_oldest())
-
-    def _process(self, item: tuple[SchedulerOutput, RunnerOutput] | None) -> list[RequestOutput]:
-        if item is None:
-            return []
-        output, result = item
-        outputs = self.scheduler.update(output, result)
-        self.runner.on_processed(output.step_seq)
-        return outputs
-
-    def run(self, max_steps: int = 1_000_000) -> int:
-        """Step until every request finished and no step is in flight; returns steps taken.
-
-        RuntimeError if `max_steps` pass first (a request that can never be scheduled).
-        """
-        for i in range(max_steps):
-            if not self.queue and not self.scheduler.has_unfinished_requests():
-                return i
-            self.step()
-        raise RuntimeError(f"requests still unfinished after {max_steps} engine steps")

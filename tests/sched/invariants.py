@@ -60,14 +60,13 @@ def check_scheduler(sched: Scheduler) -> None:
     live = {r.request_id for r in running} | {r.request_id for r in waiting}
     assert len(live) == len(running) + len(waiting)
     assert live == {k for k, r in sched.requests.items() if not r.is_finished}
-    coordinator = sched.kv.coordinator
     for request in running:
-        assert coordinator.has_request(request.request_id), f"{request.request_id} has no table"
+        assert sched.kv.has_request(request.request_id), f"{request.request_id} has no table"
         if sched.settled:
             check_pruned(sched, request)
     for req_id, request in sched.requests.items():
         if request.status is not RequestStatus.RUNNING:
-            assert not coordinator.has_request(req_id), f"{req_id} keeps blocks while not running"
+            assert not sched.kv.has_request(req_id), f"{req_id} keeps blocks while not running"
     sched.kv.check_integrity()
 
 

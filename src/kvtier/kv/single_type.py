@@ -9,11 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from kvtier.kv.block import BlockHash, KVBlock
+from kvtier.ids import BlockHash, ReqId
+from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import BlockPool
 from kvtier.kv.specs import ChunkedLocal, FullAttention, KVSpec, Mamba, SlidingWindow, cdiv
-
-ReqId = str
 
 
 class SingleTypeManager(ABC):
@@ -89,7 +88,8 @@ class SingleTypeManager(ABC):
     ) -> list[KVBlock]:
         """Extend the table to cover `num_tokens`; positions already skipped get the null block.
 
-        Callers check capacity first (`num_blocks_to_allocate`); returns the new real blocks.
+        Callers check capacity first (`num_blocks_to_allocate`); returns the positions appended
+        to the table, in order: new real blocks, and the null block where a position is skipped.
         """
         table = self.req_to_blocks.get(req_id)
         if table is None:
@@ -97,14 +97,15 @@ class SingleTypeManager(ABC):
             self.num_cached_block[req_id] = 0
             self._num_pruned[req_id] = 0
         required = cdiv(num_tokens, self.block_size)
-        if required <= len(table):
+        start = len(table)
+        if required <= start:
             return []
         skipped = self.spec.num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_null = max(0, min(skipped, required) - len(table))
+        num_null = max(0, min(skipped, required) - start)
         table.extend([self.null_block] * num_null)
         new_blocks = self._extend_real(table, required - len(table))
         self._set_real(req_id, self.num_real_blocks(req_id) + len(new_blocks))
-        return new_blocks
+        return table[start:]
 
     def _extend_real(self, table: list[KVBlock], num_positions: int) -> list[KVBlock]:
         new_blocks = self.pool.get_new_blocks(num_positions)

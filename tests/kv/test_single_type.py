@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvtier.kv import BlockPool, ChunkedLocal, FullAttention, KVBlock, Mamba, SlidingWindow
-from kvtier.kv.managers import SingleTypeManager, make_manager
+from kvtier.kv.single_type import SingleTypeManager, make_manager
 from kvtier.kv.specs import KVSpec
 from tests.kv.factories import ids, manager
 
@@ -221,7 +221,7 @@ def test_allocation_after_skipping_pads_skipped_positions_with_the_null_block():
     assert mgr.num_blocks_to_allocate("r", 22, [], 20) == 3
     new = mgr.allocate_new_blocks("r", 22, 20)
     table = mgr.req_to_blocks["r"]
-    assert len(new) == 3 and [b.is_null for b in table] == [T] * 8 + [F] * 3
+    assert new == table and [b.is_null for b in table] == [T] * 8 + [F] * 3
 
 
 def test_prune_frees_through_the_quarantine():
@@ -270,7 +270,7 @@ def test_mamba_keeps_one_real_state_block_and_prunes_all_but_the_last():
     assert Mamba(4).num_skipped_tokens(9) == 8
     assert mgr.num_blocks_to_allocate("r", 10, [], 0) == 1
     new = mgr.allocate_new_blocks("r", 10, 0)
-    assert len(new) == 1 and [b.is_null for b in mgr.req_to_blocks["r"]] == [T, T, F]
+    assert new == mgr.req_to_blocks["r"] and [b.is_null for b in new] == [T, T, F]
     assert mgr.num_blocks_to_allocate("r", 17, [], 10) == 1  # two positions of growth, one block
     mgr.allocate_new_blocks("r", 17, 10)
     assert [b.is_null for b in mgr.req_to_blocks["r"]] == [T, T, F, T, F]

@@ -1,0 +1,76 @@
+"""The two parameter sets a request's user-facing `SamplingParams` (engine/params.py) splits into
+below the engine: `StopConditions`, the scheduler's (when a request ends, whether it drafts,
+whether it may read the prefix cache), and `DrawParams`, the runner's and sampler's (how a token
+is drawn, which logprobs come back). Both are checked at construction, naming the field.
+
+Plain frozen data, no torch: the scheduler keeps `StopConditions` on its `Request` and carries
+`DrawParams` to the runner in `NewRequestData` (sched/output.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.checks import check_bool, check_float, check_int, check_ints
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+# What logprobs report, as vLLM's `logprobs_mode`: raw = the model's logits before any ban,
+# temperature or filter (vLLM's default); processed = after them (filtered tokens are -inf).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """What ends a request and whether it speculates (the sampled values come from the runner)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens are ignored before this many outputs
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    use_ngram: bool = False  # propose draft tokens by prompt lookup (needs a scheduler with k > 0)
+    skip_reading_prefix_cache: bool = False  # compute every prompt position (prompt logprobs)
+
+    def __post_init__(self) -> None:
+        """Type and range checks naming the field; lists become tuples, numpy ints ints."""
+        put = object.__setattr__
+        put(self, "max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+        hint = f" (at most max_tokens={self.max_tokens})"
+        put(self, "min_tokens", check_int("min_tokens", self.min_tokens, 0, self.max_tokens, hint))
+        put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids, lo=0))
+        if self.eos_token_id is not None:
+            put(self, "eos_token_id", check_int("eos_token_id", self.eos_token_id, lo=0))
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("use_ngram", self.use_ngram)
+        check_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
+
+
+@dataclass(frozen=True)
+class DrawParams:
+    """How the sampler draws a request's tokens and which logprobs come back, named as vLLM's
+    `SamplingParams` (the sampler takes any object with these attributes)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # top-n logprobs per sampled token; 0 = only the sampled token's
+    prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); None: none
+
+    def __post_init__(self) -> None:
+        """Type and range checks naming the field; numpy scalars are stored as int / float."""
+        put = object.__setattr__
+        greedy = " (0 = greedy)"
+        put(self, "temperature", check_float("temperature", self.temperature, lo=0.0, hint=greedy))
+        put(self, "top_k", check_int("top_k", self.top_k, lo=-1, hint=" (0 or -1 disables it)"))
+        put(self, "top_p", check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
+        put(self, "min_p", check_float("min_p", self.min_p, lo=0.0, hi=1.0))
+        if self.seed is not None:
+            hint = " (None = unseeded)"
+            put(self, "seed", check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX, hint=hint))
+        if self.logprobs is not None:
+            put(self, "logprobs", check_int("logprobs", self.logprobs, lo=0))
+        if self.prompt_logprobs is not None:
+            n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
+            put(self, "prompt_logprobs", n)

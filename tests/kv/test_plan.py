@@ -96,6 +96,14 @@ def test_host_tier_from_offloading_size() -> None:
     assert host.name == "host" and host.num_blocks == GIB // plan.bytes_per_block
 
 
+def test_host_tier_too_small_for_one_block_names_the_flag_and_the_minimum() -> None:
+    """A --kv-offloading-size under one block's bytes used to round to a host tier of 0 blocks
+    that stored nothing, silently."""
+    cfg = CacheConfig(num_device_blocks=5000, kv_offloading_size=1e-9)
+    with pytest.raises(ValueError, match=r"--kv-offloading-size .* at least [\d.e-]+ GiB"):
+        plan_kv(gemma3(), cfg, SchedulerConfig(max_model_len=4096))
+
+
 def test_sync_scheduling_shrinks_the_reserve() -> None:
     cache = CacheConfig(num_device_blocks=6000)
     a = plan_kv(gemma3(), cache, SchedulerConfig(max_model_len=8192))

@@ -157,6 +157,12 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         tiers.append(TierPlan("host", cache.num_host_blocks, bytes_per_block))
     elif cache.kv_offloading_size:
         host_blocks = int(cache.kv_offloading_size * GIB) // bytes_per_block
+        if host_blocks < 1:
+            raise ValueError(
+                f"--kv-offloading-size {cache.kv_offloading_size} GiB holds no KV block (one "
+                f"block is {bytes_per_block} bytes): give at least {bytes_per_block / GIB:.3g} "
+                "GiB, or --num-host-blocks N"
+            )
         tiers.append(TierPlan("host", host_blocks, bytes_per_block))
     plan = KVPlan(
         groups,

@@ -206,6 +206,7 @@ def test_the_layer_table_orders_every_package() -> None:
         "ids",
         "sampling",
         "kv",
+        "stores",
         "sched",
         "offload",
         "device",

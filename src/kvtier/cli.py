@@ -1,4 +1,4 @@
-"""Command line: `kvtier generate · serve · plan · bench …`. Subcommands only parse flags and call into the packages."""
+"""Command line: `kvtier generate · serve · router · plan · bench …`. Subcommands only parse flags and call into the packages."""
 
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=serve_cli.run)
 
 
+def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    router_cli = importlib.import_module("kvtier.server.router_cli")
+
+    p = sub.add_parser(
+        "router", help="route OpenAI requests to kvtier serve replicas by conversation prefix"
+    )
+    router_cli.add_arguments(p)
+    p.set_defaults(func=router_cli.run)
+
+
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints a summary, saves JSON)")
     p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
@@ -57,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    _add_router(sub)
     _add_plan(sub)
     _add_bench(sub)
     return parser

@@ -453,3 +453,49 @@ FLAG_HELP = {
     "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
     "log_level": "debug, info, warning or error",
 }
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`kvtier router`: the replicas it fronts and how it routes (see `server/ring.py`)."""
+
+    replicas: tuple[str, ...]  # base URLs, http://host:port, no trailing slash
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_interval_s: float = 1.0  # GET /health on every replica this often
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0  # a replica not accepting within this is failed over
+    route_prefix_chars: int = 256  # a completion prompt's characters that name its prefix
+    load_factor: float = 1.25  # pass over a replica above this × the mean in-flight count
+    max_request_body_bytes: int = 64 << 20  # larger bodies get 413 (the router buffers each)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.replicas:
+            raise ValueError(
+                "give at least one --replica URL, e.g. --replica http://127.0.0.1:8001"
+            )
+        for url in self.replicas:
+            scheme, _, rest = url.partition("://")
+            if scheme not in ("http", "https") or not rest or "/" in rest:
+                raise ValueError(
+                    f"--replica {url!r} must be a base URL like http://127.0.0.1:8001 (no path)"
+                )
+        if len(set(self.replicas)) != len(self.replicas):
+            raise ValueError(f"--replica URLs must be distinct, got {list(self.replicas)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{flag(name)} must be positive, got {getattr(self, name)}")
+        if self.route_prefix_chars < 1:
+            raise ValueError(f"--route-prefix-chars must be ≥ 1, got {self.route_prefix_chars}")
+        if not self.load_factor >= 1:
+            raise ValueError(f"--load-factor must be ≥ 1, got {self.load_factor}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be ≥ 1")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(
+                f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
+            )

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.engine import LLM, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 64}
@@ -23,17 +24,6 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-
-
-def prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],  # repetitive: n-gram drafts get accepted
-    ]
 
 
 def generate(
@@ -52,8 +42,8 @@ def test_greedy_tokens_match_transformers(arch: str, request: pytest.FixtureRequ
 
     path: Path = request.getfixturevalue(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    ours = generate(path, prompts()[:3])
-    for tokens, got in zip(prompts()[:3], ours, strict=True):
+    ours = generate(path, mixed_prompts()[:3])
+    for tokens, got in zip(mixed_prompts()[:3], ours, strict=True):
         with torch.no_grad():
             ids = hf.generate(
                 torch.tensor([tokens]), max_new_tokens=24, do_sample=False, eos_token_id=None
@@ -74,8 +64,8 @@ SIM = {"device": "sim", "poison": True, "sanitize": True}
 
 def test_prefix_hits_are_reported_and_change_nothing(gemma3: Path) -> None:
     llm = LLM(str(gemma3), **SMALL)
-    first = llm.generate([{"prompt_token_ids": prompts()[0]}], GREEDY, use_tqdm=False)[0]
-    again = llm.generate([{"prompt_token_ids": prompts()[0]}], GREEDY, use_tqdm=False)[0]
+    first = llm.generate([{"prompt_token_ids": mixed_prompts()[0]}], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([{"prompt_token_ids": mixed_prompts()[0]}], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == 20  # 23 prompt tokens: 5 full blocks of 4
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -103,11 +93,13 @@ def test_stop_strings_min_tokens_and_finish_reasons(gemma3: Path) -> None:
 
 def test_seeded_sampling_is_reproducible_across_modes(gemma3: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
-    a = generate(gemma3, prompts(), params, async_scheduling=False)
-    b = generate(gemma3, prompts(), params, async_depth=3, device="sim")
+    a = generate(gemma3, mixed_prompts(), params, async_scheduling=False)
+    b = generate(gemma3, mixed_prompts(), params, async_depth=3, device="sim")
     assert a == b
     c = generate(
-        gemma3, prompts(), SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True)
+        gemma3,
+        mixed_prompts(),
+        SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True),
     )
     assert c != a
 
@@ -188,6 +180,6 @@ def test_without_the_quarantine_the_sanitizer_catches_reuse(
 
     llm = LLM(str(gemma3), **{**SMALL, **SIM, **TIGHT, "protect": protect, "device": device})
     with pytest.raises(RaceError) as info:
-        llm.generate([{"prompt_token_ids": t} for t in prompts()], GREEDY, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": t} for t in mixed_prompts()], GREEDY, use_tqdm=False)
     assert {h.kind for h in info.value.hazards} <= kinds
     assert info.value.hazards

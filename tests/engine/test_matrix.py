@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferFaults
 from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 64}
@@ -51,22 +52,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("gemma3-matrix"), "gemma3", window=8)
 
 
-def prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],  # repetitive: n-gram drafts get accepted
-    ]
-
-
 @functools.cache
 def alone(model: Path) -> tuple[tuple[int, ...], ...]:
     """Each prompt alone: synchronous, no prefix caching, on the cpu backend."""
     out = []
-    for p in prompts():
+    for p in mixed_prompts():
         llm = LLM(
             str(model), **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False}
         )
@@ -76,7 +66,7 @@ def alone(model: Path) -> tuple[tuple[int, ...], ...]:
 
 
 def rounds(llm: LLM, n: int) -> list[list[tuple[int, ...]]]:
-    batch = [{"prompt_token_ids": p} for p in prompts()]
+    batch = [{"prompt_token_ids": p} for p in mixed_prompts()]
     return [
         [tuple(o.outputs[0].token_ids) for o in llm.generate(batch, GREEDY, use_tqdm=False)]
         for _ in range(n)
@@ -131,10 +121,10 @@ def test_aborts_at_every_step_leave_the_others_tokens_alone(
         kw = {**SMALL, **CHECKED, **HOST, "device": device, "async_depth": async_depth}
         engine = EngineCore(EngineArgs.from_kwargs(str(gemma3), **kw))
         got: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts()):
+        for i, p in enumerate(mixed_prompts()):
             engine.add_request(f"r{i}", p, GREEDY)
             got[f"r{i}"] = []
-        victim = f"r{abort_after % len(prompts())}"
+        victim = f"r{abort_after % len(mixed_prompts())}"
         steps = 0
         while engine.has_unfinished_requests():
             if steps == abort_after:

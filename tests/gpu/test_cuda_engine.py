@@ -13,6 +13,7 @@ import torch
 
 from kvtier.engine import LLM, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import mixed_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,17 +25,6 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)  # fits max_model_len 64
 
 
-def prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],
-    ]
-
-
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     arch = request.param
@@ -43,7 +33,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def generate(model: Path, params: SamplingParams = GREEDY, **kw: Any) -> list[list[int]]:
     llm = LLM(str(model), **{**SMALL, **CUDA, **kw})
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
     assert llm.engine.stats().num_hazards == 0
     llm.engine.check_integrity()
     return [o.outputs[0].token_ids for o in outs]
@@ -56,7 +46,7 @@ def hf_greedy(model: Path, dtype: torch.dtype, n: int) -> list[list[int]]:
     hf = hf.to("cuda").eval()
     out = []
     with torch.no_grad():
-        for p in prompts():
+        for p in mixed_prompts():
             ids = hf.generate(
                 torch.tensor([p], device="cuda"),
                 max_new_tokens=n,
@@ -81,7 +71,7 @@ def test_bfloat16_prompt_logprobs_match_transformers_on_the_gpu(model: Path) -> 
     hf = AutoModelForCausalLM.from_pretrained(
         model, dtype=torch.bfloat16, attn_implementation="eager"
     ).to("cuda")
-    for p in prompts():
+    for p in mixed_prompts():
         out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
         assert out.prompt_logprobs is not None
         lps = out.prompt_logprobs
@@ -122,7 +112,7 @@ def test_offload_on_and_off_give_the_same_greedy_tokens(model: Path) -> None:
     tight = {"dtype": "float64", "num_device_blocks": 80, "max_model_len": 64}
     off = [generate(model, SHORT, **tight) for _ in range(2)]
     llm = LLM(str(model), **{**SMALL, **CUDA, **tight, "num_host_blocks": 400})
-    batch = [{"prompt_token_ids": p} for p in prompts()]
+    batch = [{"prompt_token_ids": p} for p in mixed_prompts()]
     on = [
         [o.outputs[0].token_ids for o in llm.generate(batch, SHORT, use_tqdm=False)]
         for _ in range(2)

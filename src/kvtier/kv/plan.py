@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.kv.coordinator import check_alignment
 from kvtier.kv.specs import (
     SHARED,
     AdmissionPolicy,
@@ -151,6 +152,7 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
     # in place: one table position (architecture.md §Snapshots).
     state_block = block_size if cache.enable_prefix_caching else max_model_len
     groups, slots = group_layers(model, block_size, state_block)
+    check_alignment([g.spec for g in groups])  # what the engine's coordinator will refuse
     bytes_per_block = slots * page_bytes
     if cache.num_device_blocks is not None:
         device_blocks = cache.num_device_blocks
@@ -165,6 +167,12 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         tiers.append(TierPlan("host", cache.num_host_blocks, bytes_per_block))
     elif cache.kv_offloading_size:
         host_blocks = int(cache.kv_offloading_size * GIB) // bytes_per_block
+        if host_blocks < 1:
+            raise ValueError(
+                f"--kv-offloading-size {cache.kv_offloading_size} GiB holds no KV block (one "
+                f"block is {bytes_per_block} bytes): give at least {bytes_per_block / GIB:.3g} "
+                "GiB, or --num-host-blocks N"
+            )
         tiers.append(TierPlan("host", host_blocks, bytes_per_block))
     plan = KVPlan(
         groups,

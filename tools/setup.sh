@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for kvtier: Debian's redis-server when missing (the remote-store tests run
+# a real one), then kvtier itself, editable, with its dev extras (CPU PyTorch 2.13 and the tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.engine import LLM, SamplingParams, TransferFaults
+from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferFaults
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.types import Transfer
@@ -225,3 +225,37 @@ def test_window_full_and_state_groups_together(mode: str, models: dict[str, Path
     assert kinds == {"FullAttention", "SlidingWindow", "Mamba"}
     assert rounds(llm, 2) == [list(alone(folder))] * 2
     check_clean(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aborts_at_every_step_leave_the_others_tokens_alone(
+    arch: str, models: dict[str, Path]
+) -> None:
+    """Abort one request after each number of steps (while loading from the host, prefilling,
+    verifying drafts, with three steps in flight): the others get their tokens alone, the aborted
+    one a prefix of its own, and the engine drains to idle with no hazard."""
+    folder = models[arch]
+    expected = alone(folder)
+    host = {**HOST, "num_device_blocks": HOST_BLOCKS[arch]}
+    kw = {**SMALL, **CHECKED, **host, "device": "sim", "async_depth": 3}
+    engine = EngineCore(EngineArgs.from_kwargs(str(folder), **kw, num_speculative_tokens=2))
+    for abort_after in range(0, 12, 3):
+        got: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts()):
+            engine.add_request(f"r{abort_after}-{i}", p, GREEDY)
+            got[f"r{abort_after}-{i}"] = []
+        victim = f"r{abort_after}-{abort_after % len(prompts())}"
+        steps = 0
+        while engine.has_unfinished_requests():
+            if steps == abort_after:
+                engine.abort(victim)
+            for out in engine.step():
+                got[out.req_id] += out.new_token_ids
+            steps += 1
+        for i, want in enumerate(expected):
+            tokens = tuple(got[f"r{abort_after}-{i}"])
+            victim_i = f"r{abort_after}-{i}" == victim
+            assert tokens == want[: len(tokens)] if victim_i else tokens == want
+        assert engine.stats().num_hazards == 0
+        assert engine.stats().is_idle
+    engine.check_integrity()

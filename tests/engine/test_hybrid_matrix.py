@@ -259,3 +259,19 @@ def test_aborts_at_every_step_leave_the_others_tokens_alone(
         assert engine.stats().num_hazards == 0
         assert engine.stats().is_idle
     engine.check_integrity()
+
+
+def test_draft_pages_come_out_of_the_memory_budget(models: dict[str, Path]) -> None:
+    """runner/draft_states.py: a hybrid's draft pages (max_num_seqs × k per state group) are pool
+    rows beyond the KV manager's blocks, paid from --kv-cache-memory-bytes, not on top of it."""
+    budget = 400_000
+    kw = {**SMALL, "device": "sim", "kv_cache_memory_bytes": budget, "max_num_seqs": 4}
+    plain = LLM(str(models["falcon_h1"]), **kw).engine
+    drafting = LLM(str(models["falcon_h1"]), **kw, num_speculative_tokens=2).engine
+    per_block = drafting.plan.bytes_per_block
+    draft_pages = 4 * 2  # max_num_seqs × k × one state group
+    assert drafting.device.num_blocks("device") * per_block <= budget
+    assert drafting.device.num_blocks("device") == drafting.plan.tiers[0].num_blocks + draft_pages
+    assert drafting.plan.tiers[0].num_blocks == plain.plan.tiers[0].num_blocks - draft_pages
+    with pytest.raises(ValueError, match="draft pages"):
+        LLM(str(models["falcon_h1"]), **{**kw, "max_num_seqs": 64}, num_speculative_tokens=3)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.config import KV_DTYPES, ModelConfig
+from kvtier.config import KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
@@ -155,12 +155,36 @@ class EngineCore:
         if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
             # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
             # requests can use (small models would otherwise carry millions of idle blocks).
-            plan = plan_kv(cfg, replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES), sched)
+            default = self._without_draft_pages(cfg, cache, sched, DEFAULT_KV_BYTES)
+            plan = plan_kv(cfg, default, sched)
             wanted = plan.blocks_for_requests(sched.max_num_seqs, plan.max_model_len)
             cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
+        elif cache.num_device_blocks is None and cache.kv_cache_memory_bytes is not None:
+            cache = self._without_draft_pages(cfg, cache, sched, cache.kv_cache_memory_bytes)
         plan = plan_kv(cfg, cache, sched)
         self.args = replace(args, cache=cache, scheduler=sched)
         return plan
+
+    def _without_draft_pages(
+        self, cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, budget: int
+    ) -> CacheConfig:
+        """`cache` with a byte budget of `budget` less the runner's draft pages (a hybrid with
+        drafts, runner/draft_states.py): they come out of the same memory as the KV blocks."""
+        num = DraftStates.num_pages(
+            len(self.model.state_groups), self.args.num_speculative_tokens, sched.max_num_seqs
+        )
+        if num:
+            probe = replace(cache, kv_cache_memory_bytes=None, num_device_blocks=1 << 20)
+            pages = num * plan_kv(cfg, probe, sched).bytes_per_block
+            if pages >= budget:
+                raise ValueError(
+                    f"the draft pages of {self.args.num_speculative_tokens} speculative tokens "
+                    f"for {sched.max_num_seqs} sequences take {pages} bytes of the KV budget "
+                    f"({budget}); raise --kv-cache-memory-bytes or lower --max-num-seqs or "
+                    "--num-speculative-tokens"
+                )
+            budget -= pages
+        return replace(cache, kv_cache_memory_bytes=budget)
 
     # ---- requests ------------------------------------------------------------------------------
 

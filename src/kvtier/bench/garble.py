@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the scenario's, 0.5; 0.2 for finish)",
     )
     parser.add_argument("--host-blocks", type=int, default=20000)
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="prefix caching on in a scenario without a host tier (drafts): a hybrid's state "
+        "groups then keep a page per block, which pruning can free",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_garble.json")
     parser.add_argument("--plot", default=None, help="write a PNG chart here")
@@ -246,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
     scenario = SCENARIOS[args.scenario]
     hybrid = cfg.mamba is not None  # state groups beside the window groups: attribute hazards
+    caching = scenario.offload or args.prefix_caching
     tokenizer = load_tokenizer(path)
     batch = [{"prompt_token_ids": p} for p in prompts(tokenizer, args)]
     params = sampling_params(args, tokenizer)
@@ -265,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(batch)} prompts × {args.rounds} rounds, concurrency {args.concurrency}, "
         f"{args.max_tokens} new tokens, {args.dtype}; device pool {device_blocks} blocks "
         f"(the concurrency needs {needed}), "
-        + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier, no caching")
+        + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier")
+        + ("" if caching else ", no caching")
         + (", blocks NaN-poisoned when handed out" if scenario.poison else "")
     )
     ref = run_variant(  # on the variants' hardware: kernels differ between CPU and GPU
@@ -294,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             async_depth=depth,
             max_model_len=max_len,
             num_device_blocks=device_blocks,
-            enable_prefix_caching=scenario.offload,
+            enable_prefix_caching=caching,
             **host,
             max_num_seqs=args.concurrency,
             protect=protect_of(name),

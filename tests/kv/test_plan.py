@@ -476,3 +476,15 @@ def test_plan_command_prints_the_state_page(capsys, tmp_path) -> None:
     assert saved["state_page_bytes"] == FALCON_STATE_BYTES and saved["block_size"] == 800
     assert saved["tiers"][0]["max_concurrency_at_max_len"] == 12
     assert [g["page_bytes"] for g in saved["groups"]] == [409_600, FALCON_STATE_BYTES]
+
+
+def test_plan_command_says_a_state_group_keeps_no_snapshots_without_prefix_caching(
+    capsys, tmp_path
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--model", "falcon-h1-0.5b", "--no-enable-prefix-caching"]
+    assert run(parser.parse_args(args)) == 0
+    text = capsys.readouterr().out
+    assert "snapshots" not in text
+    assert "one page per request for its whole life" in text

@@ -275,3 +275,10 @@ def test_draft_pages_come_out_of_the_memory_budget(models: dict[str, Path]) -> N
     assert drafting.plan.tiers[0].num_blocks == plain.plan.tiers[0].num_blocks - draft_pages
     with pytest.raises(ValueError, match="draft pages"):
         LLM(str(models["falcon_h1"]), **{**kw, "max_num_seqs": 64}, num_speculative_tokens=3)
+
+
+def test_a_kv_dtype_other_than_the_models_is_refused(models: dict[str, Path]) -> None:
+    """States share the pages in the model's dtype: a different --kv-cache-dtype is a ValueError
+    naming the flag, before anything is allocated."""
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="bfloat16")

@@ -197,8 +197,16 @@ def run_fetch(
         if (g, p) not in job.held
     ]
     walk.ask(wants)
-    bound = reach(specs, align, job.device_hit, job.start, job.max_len, walk.has)
     others = [g for g in range(len(specs)) if g not in full]
+    # the full groups' bound: window and state groups are asked next, only for what it needs
+    bound = reach(
+        specs,
+        align,
+        job.device_hit,
+        job.start,
+        job.max_len,
+        lambda g, p: g in others or walk.has(g, p),
+    )
     if others and bound > job.start:
         lowest = max(job.start + align, bound - WINDOW_SEARCH_STEPS * align)
         more: list[Want] = []

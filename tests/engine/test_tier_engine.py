@@ -19,7 +19,7 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.stats import EngineStats
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.chain import TierStats
-from tests.stores.servers import RedisServer
+from tests.stores.servers import RedisServer, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 BASE: dict[str, Any] = {
@@ -193,6 +193,38 @@ def test_redis_killed_mid_run_loses_no_request(
         llm.engine.close()
 
 
+def test_corrupted_values_and_a_restarted_redis_change_no_token(
+    llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
+) -> None:
+    """Every value overwritten with garbage: misses (counted corrupt), recomputed. Redis
+    restarted empty on its port: misses, then the tier reconnects and stores again."""
+    llm = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
+    try:
+        assert rounds(llm, 1) == reference[:1]
+        with redis_server.client() as c:
+            keys = c.keys("*")
+            assert keys
+            for key in keys:
+                c.set(key, b"not a frame")
+        assert generate(llm, prompts()) == reference[1]
+        assert tier(llm.engine.stats(), "remote").store.num_corrupt > 0
+        redis_server.kill()
+        redis_server.start()  # the same port, empty
+        assert generate(llm, prompts()) == reference[2]
+        seeds = iter(range(1, 100))
+
+        def stores_again() -> bool:  # a new prompt's blocks reach the new server
+            generate(llm, prompts(2, next(seeds)))
+            llm.engine.flush_tiers(30)
+            with redis_server.client() as c:
+                return int(c.dbsize()) > 0
+
+        wait_until(stores_again, 60)
+        assert_clean(llm)
+    finally:
+        llm.engine.close()
+
+
 def test_a_hung_redis_times_out_to_recompute(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
@@ -211,6 +243,32 @@ def test_a_hung_redis_times_out_to_recompute(
         assert llm.engine.tier_chain is not None
         assert llm.engine.tier_chain.metrics.num_fetch_timeouts > 0
     finally:
+        llm.engine.close()
+
+
+def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
+    llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
+) -> None:
+    """While the only request waits for a hung Redis, the engine waits for the I/O instead of
+    stepping empty forwards (each one modelled device time on the sim, a wasted forward on a
+    real device): the run takes the steps its tokens need."""
+    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
+    try:
+        assert rounds(first, 1) == reference[:1]
+    finally:
+        first.engine.close()
+    llm = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url, kv_tier_timeout_s=0.2)
+    redis_server.pause()
+    try:
+        assert generate(llm, prompts()[:1]) == reference[0][:1]
+        # one prefill (the prompt fits one step's budget), a step per further token, the step
+        # whose lookup starts the read and one completing the last host stores (it took 739
+        # steps when the engine stepped empty forwards while the read waited)
+        assert llm.engine.queue.num_steps <= 3 + GREEDY.max_tokens
+        assert llm.engine.tier_chain is not None
+        assert llm.engine.tier_chain.metrics.num_fetch_timeouts == 1
+    finally:
+        redis_server.resume()
         llm.engine.close()
 
 

@@ -324,13 +324,13 @@ def run(args: argparse.Namespace) -> int:
             ),
             "tok_s_wall_on_over_off": ratio(row["tok_s_wall"], off["tok_s_wall"]),
         }
-        r = ratios[row["config"]]
+        r = {k: "n/a" if v is None else f"×{v:.2f}" for k, v in ratios[row["config"]].items()}
         print(
-            f"{row['config']} vs off: TTFT (device) mean ×{r['ttft_device_mean_off_over_on']:.2f} "
-            f"lower, median ×{r['ttft_device_median_off_over_on']:.2f}, p99 "
-            f"×{r['ttft_device_p99_off_over_on']:.2f}; output tok/s (device) "
-            f"×{r['tok_s_device_on_over_off']:.2f}; wall: TTFT ×"
-            f"{r['ttft_wall_mean_off_over_on']:.2f}, tok/s ×{r['tok_s_wall_on_over_off']:.2f}"
+            f"{row['config']} vs {off['config']}: TTFT (device) mean "
+            f"{r['ttft_device_mean_off_over_on']} lower, median "
+            f"{r['ttft_device_median_off_over_on']}, p99 {r['ttft_device_p99_off_over_on']}; "
+            f"output tok/s (device) {r['tok_s_device_on_over_off']}; wall: TTFT "
+            f"{r['ttft_wall_mean_off_over_on']}, tok/s {r['tok_s_wall_on_over_off']}"
         )
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("func",)},

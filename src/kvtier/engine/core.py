@@ -214,9 +214,20 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """One engine step: the synchronous loop at depth 1, the batch queue otherwise."""
+        self._wait_for_tiers()
         if self.scheduler.async_depth == 1:
             return self.step_sync()
         return self.step_async()
+
+    def _wait_for_tiers(self) -> None:
+        """When every unfinished request waits for a disk or remote read, wait for that I/O (up
+        to its deadline) instead of stepping an empty forward."""
+        chain = self.tier_chain
+        if chain is None or self.scheduler.running or len(self.queue):
+            return
+        blocked = chain.waiting_on_io()
+        if blocked and all(r.request_id in blocked for r in self.scheduler.waiting):
+            chain.wait_for_io()
 
     def step_sync(self) -> list[StepOutput]:
         """schedule → execute → wait → update."""

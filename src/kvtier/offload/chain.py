@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -412,6 +412,20 @@ class TierChain:
     @property
     def has_pending_transfers(self) -> bool:
         return self.host.has_pending_transfers
+
+    # ---- waiting for the I/O ----------------------------------------------------------------------
+
+    def waiting_on_io(self) -> set[ReqId]:
+        """Requests whose lookup waits for a read below the host (reads only)."""
+        return {rid for rid, st in self._reqs.items() if st.fetch or st.waiting_on}
+
+    def wait_for_io(self) -> None:
+        """Block until a read in flight finishes or the earliest deadline passes (for an engine
+        with nothing else to do: cheaper than stepping empty forwards). Mutates nothing."""
+        pending = [f for f in self._fetches if not f.future.done()]
+        if pending:
+            timeout = max(0.0, min(f.deadline for f in pending) - self.clock())
+            wait([f.future for f in pending], timeout, FIRST_COMPLETED)
 
     # ---- lifecycle and stats ---------------------------------------------------------------------
 

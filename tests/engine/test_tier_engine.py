@@ -101,10 +101,12 @@ def reference(llama: Path) -> list[list[list[int]]]:
         llm.engine.close()
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_disk_tier_serves_later_rounds_with_the_same_tokens(
-    llama: Path, reference: list[list[list[int]]], tmp_path: Path
+    llama: Path, reference: list[list[list[int]]], tmp_path: Path, depth: int
 ) -> None:
-    llm = LLM(str(llama), **BASE, **SMALL, kv_disk_path=str(tmp_path / "disk"))
+    sched = {"async_scheduling": depth > 1, "async_depth": depth}
+    llm = LLM(str(llama), **BASE, **SMALL, **sched, kv_disk_path=str(tmp_path / "disk"))
     try:
         assert rounds(llm) == reference
         stats = assert_clean(llm)

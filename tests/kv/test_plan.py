@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -94,6 +95,28 @@ def test_host_tier_from_offloading_size() -> None:
     )
     host = plan.tiers[1]
     assert host.name == "host" and host.num_blocks == GIB // plan.bytes_per_block
+
+
+def test_plan_refuses_a_chunk_the_engine_refuses() -> None:
+    """`kvtier plan` printed a plan for a chunk that is no multiple of the block size, which the
+    engine's coordinator then refused at startup."""
+    n = gemma3().num_layers
+    kinds = tuple("full" if (i + 1) % 4 == 0 else "chunked" for i in range(n))
+    llama4ish = dataclasses.replace(
+        gemma3(), layer_kinds=kinds, sliding_window=None, attention_chunk_size=100
+    )
+    with pytest.raises(ValueError, match="attention chunk 100 must be a multiple of the block"):
+        plan_kv(llama4ish, CacheConfig(num_device_blocks=5000, block_size=16), SchedulerConfig())
+    ok = dataclasses.replace(llama4ish, attention_chunk_size=96)
+    assert plan_kv(ok, CacheConfig(num_device_blocks=5000, block_size=16), SchedulerConfig())
+
+
+def test_host_tier_too_small_for_one_block_names_the_flag_and_the_minimum() -> None:
+    """A --kv-offloading-size under one block's bytes used to round to a host tier of 0 blocks
+    that stored nothing, silently."""
+    cfg = CacheConfig(num_device_blocks=5000, kv_offloading_size=1e-9)
+    with pytest.raises(ValueError, match=r"--kv-offloading-size .* at least [\d.e-]+ GiB"):
+        plan_kv(gemma3(), cfg, SchedulerConfig(max_model_len=4096))
 
 
 def test_sync_scheduling_shrinks_the_reserve() -> None:

@@ -57,10 +57,12 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_model_dir, arch, dtype
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
-def test_bfloat16_is_as_accurate_as_transformers_bfloat16(tiny_model_dir, arch):
+@pytest.mark.parametrize("config", [{}, {"hidden_size": 256}], ids=["head16", "head64"])
+def test_bfloat16_is_as_accurate_as_transformers_bfloat16(tiny_model_dir, arch, config):
     """bf16 rounds differently from HF's eager path (SDPA keeps float32 accumulators), so compare
-    both against float64 truth: our error must be no worse than HF's, and argmax mostly agrees."""
-    folder = tiny_model_dir(arch)
+    both against float64 truth: our error must be no worse than HF's, and argmax mostly agrees.
+    Head size 64 takes the native kernel's bfloat16 pairs path (head sizes a multiple of 32)."""
+    folder = tiny_model_dir(arch, **config)
     tokens = prompt(seed=2) + list(range(40, 72))
     truth = hf_logits(hf_model(folder, torch.float64), tokens)
     hf_err = (hf_logits(hf_model(folder, torch.bfloat16), tokens).double() - truth).abs().mean()

@@ -125,8 +125,11 @@ def test_equal_shape_prefills_share_one_call_and_match_alone(tiny_model_dir, arc
     batch = [("e", seqs["b"][:12]), ("g", seqs["a"][12:24]), ("f", seqs["d"][:12])]
     together = kv.step(batch)
     meta = AttentionMetadata.build([0, 12, 0], [12, 12, 12], [[[1, 2, 3], [4] * 6, [5] * 3]], 4)
-    buckets = plan_group(meta, 0, LayerKind(), 2, 2).prefills
-    assert [p.mask.shape[0] for p in buckets] == [2, 1]  # e and f share one call
+    plan = plan_group(meta, 0, LayerKind(), 2, 2)
+    assert [o.num_seqs for o in plan.owns] == [2]  # e and f: one call on their own keys
+    assert [g.num_seqs for g in plan.gathers] == [1]  # g reads its cached prefix
+    gathered = plan_group(meta, 0, LayerKind(), 2, 2, own_keys=False).gathers
+    assert [g.num_seqs for g in gathered] == [3]  # without the own-keys path: one gather
     for (s, ids), logits in zip([batch[0], batch[2]], [together[0], together[2]], strict=True):
         alone = PagedKV(model, num_blocks=96, block_size=4).step([(s, ids)])[0]
         torch.testing.assert_close(logits, alone, atol=1e-10, rtol=0)

@@ -22,6 +22,7 @@ BENCHMARKS = (
     "offload",
     "compare",
     "preempt",
+    "roofline",
     "overlap",
     "admission",
 )

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import compare_report, save_json
+from kvtier.bench import compare_report, models, save_json
 from kvtier.bench.peers import (
     VLLM_OFFLINE_SCRIPT,
     VLLM_SCHED_SCRIPT,
@@ -32,10 +32,7 @@ SERVED_NAME = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--models", default="tiny-llama,default",
-        help="tiny-llama (as bench throughput), default (embedded Gemma3, sliding layers), folders",
-    )  # fmt: skip
+    parser.add_argument("--models", default="tiny-llama,default", help=models.HELP)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="offline dtypes")
     parser.add_argument("--parts", default=",".join(PARTS), help="offline,serve,sched")
     parser.add_argument("--repeat", type=int, default=3, help="measured rounds per engine")
@@ -101,18 +98,6 @@ def alternate(
     return a, b
 
 
-def model_path(name: str, tmp: Path) -> Path:
-    if name == "tiny-llama":
-        from kvtier.bench.throughput import tiny_llama
-
-        return tiny_llama(tmp / "tiny-llama")
-    if name == "default":
-        from kvtier.engine.params import DEFAULT_MODEL
-
-        return Path(DEFAULT_MODEL)
-    return Path(name)
-
-
 def _max_len(args: argparse.Namespace) -> int:
     return int(args.input_len + args.output_len + args.block_size)
 
@@ -135,8 +120,8 @@ def offline(
         argv += ["--block-size", str(args.peer_block_size)]
     if args.peer_enforce_eager:
         argv.append("--enforce-eager")
-    peer = procs.LineWorker(argv, venv.peer_env(), logs / f"vllm_offline_{name}_{dtype}.log",
-                            args.timeout)  # fmt: skip
+    log = logs / f"vllm_offline_{models.label(name)}_{dtype}.log"
+    peer = procs.LineWorker(argv, venv.peer_env(), log, args.timeout)
     try:
         llm = LLM(str(path), device="cpu", dtype=dtype, block_size=args.block_size,
                   torch_threads=args.threads,
@@ -185,7 +170,7 @@ def offline(
         peer.close()
     same = sum(x == y for r, s in zip(a, b) for x, y in zip(r["tokens"], s["tokens"]))
     return {
-        "model": name,
+        "model": models.label(name),
         "dtype": dtype,
         "peer": {k: v for k, v in peer.ready.items() if k != "kind"},
         "identical_completions": f"{same}/{args.repeat * args.num_prompts}",
@@ -305,26 +290,27 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [r[label]["output_tokens_per_s"] for r in off["theirs"]],
                 "higher", 1.0 if label == "cold" else None,
             ))  # fmt: skip
-        rows.append(row(
-            "offline output tok/CPU-s", f"{off['model']} {off['dtype']} cold+warm",
-            [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
-        ))  # fmt: skip
+        if all(r["cpu_s"] > 0 for r in off["ours"] + off["theirs"]):  # else under a clock tick
+            rows.append(row(
+                "offline output tok/CPU-s", f"{off['model']} {off['dtype']} cold+warm",
+                [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
+            ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():
         for metric in ("ttft", "tpot", "e2el"):
             target = 1.0 if metric == "tpot" and c == "16" else None
             rows.append(row(
-                f"serve median {metric.upper()} ms", f"{args.serve_model} concurrency {c}",
+                f"serve median {metric.upper()} ms", f"{models.label(args.serve_model)} concurrency {c}",
                 [s[f"median_{metric}_ms"] for s in runs["ours"]],
                 [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", target,
             ))  # fmt: skip
         rows.append(row(
-            "serve output tok/s", f"{args.serve_model} concurrency {c}",
+            "serve output tok/s", f"{models.label(args.serve_model)} concurrency {c}",
             [s["output_throughput"] for s in runs["ours"]],
             [s["output_throughput"] for s in runs["theirs"]], "higher",
         ))  # fmt: skip
         if all("server_cpu_s" in s for s in runs["ours"] + runs["theirs"]):
             rows.append(row(
-                "serve output tok/server CPU-s", f"{args.serve_model} concurrency {c}",
+                "serve output tok/server CPU-s", f"{models.label(args.serve_model)} concurrency {c}",
                 [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["ours"]],
                 [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["theirs"]], "higher",
             ))  # fmt: skip
@@ -351,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     version = venv.installed_version(args.peer_venv)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {m: model_path(m, Path(tmp)) for m in args.models.split(",")}
+        paths = {m: models.model_path(m, Path(tmp)) for m in args.models.split(",")}
         if "sched" in parts:
             print("scheduler host time …", flush=True)
             results["sched"] = scheduler(args, next(iter(paths.values())), python, logs)

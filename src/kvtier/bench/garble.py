@@ -308,11 +308,20 @@ def run(args: argparse.Namespace) -> int:
     }
     print(f"saved {save_json(result, args.out)}")
     if args.plot:
-        _plot(rows, args.plot, args.scenario)
+        title = chart_title(args.scenario, args.device, depth, scenario.offload, drafts)
+        _plot(rows, args.plot, title)
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: str, scenario: str) -> None:
+def chart_title(scenario: str, device: str, depth: int, offload: bool, drafts: int) -> str:
+    """The chart's title: the scenario and the settings it ran with."""
+    parts = [device, f"async depth {depth}"]
+    parts += ["host tier"] if offload else []
+    parts += [f"{drafts} n-gram drafts"] if drafts else []
+    return f"kvtier garble benchmark, scenario {scenario} ({', '.join(parts)})"
+
+
+def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,7 +335,7 @@ def _plot(rows: list[dict[str, Any]], path: str, scenario: str) -> None:
     a.set_ylabel("garbled completions (%)")
     b.bar(names, [r["hazards"] for r in rows], color="tab:blue")
     b.set_ylabel("sanitizer hazards")
-    fig.suptitle(f"kvtier garble benchmark, scenario {scenario} (sim, async depth 2, offload)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -16,13 +17,11 @@ from typing import Any
 
 import torch
 
-from kvtier.bench import save_json
+from kvtier.bench import models, save_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--models", default="tiny-llama,default", help="tiny-llama, default, or folders"
-    )
+    parser.add_argument("--models", default="tiny-llama,default", help=models.HELP)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -41,24 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run kvtier on the sim device with the race sanitizer (its overhead vs cpu)",
     )
+    parser.add_argument(
+        "--protect-cost",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also run protect=all beside protect=none (cold passes, new prompts each round, "
+        "engines alternating) for this many rounds: the protections' cost, same tokens",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="profile one cold pass of each model and dtype on the sim device (every op on the "
+        "host thread, synchronous) with cProfile: functions by own time to PATH (printed too)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_throughput.json")
-
-
-def tiny_llama(folder: Path) -> Path:
-    from kvtier.model.testing import write_tiny_model
-
-    return write_tiny_model(folder, "llama", hidden_size=256, num_layers=4, vocab_size=1024)
-
-
-def resolve_model(name: str, tmp: Path) -> Path:
-    """A model folder for a benchmark's --models entry: `tiny-llama` (written under `tmp`),
-    `default` (the embedded model) or a folder path."""
-    from kvtier.engine.params import DEFAULT_MODEL
-
-    if name == "tiny-llama":
-        return tiny_llama(tmp / "tiny-llama")
-    return DEFAULT_MODEL if name == "default" else Path(name)
 
 
 def random_prompts(seed: int, num: int, length: int, vocab: int) -> list[list[int]]:
@@ -86,6 +83,10 @@ def run_kvtier(
     # min_tokens masks EOS until the length is reached, as transformers' min_new_tokens does.
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, temperature=0.0)
     batch = [{"prompt_token_ids": p} for p in prompts]
+    # First-call costs (oneDNN primitives, kernel loading) are not the cold pass's: warm up on two
+    # prompts that share no block with the measured ones.
+    warmup = [{"prompt_token_ids": [3 + t % 7 for t in p]} for p in prompts[:2]]
+    llm.generate(warmup, params, use_tqdm=False)
     result: dict[str, Any] = {}
     outs: list[list[int]] = []
     for name in ("cold", "warm"):  # the warm pass hits the prefix cache for every prompt
@@ -98,6 +99,80 @@ def run_kvtier(
     result["tokens"] = outs
     result["hazards"] = llm.engine.stats().num_hazards
     return result
+
+
+def run_protect_cost(path: str, dtype: str, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    """protect=all (every block-lifetime protection, the default) beside protect=none on a
+    workload where none corrupts nothing (every request fits, none is preempted or aborted):
+    round by round, each on new prompts, all then none. Cost = median over rounds of the paired
+    ratios tok/s(none) / tok/s(all) − 1 and CPU-s(all) / CPU-s(none) − 1."""
+    from kvtier.config import PROTECTIONS
+    from kvtier.engine import LLM, SamplingParams
+
+    common = {
+        "device": args.device,
+        "dtype": dtype,
+        "block_size": args.block_size,
+        "max_num_seqs": args.num_prompts,
+        "max_model_len": args.input_len + args.output_len + args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seed": args.seed,
+    }
+    llms = {
+        name: LLM(path, protect=p, **common) for name, p in (("all", PROTECTIONS), ("none", ()))
+    }
+    n = args.output_len
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.protect_cost):
+        prompts = random_prompts(args.seed + 1000 + i, args.num_prompts, args.input_len, vocab)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        result: dict[str, Any] = {}
+        for name, llm in llms.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            got = llm.generate(batch, params, use_tqdm=False)
+            sec, cpu = time.perf_counter() - t0, time.process_time() - c0
+            toks = [o.outputs[0].token_ids for o in got]
+            num = sum(len(t) for t in toks)
+            result[name] = {"tokens": toks, "tok_s": num / sec, "cpu_s": cpu, "output_tokens": num}
+        result["same_tokens"] = result["all"]["tokens"] == result["none"]["tokens"]
+        for name in llms:
+            del result[name]["tokens"]
+        rounds.append(result)
+    return {
+        "rounds": rounds,
+        "cost_tok_s": statistics.median(r["none"]["tok_s"] / r["all"]["tok_s"] - 1 for r in rounds),
+        "cost_cpu_s": statistics.median(r["all"]["cpu_s"] / r["none"]["cpu_s"] - 1 for r in rounds),
+        "same_tokens": all(r["same_tokens"] for r in rounds),
+    }
+
+
+def profile_kvtier(
+    path: str, dtype: str, prompts: list[list[int]], args: argparse.Namespace
+) -> str:
+    """cProfile of one cold pass on the sim device, sanitizer off, one step at a time (the cpu
+    backend runs the forward on a worker thread that cProfile does not see); the report sorted
+    by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvtier.engine import LLM, SamplingParams
+
+    llm = LLM(path, device="sim", sanitize=False, async_scheduling=False, dtype=dtype,
+              block_size=args.block_size, max_num_seqs=args.num_prompts,
+              max_model_len=args.input_len + args.output_len + args.block_size,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
+    n = args.output_len
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    llm.generate([{"prompt_token_ids": p[:-1]} for p in prompts[:2]], params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    return text.getvalue()
 
 
 def run_transformers(
@@ -141,13 +216,13 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            path = resolve_model(name, Path(tmp))
+            path = models.model_path(name, Path(tmp))
             cfg = ModelConfig.from_pretrained(path)
             prompts = random_prompts(args.seed, args.num_prompts, args.input_len, cfg.vocab_size)
             for dtype in args.dtypes.split(","):
                 ours = run_kvtier(str(path), dtype, prompts, args, device=args.device)
                 row: dict[str, Any] = {
-                    "model": name,
+                    "model": models.label(name),
                     "architecture": cfg.architecture,
                     "dtype": dtype,
                     "kvtier_cold_tok_s": ours["cold"]["output_tokens_per_s"],
@@ -162,6 +237,22 @@ def run(args: argparse.Namespace) -> int:
                     )
                     row["sim_same_tokens"] = sim["tokens"] == ours["tokens"]
                     row["sim_hazards"] = sim["hazards"]
+                if args.profile:
+                    report = profile_kvtier(str(path), dtype, prompts, args)
+                    out = Path(args.profile)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    with out.open("a") as f:
+                        f.write(f"== {models.label(name)} {dtype}\n{report}\n")
+                    print("\n".join(report.splitlines()[:25]), flush=True)
+                if args.protect_cost:
+                    cost = run_protect_cost(str(path), dtype, cfg.vocab_size, args)
+                    row["protect_cost"] = cost
+                    print(
+                        f"{models.label(name):12s} {dtype:9s} protections' cost (all vs none, "
+                        f"{args.protect_cost} rounds): tok/s {cost['cost_tok_s']:+.1%}, CPU-s "
+                        f"{cost['cost_cpu_s']:+.1%}, same tokens: {cost['same_tokens']}",
+                        flush=True,
+                    )
                 if not args.no_transformers:
                     ref = run_transformers(str(path), dtype, prompts, args)
                     same = sum(a == b for a, b in zip(ours["tokens"], ref["tokens"], strict=True))
@@ -173,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
                     row["identical_completions"] = f"{same}/{len(prompts)}"
                 rows.append(row)
                 print(
-                    f"{name:12s} {dtype:9s} kvtier cold {row['kvtier_cold_tok_s']:8.1f} tok/s  "
+                    f"{models.label(name):12s} {dtype:9s} kvtier cold {row['kvtier_cold_tok_s']:8.1f} tok/s  "
                     f"warm {row['kvtier_warm_tok_s']:8.1f} tok/s"
                     + (
                         f"  sim+sanitizer {row['kvtier_sim_sanitized_tok_s']:8.1f} tok/s "

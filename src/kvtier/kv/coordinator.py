@@ -17,6 +17,19 @@ from kvtier.kv.specs import ChunkedLocal, KVSpec, validate_spec
 GroupBlocks = list[list[KVBlock]]  # one block list per group
 
 
+def check_alignment(specs: Sequence[KVSpec]) -> int:
+    """The groups' common alignment (lcm of their block sizes: every hit is a multiple of it);
+    raises ValueError naming --block-size if an attention chunk is not a multiple of it."""
+    alignment = math.lcm(*(s.block_size for s in specs))
+    for spec in specs:
+        if isinstance(spec, ChunkedLocal) and spec.chunk % alignment:
+            raise ValueError(
+                f"attention chunk {spec.chunk} must be a multiple of the block size "
+                f"{alignment} (lcm of all groups' block sizes); change --block-size"
+            )
+    return alignment
+
+
 class KVCacheCoordinator:
     def __init__(self, specs: Sequence[KVSpec], pool: BlockPool) -> None:
         if not specs:
@@ -30,14 +43,8 @@ class KVCacheCoordinator:
         ]
         sizes = [s.block_size for s in specs]
         self.hash_block_size = math.gcd(*sizes)  # hashes are kept at the finest granularity
-        self.alignment = math.lcm(*sizes)  # every hit is a multiple of every group's block size
+        self.alignment = check_alignment(specs)
         self._ratios = [bs // self.hash_block_size for bs in sizes]
-        for spec in specs:
-            if isinstance(spec, ChunkedLocal) and spec.chunk % self.alignment:
-                raise ValueError(
-                    f"attention chunk {spec.chunk} must be a multiple of the block size "
-                    f"{self.alignment} (lcm of all groups' block sizes); change --block-size"
-                )
         # Full attention first: its left-to-right scan bounds the hit cheaply, then only truncates.
         self._lookup_order = sorted(
             range(len(specs)), key=lambda g: not isinstance(self.managers[g], FullAttentionManager)

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvtier.config import DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.kv.coordinator import check_alignment
 from kvtier.kv.specs import (
     SHARED,
     AdmissionPolicy,
@@ -142,6 +143,7 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
     state_page = state_page_bytes(model) if "mamba" in kinds else 0
     page_bytes = max(attention_page, state_page)
     groups, slots = group_layers(model, block_size)
+    check_alignment([g.spec for g in groups])  # what the engine's coordinator will refuse
     max_model_len = sched.max_model_len or model.max_position_embeddings
     bytes_per_block = slots * page_bytes
     if cache.num_device_blocks is not None:
@@ -157,6 +159,12 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
         tiers.append(TierPlan("host", cache.num_host_blocks, bytes_per_block))
     elif cache.kv_offloading_size:
         host_blocks = int(cache.kv_offloading_size * GIB) // bytes_per_block
+        if host_blocks < 1:
+            raise ValueError(
+                f"--kv-offloading-size {cache.kv_offloading_size} GiB holds no KV block (one "
+                f"block is {bytes_per_block} bytes): give at least {bytes_per_block / GIB:.3g} "
+                "GiB, or --num-host-blocks N"
+            )
         tiers.append(TierPlan("host", host_blocks, bytes_per_block))
     plan = KVPlan(
         groups,

@@ -58,7 +58,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         h, a = config.hidden_size, spec.attention
         self.input_layernorm = RMSNorm(h, a.rms_norm_eps, False)
-        self.self_attn = Attention(config, a) if attention else None
+        self.self_attn = Attention(config, a, native=False) if attention else None
         self.mamba = Mamba2Mixer(h, spec.mixer) if mamba else None
         self.post_attention_layernorm = RMSNorm(h, a.rms_norm_eps, False)
         self.mlp = GatedMLP(h, a.intermediate_size, a.activation, a.mlp_bias)

@@ -55,14 +55,17 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None) ->
     return Pretrained(model, tokenizer, load_generation_defaults(folder))
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> CausalLM:
-    """Build the model of the folder's config.json and load its safetensors weights."""
+def load_model(
+    path: str | Path, dtype: str | torch.dtype | None = None, *, native: bool = True
+) -> CausalLM:
+    """Build the model of the folder's config.json and load its safetensors weights
+    (`native=False`: torch ops only, no kernels of model/native.py)."""
     folder = model_folder(path)
     config = ModelConfig.from_pretrained(folder)
     spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
     with torch.device("meta"):
-        model = CausalLM(config, spec)
+        model = CausalLM(config, spec, native=native)
     state = _fused_state(read_safetensors(folder), config.num_layers, torch_dtype, folder)
     expected = set(model.state_dict())
     if spec.tie_word_embeddings:

@@ -1,49 +1,76 @@
-"""The paged attention op: per-KV-group gather plans (built once per forward, shared by the group's
-layers) and the layer step — write the new K/V by slot mapping, gather each sequence's readable keys
-by block table, attend with causal/window/chunk masks. Holds no state between forwards.
+"""The paged attention op: per-KV-group plans (built once per forward on the host, shared by the
+group's layers) and the layer step — write the new K/V by slot mapping, then attend: first chunks
+of a prompt (no cached prefix) on their own new keys; sequences with few queries (decodes, drafts)
+with the native kernel straight from the cache where it serves (`native.py`: CPU, float32 or
+bfloat16), else, like longer chunks after a prefix, on keys gathered from the cache block by
+block; causal/window/chunk masks throughout. Holds no state between forwards.
 
-A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`). As
-token rows [num_blocks * 2 * block_size, kv_heads * head_dim] the key of slot s = b * bs + o is row
-2 * bs * b + o and its value block_size rows later; reads gather per-head rows [.., head_dim] so keys
-come out [.., kv_heads, len, head_dim] contiguous. Sequences with at most MAX_BATCHED_QUERY queries
-(decodes, draft verification) share one padded batched call; longer prefill chunks go one by one.
+A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`), so
+the keys of one block are one contiguous [block_size, kv_heads, head_dim] chunk: a gather copies a
+few whole blocks per sequence (not a row per token and head) into [n, width, kv_heads, head_dim],
+which SDPA reads as strided [n, kv_heads, width, head_dim] without a further copy. Grouped query
+heads are folded into the query rows ([n, kv_heads, group * queries, head_dim]) so one call serves
+a whole batch. Keys past a sequence's end in its last block may hold anything (stale data, NaN
+poison): they are masked and zeroed after the gather, so no NaN reaches the softmax or the sum.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import itertools
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvtier.model import native
 from kvtier.model.attention import AttentionMetadata, LayerKind
 
-MAX_BATCHED_QUERY = 8
+MAX_BATCHED_QUERY = 8  # sequences with at most this many queries share one padded gather call
 
 
 @dataclass(frozen=True)
-class BatchedPlan:
-    """Sequences with few queries, each padded to `num_queries`, attended in one call."""
+class GatherPlan:
+    """Sequences attended over keys gathered by block: each padded to `num_queries` queries and
+    `num_blocks` blocks (the null block pads; its keys are masked)."""
 
     num_seqs: int
     num_queries: int  # Q
+    num_blocks: int  # per sequence; width = num_blocks * block_size keys
     in_order: bool  # Q == 1 and these are all the tokens, in order: no query gather/scatter
     query_tokens: torch.Tensor  # [n * Q] token of each padded query (padding repeats the last)
     out_rows: torch.Tensor  # [num_real] rows of the padded output that are real queries
     out_tokens: torch.Tensor  # [num_real] their token indices
-    rows: torch.Tensor  # [n * KVH * width] head rows of the keys (padding repeats the last)
-    mask: torch.Tensor  # [n, 1, G * Q, width] bool, query rows ordered (g, q); [n,1,1,w] if Q = 1
+    blocks: torch.Tensor  # [n * num_blocks] block ids, from the block of each first key
+    tail_rows: torch.Tensor | None  # [m] rows of the gathered [n * width] past each sequence end
+    mask: torch.Tensor  # [n, 1, G * Q, width] bool, query rows ordered (g, q)
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
-    """Longer query chunks of equal (queries, keys) shape, attended together in one SDPA call."""
+class OwnPlan:
+    """First chunks of equal length with no cached prefix: they attend to their own new keys."""
 
+    num_seqs: int
     num_queries: int  # q per sequence
-    tokens: torch.Tensor  # [B * q] token indices, sequence-major
-    rows: torch.Tensor  # [B * KVH * L] head rows of the keys
-    mask: torch.Tensor  # [B, 1, G * q, L] bool, query rows ordered (g, q)
+    token_start: int | None  # the chunks are tokens [start, start + n * q), or None: `tokens`
+    tokens: torch.Tensor  # [n * q] token indices, sequence-major
+    mask: torch.Tensor | None  # [q, q] bool (window or chunk layers); None: causal
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """Sequences with few queries for the native kernel: every query reads its key range from
+    the cache through its sequence's block table (see `csrc/paged_attention.c`)."""
+
+    tables: torch.Tensor  # [n, max_blocks] int64 block ids
+    seq_token: torch.Tensor  # [n] token index of each sequence's first query
+    seq_qlen: torch.Tensor  # [n] its queries
+    seq_row: torch.Tensor  # [n] index of its first query in lo / hi
+    lo: torch.Tensor  # [rows] first key position each query reads
+    hi: torch.Tensor  # [rows] one past its last (its own position + 1)
+
+    def index(self) -> tuple[torch.Tensor, ...]:
+        return (self.tables, self.seq_token, self.seq_qlen, self.seq_row, self.lo, self.hi)
 
 
 @dataclass(frozen=True)
@@ -51,111 +78,151 @@ class GroupPlan:
     """Index tensors of one KV group for one forward; shared by every layer of the group."""
 
     block_size: int
+    num_tokens: int
     write_tokens: torch.Tensor | None  # [num_written] token indices; None = every token
     write_rows: torch.Tensor  # [num_written] token rows of the keys to write
-    batched: BatchedPlan | None
-    prefills: list[PrefillPlan]
+    native: NativePlan | None
+    gathers: list[GatherPlan]
+    owns: list[OwnPlan]
 
     def to(self, device: torch.device) -> GroupPlan:
         """The plan with its index tensors on `device` (plans are built on the host)."""
         if device == torch.device("cpu"):
             return self
-        batched = self.batched
-        if batched is not None:
-            moved: dict[str, Any] = {}
-            for f in fields(batched):
-                value = getattr(batched, f.name)
-                moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
-            batched = BatchedPlan(**moved)
-        return replace(
-            self,
-            write_tokens=None if self.write_tokens is None else self.write_tokens.to(device),
-            write_rows=self.write_rows.to(device),
-            batched=batched,
-            prefills=[
-                PrefillPlan(
-                    p.num_queries, p.tokens.to(device), p.rows.to(device), p.mask.to(device)
-                )
-                for p in self.prefills
-            ],
-        )
+        moved: GroupPlan = _moved(self, device)
+        return moved
+
+
+def _moved(obj: Any, device: torch.device) -> Any:
+    values: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+        elif isinstance(value, list):
+            value = [_moved(v, device) for v in value]
+        elif is_dataclass(value):
+            value = _moved(value, device)
+        values[f.name] = value
+    return type(obj)(**values)
 
 
 def plan_group(
-    meta: AttentionMetadata, group: int, kind: LayerKind, num_kv_heads: int, num_queries_per_kv: int
+    meta: AttentionMetadata,
+    group: int,
+    kind: LayerKind,
+    num_kv_heads: int,
+    num_queries_per_kv: int,
+    *,
+    own_keys: bool = True,
+    native: bool = False,
 ) -> GroupPlan:
-    """Precompute the writes and gathers of KV group `group` for this forward (on the host)."""
+    """Precompute the writes and reads of KV group `group` for this forward (on the host).
+
+    `own_keys=False` sends first chunks through the gather path too (tests comparing the
+    paths); `native=True` gives sequences with few queries to the native kernel (the caller
+    checks `native.usable`)."""
     bs = meta.block_size
-    heads = torch.arange(num_kv_heads)
     table, slots = meta.block_tables[group].cpu(), meta.slot_mappings[group].cpu()
     write_tokens = None
     if slots.numel() and bool((slots < 0).any()):
         write_tokens = torch.nonzero(slots >= 0).flatten()
         slots = slots[write_tokens]
     write_rows = slots + slots // bs * bs
-    qlens, seq_lens, loc = meta.query_lens, meta.seq_lens, meta.query_start_loc
-    short = [i for i, q in enumerate(qlens) if 0 < q <= MAX_BATCHED_QUERY]
-    batched = _plan_batched(meta, short, table, kind, heads, num_queries_per_kv) if short else None
-    shapes: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    qlens, seq_lens = meta.query_lens, meta.seq_lens
+    short: list[int] = []
+    gathered: dict[int, list[int]] = {}  # query count → sequences
+    owned: dict[int, list[int]] = {}
     for i, q in enumerate(qlens):
-        if q <= MAX_BATCHED_QUERY:
+        if q == 0:
             continue
-        first = seq_lens[i] - q
-        pos = torch.arange(kind.kv_start(first), seq_lens[i])  # [L]
-        token_rows = table[i, pos // bs] * (2 * bs) + pos % bs  # [L]
-        rows = (token_rows[None, :] * num_kv_heads + heads[:, None]).flatten()  # [KVH * L]
-        mask = kind.mask(torch.arange(first, seq_lens[i]), pos).repeat(num_queries_per_kv, 1)
-        tokens = torch.arange(loc[i], loc[i + 1])
-        shapes.setdefault((q, len(pos)), []).append((tokens, rows, mask))  # mask [G * q, L]
-    prefills = [
-        PrefillPlan(
-            q,
-            torch.cat([t for t, _, _ in items]),
-            torch.cat([r for _, r, _ in items]),
-            torch.stack([m for _, _, m in items])[:, None],
-        )
-        for (q, _), items in shapes.items()
-    ]
-    return GroupPlan(bs, write_tokens, write_rows, batched, prefills)
+        if own_keys and q > MAX_BATCHED_QUERY and seq_lens[i] == q:
+            owned.setdefault(q, []).append(i)
+        elif q <= MAX_BATCHED_QUERY:
+            short.append(i)
+        else:
+            gathered.setdefault(q, []).append(i)
+    native_plan = _plan_native(meta, short, table, kind) if short and native else None
+    if native_plan is not None:
+        short = []
+    gathers = [_plan_gather(meta, seqs, table, kind, num_queries_per_kv) for seqs in
+               ([short] if short else []) + list(gathered.values())]  # fmt: skip
+    owns = [_plan_own(meta, seqs, q, kind) for q, seqs in owned.items()]
+    num_tokens = meta.query_start_loc[-1]
+    return GroupPlan(bs, num_tokens, write_tokens, write_rows, native_plan, gathers, owns)
 
 
-def _plan_batched(
-    meta: AttentionMetadata,
-    seqs: list[int],
-    table: torch.Tensor,
-    kind: LayerKind,
-    heads: torch.Tensor,
-    group: int,
-) -> BatchedPlan:
+def _plan_native(
+    meta: AttentionMetadata, seqs: list[int], table: torch.Tensor, kind: LayerKind
+) -> NativePlan:
+    qlens = [meta.query_lens[i] for i in seqs]
+    counts = torch.tensor(qlens)  # [n]
+    seq_row = torch.cumsum(counts, 0) - counts
+    seq = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # [rows]
+    ends = torch.tensor([meta.seq_lens[i] for i in seqs])
+    q_pos = ends[seq] - counts[seq] + torch.arange(int(counts.sum())) - seq_row[seq]
+    seq_table = table if len(seqs) == len(meta.seq_lens) else table[torch.tensor(seqs)]
+    return NativePlan(
+        tables=seq_table.contiguous(),
+        seq_token=torch.tensor([meta.query_start_loc[i] for i in seqs]),
+        seq_qlen=counts,
+        seq_row=seq_row,
+        lo=kind.first_key(q_pos),
+        hi=q_pos + 1,
+    )
+
+
+def _plan_gather(
+    meta: AttentionMetadata, seqs: list[int], table: torch.Tensor, kind: LayerKind, group: int
+) -> GatherPlan:
     bs = meta.block_size
-    all_qlens = meta.query_lens
-    qlens = torch.tensor([all_qlens[i] for i in seqs])  # [n]
+    qlens = torch.tensor([meta.query_lens[i] for i in seqs])  # [n]
     lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-    starts = torch.tensor([kind.kv_start(meta.seq_lens[i] - all_qlens[i]) for i in seqs])
-    num_q, width = int(qlens.max()), int((lens - starts).max())
+    firsts = [meta.seq_lens[i] - meta.query_lens[i] for i in seqs]
+    first_block = torch.tensor([kind.kv_start(f) // bs for f in firsts])  # [n]
+    end_block = (lens + bs - 1) // bs  # one past each sequence's last block
+    num_q, num_blocks = int(qlens.max()), int((end_block - first_block).max())
+    width = num_blocks * bs
     j = torch.arange(num_q)[None, :]
     q_off = torch.minimum(j, qlens[:, None] - 1)  # [n, Q]
     q_pos = lens[:, None] - qlens[:, None] + q_off
     query_tokens = torch.tensor([meta.query_start_loc[i] for i in seqs])[:, None] + q_off
     real = (j < qlens[:, None]).flatten()
-    k_pos = starts[:, None] + torch.arange(width)[None, :]  # [n, width]
-    k_valid = k_pos < lens[:, None]
-    k_pos = torch.minimum(k_pos, lens[:, None] - 1)
+    b = first_block[:, None] + torch.arange(num_blocks)[None, :]  # [n, num_blocks] positions
     seq_table = table if len(seqs) == len(meta.seq_lens) else table[torch.tensor(seqs)]
-    token_rows = seq_table.gather(1, k_pos // bs) * (2 * bs) + k_pos % bs  # [n, width]
-    rows = (token_rows[:, None, :] * len(heads) + heads[None, :, None]).flatten()
-    mask = kind.allowed(q_pos[:, :, None], k_pos[:, None, :]) & k_valid[:, None, :]  # [n, Q, w]
+    in_table = b < end_block[:, None]
+    blocks = seq_table.gather(1, b.clamp(max=seq_table.shape[1] - 1)) * in_table  # 0 pads
+    k_pos = first_block[:, None] * bs + torch.arange(width)[None, :]  # [n, width]
+    mask = kind.allowed(q_pos[:, :, None], k_pos[:, None, :])  # [n, Q, width]; causal: k < len
     mask = mask[:, None] if num_q == 1 else mask.repeat(1, group, 1)[:, None]
-    return BatchedPlan(
+    tail = end_block * bs - lens  # keys past the end in each last block
+    tail_rows = None
+    if int(tail.sum()):
+        seq = torch.repeat_interleave(torch.arange(len(seqs)), tail)
+        starts = torch.cumsum(tail, 0) - tail
+        offset = torch.arange(int(tail.sum())) - starts[seq]
+        tail_rows = seq * width + (lens - first_block * bs)[seq] + offset
+    return GatherPlan(
         num_seqs=len(seqs),
         num_queries=num_q,
+        num_blocks=num_blocks,
         in_order=num_q == 1 and len(seqs) == len(meta.seq_lens),
         query_tokens=query_tokens.flatten(),
         out_rows=torch.nonzero(real).flatten(),
         out_tokens=query_tokens.flatten()[real],
-        rows=rows,
+        blocks=blocks.flatten(),
+        tail_rows=tail_rows,
         mask=mask,
     )
+
+
+def _plan_own(meta: AttentionMetadata, seqs: list[int], q: int, kind: LayerKind) -> OwnPlan:
+    loc = meta.query_start_loc
+    contiguous = all(loc[b] == loc[a] + q for a, b in itertools.pairwise(seqs))
+    tokens = torch.cat([torch.arange(loc[i], loc[i] + q) for i in seqs])
+    pos = torch.arange(q)
+    mask = None if kind.window is None and kind.chunk is None else kind.mask(pos, pos)
+    return OwnPlan(len(seqs), q, loc[seqs[0]] if contiguous else None, tokens, mask)
 
 
 def paged_attention(
@@ -170,42 +237,101 @@ def paged_attention(
     """q [T, H, D], k/v [T, KVH, D] → [T, H, D]; writes k/v into `kv_cache` first."""
     num_tokens, num_heads, dim = q.shape
     kvh = k.shape[1]
-    group = num_heads // kvh
     bs = plan.block_size
     flat = kv_cache.view(-1, kvh * dim)  # token rows [num_blocks * 2 * block_size, KVH * D]
-    head_rows = kv_cache.view(-1, dim)  # head rows [num_blocks * 2 * block_size * KVH, D]
-    v_off = bs * kvh
+    kw, vw = k, v
     if plan.write_tokens is not None:
-        k, v = k[plan.write_tokens], v[plan.write_tokens]
-    flat.index_copy_(0, plan.write_rows, k.reshape(-1, kvh * dim).to(flat.dtype))
-    flat.index_copy_(0, plan.write_rows + bs, v.reshape(-1, kvh * dim).to(flat.dtype))
-    out = q.new_empty(num_tokens, num_heads, dim)
-    if (b := plan.batched) is not None:
-        n, nq = b.num_seqs, b.num_queries
-        qb = q if b.in_order else q.index_select(0, b.query_tokens)  # [n * Q, H, D]
-        qb = qb.view(n, nq, kvh, group, dim).permute(0, 2, 3, 1, 4).reshape(n, kvh, -1, dim)
-        kb = head_rows.index_select(0, b.rows).view(n, kvh, -1, dim).to(q.dtype)  # [n, KVH, w, D]
-        vb = head_rows.index_select(0, b.rows + v_off).view(n, kvh, -1, dim).to(q.dtype)
-        # Few queries per sequence: plain matmuls beat SDPA's per-call setup here.
-        ob = _attend_eager(qb, kb, vb, b.mask, scale, softcap)  # [n, KVH, G * Q, D]
-        ob = ob.view(n, kvh, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(n * nq, num_heads, dim)
-        if b.in_order:
-            out = ob
+        kw, vw = k[plan.write_tokens], v[plan.write_tokens]
+    flat.index_copy_(0, plan.write_rows, kw.reshape(-1, kvh * dim).to(flat.dtype))
+    flat.index_copy_(0, plan.write_rows + bs, vw.reshape(-1, kvh * dim).to(flat.dtype))
+    out = None
+    if plan.native is not None:
+        out = q.new_empty(num_tokens, num_heads, dim)
+        kernels = native.kernels()
+        assert kernels is not None, "plan_group(native=True) needs the native kernels"
+        kernels.paged_attention(q, kv_cache, out, plan.native.index(), scale, softcap)
+    pieces: list[tuple[torch.Tensor, torch.Tensor | int]] = []  # rows; their tokens or first
+    for g in plan.gathers:
+        ob = _attend_gathered(q, kv_cache, g, scale, softcap)  # [n * Q, H, D]
+        pieces.append((ob, 0) if g.in_order else (ob.index_select(0, g.out_rows), g.out_tokens))
+    for o in plan.owns:
+        own = _attend_own(q, k, v, kv_cache.dtype, o, scale, softcap)  # [n * q, H, D]
+        pieces.append((own, o.tokens if o.token_start is None else o.token_start))
+    if out is None and len(pieces) == 1 and pieces[0][0].shape[0] == num_tokens:
+        rows, where = pieces[0]
+        if isinstance(where, int) and where == 0:
+            return rows
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads, dim)
+    for rows, where in pieces:
+        if isinstance(where, int):
+            out[where : where + rows.shape[0]] = rows
         else:
-            out.index_copy_(0, b.out_tokens, ob.index_select(0, b.out_rows))
-    for p in plan.prefills:
-        nb, n = p.mask.shape[0], p.num_queries
-        qp = q.index_select(0, p.tokens).view(nb, n, kvh, group, dim)
-        qp = qp.permute(0, 2, 3, 1, 4).reshape(nb, kvh, group * n, dim)
-        kp = head_rows.index_select(0, p.rows).view(nb, kvh, -1, dim).to(q.dtype)  # [B, KVH, L, D]
-        vp = head_rows.index_select(0, p.rows + v_off).view(nb, kvh, -1, dim).to(q.dtype)
-        if softcap is None:  # [B, KVH, G * n, D]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale)
-        else:
-            op = _attend_eager(qp, kp, vp, p.mask, scale, softcap)
-        op = op.view(nb, kvh, group, n, dim).permute(0, 3, 1, 2, 4).reshape(nb * n, num_heads, dim)
-        out.index_copy_(0, p.tokens, op)
+            out.index_copy_(0, where, rows)
     return out
+
+
+def _attend_gathered(
+    q: torch.Tensor, kv_cache: torch.Tensor, g: GatherPlan, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """The plan's queries over its gathered blocks → [n * Q, H, D] (padded query rows)."""
+    _, num_heads, dim = q.shape
+    kvh = kv_cache.shape[3]
+    group = num_heads // kvh
+    n, nq, width = g.num_seqs, g.num_queries, g.mask.shape[-1]
+    qb = q if g.in_order else q.index_select(0, g.query_tokens)  # [n * Q, H, D]
+    if nq == 1:
+        qb = qb.view(n, kvh, group, dim)
+    else:
+        qb = qb.view(n, nq, kvh, group, dim).permute(0, 2, 3, 1, 4).reshape(n, kvh, -1, dim)
+    keys, values = (kv_cache[:, i].index_select(0, g.blocks) for i in (0, 1))  # [n*nb, bs, ..]
+    if g.tail_rows is not None:  # whatever lies past a sequence's end must not be NaN
+        keys.view(-1, kvh * dim).index_fill_(0, g.tail_rows, 0)
+        values.view(-1, kvh * dim).index_fill_(0, g.tail_rows, 0)
+    kb = keys.view(n, width, kvh, dim).transpose(1, 2).to(q.dtype)  # [n, KVH, width, D]
+    vb = values.view(n, width, kvh, dim).transpose(1, 2).to(q.dtype)
+    if softcap is None:
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale)
+    else:
+        ob = _attend_eager(qb, kb, vb, g.mask, scale, softcap)  # [n, KVH, G * Q, D]
+    if nq == 1:
+        return ob.reshape(n, num_heads, dim)
+    return ob.view(n, kvh, group, nq, dim).permute(0, 3, 1, 2, 4).reshape(n * nq, num_heads, dim)
+
+
+def _attend_own(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_dtype: torch.dtype,
+    o: OwnPlan,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """First chunks over their own keys → [n * q, H, D], causal (or the plan's mask)."""
+    _, num_heads, dim = q.shape
+    kvh = k.shape[1]
+    n, nq = o.num_seqs, o.num_queries
+    if o.token_start is not None:
+        a, b = o.token_start, o.token_start + n * nq
+        qs, ks, vs = q[a:b], k[a:b], v[a:b]
+    else:
+        qs, ks, vs = (t.index_select(0, o.tokens) for t in (q, k, v))
+    if cache_dtype != q.dtype:  # read what the cache holds, as a gather would
+        ks, vs = ks.to(cache_dtype).to(q.dtype), vs.to(cache_dtype).to(q.dtype)
+    qs = qs.view(n, nq, num_heads, dim).transpose(1, 2)  # [n, H, q, D]
+    ks = ks.view(n, nq, kvh, dim).transpose(1, 2)  # [n, KVH, q, D]
+    vs = vs.view(n, nq, kvh, dim).transpose(1, 2)
+    if softcap is None:
+        os = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=o.mask, is_causal=o.mask is None, scale=scale, enable_gqa=True
+        )  # [n, H, q, D]
+    else:  # one KV head per query head, and the mask (causal when the plan has none)
+        group = num_heads // kvh
+        mask = o.mask if o.mask is not None else torch.ones(nq, nq, dtype=torch.bool).tril()
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        os = _attend_eager(qs, ks, vs, mask.to(q.device), scale, softcap)
+    return os.transpose(1, 2).reshape(n * nq, num_heads, dim)
 
 
 def _attend_eager(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.model import native
 from kvtier.sampling import LOGPROBS_MODES, DrawParams
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
@@ -100,7 +101,7 @@ def sample(
         )
         logits = logits.index_put(where, torch.tensor(float("-inf")))  # out of place
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = native.argmax(logits)
         processed = logits
         logprobs = None
     else:
@@ -108,7 +109,7 @@ def sample(
         logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
         noise = _exponential_noise(logits, batch, generator)  # [n, vocab]
         tokens = (logprobs.exp() / noise).argmax(dim=-1)  # Gumbel-max via exponential race
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+        tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
     if not wanted:
         return SamplerOutput(tokens, None, None, None)
     if report is None and logprobs_mode == "processed_logits":

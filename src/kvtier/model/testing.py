@@ -28,19 +28,21 @@ def tiny_config(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     vocab_size: int = 320,
-    window: int = 8,
+    window: int | None = 8,
     chunk: int = 8,
     dtype: str = "float32",
+    intermediate_size: int | None = None,
     sliding_window_pattern: int = 3,  # gemma3: every n-th layer global, the others sliding
     max_position_embeddings: int = 1024,
 ) -> dict[str, Any]:
-    """A HF config.json dict for `arch` (one of ARCHITECTURES) at toy size."""
+    """A HF config.json dict for `arch` (one of ARCHITECTURES) at toy size (intermediate size
+    2 × hidden unless given; `window=None`: Qwen2 and Mistral attend fully on every layer)."""
     if arch not in ARCHITECTURES:
         known = ARCHITECTURES + HYBRID_ARCHITECTURES
         raise ValueError(f"unknown tiny architecture {arch!r}; use one of {known}")
     cfg: dict[str, Any] = {
         "hidden_size": hidden_size,
-        "intermediate_size": 2 * hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -62,7 +64,8 @@ def tiny_config(
             cfg["attention_chunk_size"] = chunk
     elif arch == "qwen2":
         cfg |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-        cfg |= {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1}
+        if window is not None:
+            cfg |= {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1}
         cfg["tie_word_embeddings"] = True
     elif arch == "mistral":
         cfg |= {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
@@ -177,7 +180,10 @@ def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, **config: Any
     cfg = tiny_hybrid_config(arch, **config) if hybrid else tiny_config(arch, **config)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     weights = random_hybrid_weights(cfg, seed) if hybrid else random_weights(cfg, seed)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    dtype = getattr(torch, cfg.get("torch_dtype", "float32"))  # saved as the config says
+    save_file(
+        {k: v.to(dtype).contiguous() for k, v in weights.items()}, str(out / "model.safetensors")
+    )
     byte_tokenizer().save(str(out / "tokenizer.json"))
     tok_cfg = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     tok_cfg["chat_template"] = CHAT_TEMPLATE

@@ -7,30 +7,32 @@ argument; the module holds only weights and static tables, nothing per step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvtier.config import ModelConfig
 from kvtier.kv.plan import KVGroup, group_layers
+from kvtier.model import native
 from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
-from kvtier.model.layers import GatedMLP, RMSNorm, apply_rope, inv_freq, rope_tables
+from kvtier.model.layers import GatedMLP, Linear, RMSNorm, apply_rope, inv_freq, rope_tables
 from kvtier.model.paged import GroupPlan, paged_attention, plan_group
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, native: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, True) if spec.qk_norm else None
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=spec.o_bias)
+        eps = spec.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, True, native) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, True, native) if spec.qk_norm else None
         self.split = (q_size, kv_size, kv_size)
         self.scale = spec.query_scale
         self.softcap = spec.attn_softcap
+        self.native = native
 
     def forward(
         self,
@@ -39,67 +41,90 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         plan: GroupPlan,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        num_tokens, heads, kv_heads, dim = (
+            x.shape[0],
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KVH) * D]
+        v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)  # [T, KVH, D]
+        if self.q_norm is None or self.k_norm is None:  # q and k rotated together
+            qk = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+            qk = apply_rope(qk, *rope, native=self.native)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k, _ = qkv.split(self.split, dim=-1)
+            q = self.q_norm(q.view(num_tokens, heads, dim))  # [T, H, D]
+            k = self.k_norm(k.view(num_tokens, kv_heads, dim))  # [T, KVH, D]
+            q = apply_rope(q, *rope, native=self.native)
+            k = apply_rope(k, *rope, native=self.native)
         out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
         return projected
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, native: bool) -> None:
         super().__init__()
         h, eps, gemma = config.hidden_size, spec.rms_norm_eps, spec.gemma_norm
-        self.self_attn = Attention(config, spec)
-        self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, spec.mlp_bias)
-        self.input_layernorm = RMSNorm(h, eps, gemma)
-        self.post_attention_layernorm = RMSNorm(h, eps, gemma)
+        self.self_attn = Attention(config, spec, native)
+        self.mlp = GatedMLP(h, spec.intermediate_size, spec.activation, spec.mlp_bias, native)
+        self.input_layernorm = RMSNorm(h, eps, gemma, native)
+        self.post_attention_layernorm = RMSNorm(h, eps, gemma, native)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(h, eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(h, eps, gemma)
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, gemma, native)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, gemma, native)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         plan: GroupPlan,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, plan)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x', residual'): the hidden state is residual + x (just x before the
+        first layer), so each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        attn = self.self_attn(h, rope, kv_cache, plan)
         ffn: torch.Tensor
         if not self.sandwich:
-            x = x + attn
-            ffn = self.mlp(self.post_attention_layernorm(x))
-            return x + ffn
-        x = x + self.post_attention_layernorm(attn)
-        ffn = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + ffn
+            h, residual = self.post_attention_layernorm.forward_add(attn, residual)
+            return self.mlp(h), residual
+        attn = self.post_attention_layernorm(attn)
+        h, residual = self.pre_feedforward_layernorm.forward_add(attn, residual)
+        ffn = self.post_feedforward_layernorm(self.mlp(h))
+        return ffn, residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, spec: ArchSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, native: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, spec.rms_norm_eps, spec.gemma_norm)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, native) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, spec.rms_norm_eps, spec.gemma_norm, native)
 
 
 class CausalLM(nn.Module):
     """A decoder with an LM head; parameter names follow HF except the fused qkv / gate_up."""
 
-    def __init__(self, config: ModelConfig, spec: ArchSpec | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: ArchSpec | None = None, *, native: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
+        # model/native.py's kernels where they serve (CPU, float32 or bfloat16), else torch ops
+        self.native = native
         self.spec = spec = spec or arch_spec(config)
-        self.model = DecoderModel(config, spec)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, spec, native)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_groups: tuple[KVGroup, ...] = group_layers(config, 1)[0]
@@ -149,8 +174,12 @@ class CausalLM(nn.Module):
         """
         kvh = self.config.num_kv_heads
         group_size = self.config.num_heads // kvh
+        weight = self.model.embed_tokens.weight  # of the queries' dtype and device
+        use_native = self.native and native.attention_usable(weight, kv_caches[0])
         plans = [
-            plan_group(attn_metadata, g, kind, kvh, group_size).to(input_ids.device)
+            plan_group(attn_metadata, g, kind, kvh, group_size, native=use_native).to(
+                input_ids.device
+            )
             for g, kind in enumerate(self.group_kinds)
         ]
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -160,9 +189,13 @@ class CausalLM(nn.Module):
             rope_tables(getattr(self, f"inv_freq_{r}").float(), positions, h.dtype)
             for r in range(self.num_ropes)
         ]
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, ropes[self.layer_rope[i]], kv_caches[i], plans[self.layer_group[i]])
-        hidden: torch.Tensor = self.model.norm(h)
+            rope = ropes[self.layer_rope[i]]
+            h, residual = layer(h, residual, rope, kv_caches[i], plans[self.layer_group[i]])
+        if residual is None:
+            return self.model.norm(h)  # type: ignore[no-any-return]
+        hidden, _ = self.model.norm.forward_add(h, residual)
         return hidden
 
     def compute_logits(
@@ -171,7 +204,7 @@ class CausalLM(nn.Module):
         """Logits [n, vocab] of the selected rows of `hidden_states` (all rows when None)."""
         if token_indices is not None:
             hidden_states = hidden_states[token_indices]
-        logits = F.linear(hidden_states, self.lm_head.weight)
+        logits: torch.Tensor = self.lm_head(hidden_states)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

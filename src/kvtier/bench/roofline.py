@@ -1,0 +1,143 @@
+"""`kvtier bench roofline`: how close decode comes to the memory-bandwidth limit. A decode step must
+read every weight once and each sequence's KV; at this machine's copy bandwidth (measured here: a
+large tensor copy, bytes read + written per second) that takes `roofline_ms`. The engine's decode
+step time is timed on the engine's own steps once every prompt of the batch is prefilled (new
+prompts each round): elapsed time over decode steps. Reports the fraction of the
+roofline reached (roofline_ms / step_ms) per batch size; prints a table and saves JSON."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench import models, save_json
+from kvtier.bench.throughput import random_prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=models.QWEN2_05B, help=models.HELP)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per batch size")
+    parser.add_argument("--copy-mib", type=int, default=512, help="size of the copied tensor")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (as bench compare)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench_roofline.json")
+
+
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """Bytes read + written per second by the best of `repeats` copies of a `mib` MiB tensor."""
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
+    """Bytes of every weight a decode step reads (each tensor once; an untied embedding table is
+    only indexed, so it is left out)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or (name.endswith("embed_tokens.weight") and not tied):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(model: Any, batch: int, context: float) -> float:
+    """KV bytes one decode step reads: every layer's keys and values over its readable context."""
+    cfg = model.config
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * model.model.embed_tokens.weight.element_size()
+    total = 0.0
+    for g, kind in enumerate(model.group_kinds):
+        span = context if kind.window is None else min(context, kind.window)
+        if kind.chunk is not None:
+            span = min(context, kind.chunk / 2)  # on average half a chunk is behind a query
+        total += model.layer_group.count(g) * span * per_token
+    return batch * total
+
+
+def decode_step_s(llm: Any, batch: int, args: argparse.Namespace, vocab: int, seed: int) -> float:
+    """Seconds per decode step: `batch` new prompts are prefilled, then the engine's steps are
+    timed until every request has its output_len tokens (all decode, batch rows each)."""
+    from kvtier.engine import SamplingParams
+
+    engine = llm.engine
+    n = args.output_len
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    ids = [f"roofline-{seed}-{i}" for i in range(batch)]
+    for req_id, prompt in zip(ids, random_prompts(seed, batch, args.input_len, vocab), strict=True):
+        engine.add_request(req_id, prompt, params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill: until every request has its first token
+        started.update(out.req_id for out in engine.step() if out.new_token_ids)
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    elapsed = time.perf_counter() - t0
+    return elapsed / max(tokens / batch, 1.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.engine import LLM
+
+    if args.output_len < 2 or args.rounds < 1 or min(args.batch_sizes) < 1:
+        raise ValueError("--output-len must be ≥ 2, --rounds and --batch-sizes ≥ 1")
+    torch.set_num_threads(args.threads)
+    bandwidth = copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {args.threads} thread(s))")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = models.model_path(args.model, Path(tmp))
+        for batch in args.batch_sizes:
+            llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
+                      max_model_len=args.input_len + args.output_len + args.block_size,
+                      max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed)  # fmt: skip
+            model = llm.engine.model
+            vocab = model.config.vocab_size
+            context = args.input_len + args.output_len / 2  # mean over the decode steps
+            weights = weight_bytes(model, model.spec.tie_word_embeddings)
+            kv = kv_bytes(model, batch, context)
+            roofline = (weights + kv) / bandwidth
+            steps = [decode_step_s(llm, batch, args, vocab, args.seed + 100 * r)
+                     for r in range(args.rounds)]  # fmt: skip
+            step = statistics.median(steps)
+            row = {
+                "batch": batch,
+                "weight_bytes": weights,
+                "kv_bytes": kv,
+                "roofline_ms": roofline * 1e3,
+                "step_ms": step * 1e3,
+                "step_ms_rounds": [s * 1e3 for s in steps],
+                "fraction_of_roofline": roofline / step,
+                "output_tok_s": batch / step,
+            }
+            rows.append(row)
+            print(
+                f"batch {batch:3d}: {(weights + kv) / 1e6:7.1f} MB/step (KV {kv / 1e6:.1f}) → "
+                f"roofline {row['roofline_ms']:7.2f} ms, decode step {row['step_ms']:7.2f} ms "
+                f"→ {row['fraction_of_roofline']:.0%} of the roofline "
+                f"({row['output_tok_s']:.0f} tok/s)",
+                flush=True,
+            )
+            del llm
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    payload = {"config": config, "copy_bandwidth_bytes_s": bandwidth, "rows": rows}
+    print(f"saved {save_json(payload, args.out)}")
+    return 0

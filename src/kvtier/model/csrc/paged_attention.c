@@ -1,0 +1,534 @@
+/* Paged attention for few queries per sequence (decodes, draft verification) straight from the KV
+ * cache: no gather copy, each key and value block read once per (sequence, KV head), float32
+ * accumulation with an online softmax. Built and loaded by kvtier/model/native.py (plain C, no
+ * Python or torch headers); called through ctypes, which releases the GIL.
+ *
+ * Cache layout [num_blocks, 2, block_size, kv_heads, head_dim] (K then V per block), contiguous.
+ * q is [tokens, heads, head_dim] with a token stride (a view of the fused qkv output); out is
+ * contiguous [tokens, heads, head_dim]. Query head h reads KV head h / group. Each query row r of
+ * a sequence attends to key positions [lo[r], hi[r]) (causal, window and chunk masks are all
+ * one range per query). Element type: 0 float32, 1 bfloat16 (round to nearest even on output).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *q;
+    int64_t q_stride;
+    const void *cache;
+    void *out;
+    const int64_t *tables; /* [num_seqs, table_stride] block ids */
+    int64_t table_stride;
+    const int64_t *seq_token; /* [num_seqs] batch index of each sequence's first query */
+    const int64_t *seq_qlen;  /* [num_seqs] queries of each sequence */
+    const int64_t *seq_row;   /* [num_seqs] index of its first query in lo / hi */
+    const int64_t *lo, *hi;   /* [rows] key range of each query */
+    int64_t num_heads, kv_heads, head_dim, block_size;
+    float scale, softcap;
+    int dtype;
+    int64_t begin, end; /* the sequences of this thread */
+    int status;         /* 0, or -1: out of memory (its rows of out are not written) */
+} Args;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void load_row(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+#define CHUNK 16 /* keys scored together: one AVX-512 register of float32 scores */
+
+/* The three steps on a chunk of up to CHUNK consecutive keys of one block and KV head:
+ *   keys_t:  keys transposed to kt [D, CHUNK] float32 (key j in lane j) and values to
+ *            vf [CHUNK, D] float32;
+ *   softmax: scores of one query row sc[j] = q . k_j, then the online-softmax update of the
+ *            row's running max m, sum l and accumulator acc [D] with keys [lo, hi) of the chunk.
+ * An AVX-512 version (gathers, masked lanes, scalef-based exp) and a portable one. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* r[0..15] (row j: 16 floats) → r[0..15] (row d: lane j), in registers */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* u[4k + m] holds, per 128-bit lane l, element m of rows 4l'..: combine lanes across rows */
+    for (int m = 0; m < 4; m++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88);
+        const __m512 b = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xdd);
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88);
+        const __m512 d = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xdd);
+        r[m] = _mm512_shuffle_f32x4(a, c, 0x88);
+        r[m + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        r[m + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+        r[m + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+}
+
+static inline __m512 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == 1) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
+static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
+                   int64_t D, int dtype, float *kt, float *vf) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) { /* keys: rows loaded whole, transposed in registers */
+        __m512 r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? load16(cache, kbase + j * stride + d0, dtype) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t d = 0; d < 16; d++) _mm512_store_ps(kt + (d0 + d) * CHUNK, r[d]);
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_store_ps(vf + j * D + d, load16(cache, vbase + j * stride + d, dtype));
+}
+
+static inline __m512 exp_nonpositive(__m512 x) { /* about 2 ulp; 0 below -87 */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* R query rows at once (R a constant after inlining: 4, 2 or 1), so each key and value vector
+ * loaded serves R rows. Row g is qr + g * D, its state m[g], l[g], acc + g * D. */
+static inline __attribute__((always_inline)) void softmax_rows(
+    const int R, const float *qr, const float *kt, const float *vf, int64_t D, int64_t lo,
+    int64_t hi, float softcap, float *m, float *l, float *acc) {
+    __m512 sc[4], p[4];
+    for (int g = 0; g < R; g++) sc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k = _mm512_load_ps(kt + d * CHUNK);
+        for (int g = 0; g < R; g++) sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qr[g * D + d]), k, sc[g]);
+    }
+    const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    for (int g = 0; g < R; g++) {
+        if (softcap > 0.0f) {
+            float tmp[CHUNK];
+            _mm512_storeu_ps(tmp, sc[g]);
+            for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            sc[g] = _mm512_loadu_ps(tmp);
+        }
+        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
+        const float mx = cmax > m[g] ? cmax : m[g];
+        if (mx > m[g]) {
+            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+            l[g] *= c;
+            float *ag = acc + g * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
+            m[g] = mx;
+        }
+        p[g] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
+        l[g] += _mm512_reduce_add_ps(p[g]);
+    }
+    float pj[4][CHUNK];
+    for (int g = 0; g < R; g++) _mm512_storeu_ps(pj[g], p[g]);
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 t[4];
+        for (int g = 0; g < R; g++) t[g] = _mm512_load_ps(acc + g * D + d);
+        for (int64_t j = lo; j < hi; j++) {
+            const __m512 v = _mm512_load_ps(vf + j * D + d);
+            for (int g = 0; g < R; g++) t[g] = _mm512_fmadd_ps(_mm512_set1_ps(pj[g][j]), v, t[g]);
+        }
+        for (int g = 0; g < R; g++) _mm512_store_ps(acc + g * D + d, t[g]);
+    }
+}
+
+static void softmax(int64_t rows, const float *qr, const float *kt, const float *vf, int64_t D,
+                    int64_t lo, int64_t hi, float softcap, float *m, float *l, float *acc) {
+    int64_t g = 0;
+    for (; g + 4 <= rows; g += 4)
+        softmax_rows(4, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+    if (g + 2 <= rows) {
+        softmax_rows(2, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+        g += 2;
+    }
+    if (g < rows) softmax_rows(1, qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+}
+
+#if defined(__AVX512BF16__)
+#define PAIRS_PATH 1
+/* bfloat16 with AVX512-BF16 dot products (VDPBF16PS: 16 float32 lanes, each += a·b over a pair of
+ * bfloat16): no conversion to float32, half the multiply-adds. Keys become transposed pairs
+ * kp [D/2, CHUNK] (lane j: k_j[2p], k_j[2p + 1]); values pairs of consecutive keys interleaved by
+ * dimension, vp [CHUNK/2, D/32, 2, 16] (lane: v_j[d], v_j+1[d]), which leaves each row's
+ * accumulator in a permuted order ([D/32, 2, 16], see unpermute); the probabilities are rounded
+ * to bfloat16 before they weigh the values, as transformers' eager attention does. */
+static void keys_pairs(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kp) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512 r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k + j * stride + 2 * p0))
+                         : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t p = 0; p < 16; p++) _mm512_store_ps((float *)kp + (p0 + p) * CHUNK, r[p]);
+    }
+}
+
+static void values_pairs(const uint16_t *v, int64_t stride, int64_t n, int64_t D, uint32_t *vp) {
+    const int64_t blocks = D / 32;
+    for (int64_t jp = 0; jp < CHUNK / 2; jp++) {
+        const int64_t j = 2 * jp;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512i x = j < n ? _mm512_loadu_si512(v + j * stride + 32 * b) : _mm512_setzero_si512();
+            const __m512i y = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * stride + 32 * b)
+                                        : _mm512_setzero_si512();
+            uint32_t *dst = vp + (jp * blocks + b) * 32;
+            _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(dst + 16, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
+
+/* Position of dimension d in the permuted accumulator. */
+static inline int64_t unpermute(int64_t d) {
+    const int64_t b = d / 32, dd = d % 32, lane = dd / 8, k = dd % 8;
+    return b * 32 + (k < 4 ? 4 * lane + k : 16 + 4 * lane + k - 4);
+}
+
+static inline __attribute__((always_inline)) void softmax_rows_bf16(
+    const int R, const uint16_t *const *q, const uint32_t *kp, const uint32_t *vp, int64_t D,
+    int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l, float *acc) {
+    __m512 sc[4], s2[4]; /* two accumulators per row: half the dependency chain */
+    uint32_t pp[4][CHUNK / 2];
+    for (int g = 0; g < R; g++) sc[g] = s2[g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + p * CHUNK);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (p + 1) * CHUNK);
+        for (int g = 0; g < R; g++) {
+            uint32_t pair[2];
+            memcpy(pair, q[g] + 2 * p, 8);
+            sc[g] = _mm512_dpbf16_ps(sc[g], k0, (__m512bh)_mm512_set1_epi32((int)pair[0]));
+            s2[g] = _mm512_dpbf16_ps(s2[g], k1, (__m512bh)_mm512_set1_epi32((int)pair[1]));
+        }
+    }
+    for (int g = 0; g < R; g++) sc[g] = _mm512_add_ps(sc[g], s2[g]);
+    const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    for (int g = 0; g < R; g++) {
+        sc[g] = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
+        if (softcap > 0.0f) {
+            float tmp[CHUNK];
+            _mm512_storeu_ps(tmp, sc[g]);
+            for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            sc[g] = _mm512_loadu_ps(tmp);
+        }
+        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
+        const float mx = cmax > m[g] ? cmax : m[g];
+        if (mx > m[g]) {
+            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+            l[g] *= c;
+            float *ag = acc + g * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
+            m[g] = mx;
+        }
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
+        l[g] += _mm512_reduce_add_ps(e);
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        memcpy(pp[g], &eb, sizeof(pp[g]));
+    }
+    const int64_t blocks = D / 32, jp0 = lo / 2, jp1 = (hi + 1) / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t half = 0; half < 2; half++) {
+            __m512 t[4];
+            for (int g = 0; g < R; g++) t[g] = _mm512_load_ps(acc + g * D + b * 32 + half * 16);
+            for (int64_t jp = jp0; jp < jp1; jp++) {
+                const __m512bh v = (__m512bh)_mm512_load_si512(vp + (jp * blocks + b) * 32 + half * 16);
+                for (int g = 0; g < R; g++)
+                    t[g] = _mm512_dpbf16_ps(t[g], v, (__m512bh)_mm512_set1_epi32((int)pp[g][jp]));
+            }
+            for (int g = 0; g < R; g++) _mm512_store_ps(acc + g * D + b * 32 + half * 16, t[g]);
+        }
+}
+
+static void softmax_bf16(int64_t rows, const uint16_t *const *q, const uint32_t *kp,
+                         const uint32_t *vp, int64_t D, int64_t lo, int64_t hi, float scale,
+                         float softcap, float *m, float *l, float *acc) {
+    int64_t g = 0;
+    for (; g + 4 <= rows; g += 4)
+        softmax_rows_bf16(4, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    if (rows - g == 3)
+        softmax_rows_bf16(3, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    else if (rows - g == 2)
+        softmax_rows_bf16(2, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+    else if (rows - g == 1)
+        softmax_rows_bf16(1, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+}
+#endif
+#else
+static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
+                   int64_t D, int dtype, float *kt, float *vf) {
+    float row[512];
+    for (int64_t j = 0; j < CHUNK; j++) {
+        if (j >= n) {
+            for (int64_t d = 0; d < D; d++) kt[d * CHUNK + j] = 0.0f;
+            continue;
+        }
+        load_row(cache, kbase + j * stride, D, dtype, row);
+        for (int64_t d = 0; d < D; d++) kt[d * CHUNK + j] = row[d];
+        load_row(cache, vbase + j * stride, D, dtype, vf + j * D);
+    }
+}
+
+static inline float exp_nonpositive(float x) { /* about 2 ulp; 0 below -87 */
+    if (x < -87.0f) return 0.0f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return ldexpf(p * r * r + r + 1.0f, (int)n);
+}
+
+static void softmax_row(const float *qr, const float *kt, const float *vf, int64_t D, int64_t lo,
+                        int64_t hi, float softcap, float *m, float *l, float *acc) {
+    float sc[CHUNK] = {0};
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < CHUNK; j++) sc[j] += qr[d] * kt[d * CHUNK + j];
+    float mx = *m;
+    for (int64_t j = lo; j < hi; j++) {
+        if (softcap > 0.0f) sc[j] = softcap * tanhf(sc[j] / softcap);
+        mx = sc[j] > mx ? sc[j] : mx;
+    }
+    if (mx > *m) {
+        const float c = *m == -INFINITY ? 0.0f : expf(*m - mx);
+        *l *= c;
+        for (int64_t d = 0; d < D; d++) acc[d] *= c;
+        *m = mx;
+    }
+    for (int64_t j = lo; j < hi; j++) {
+        const float p = exp_nonpositive(sc[j] - mx);
+        *l += p;
+        for (int64_t d = 0; d < D; d++) acc[d] += p * vf[j * D + d];
+    }
+}
+
+static void softmax(int64_t rows, const float *qr, const float *kt, const float *vf, int64_t D,
+                    int64_t lo, int64_t hi, float softcap, float *m, float *l, float *acc) {
+    for (int64_t g = 0; g < rows; g++)
+        softmax_row(qr + g * D, kt, vf, D, lo, hi, softcap, m + g, l + g, acc + g * D);
+}
+#endif
+
+/* Keys c0.. of the chunk starting at c0 (at most CHUNK, within one block) */
+static int64_t chunk_len(int64_t c0, int64_t kmax, int64_t bs) {
+    const int64_t off = c0 % bs;
+    int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
+    return cn < CHUNK ? cn : CHUNK;
+}
+
+static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(k + value + b);
+    }
+}
+
+/* Work item w = one sequence, every KV head: its keys are read as whole contiguous rows
+ * [kv_heads, head_dim] of each block, which the hardware prefetchers follow. */
+static void run(Args *a) {
+    const int64_t D = a->head_dim, bs = a->block_size, kvh = a->kv_heads;
+    const int64_t G = a->num_heads / kvh, size = a->dtype == 1 ? 2 : 4;
+    int64_t max_rows = 0;
+    for (int64_t w = a->begin; w < a->end; w++) {
+        int64_t rows = a->seq_qlen[w] * G * kvh;
+        if (rows > max_rows) max_rows = rows;
+    }
+    a->status = 0;
+    if (max_rows == 0) return;
+    /* qf, acc: [kv_heads, queries, G, D]; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows] */
+    float *buf = NULL;
+    const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
+    if (posix_memalign((void **)&buf, 64, sizeof(float) * floats) != 0) {
+        a->status = -1;
+        return;
+    }
+    float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
+    float *m = vf + CHUNK * D, *l = m + max_rows;
+#if defined(PAIRS_PATH)
+    const int pairs = a->dtype == 1 && D % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
+    for (int64_t seq = a->begin; seq < a->end; seq++) {
+        const int64_t nq = a->seq_qlen[seq], tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
+        const int64_t rows = nq * G; /* per KV head, ordered (query, g) */
+        if (nq == 0) continue;
+        int64_t kmin = INT64_MAX, kmax = 0;
+        for (int64_t j = 0; j < nq; j++) {
+            if (a->lo[row0 + j] < kmin) kmin = a->lo[row0 + j];
+            if (a->hi[row0 + j] > kmax) kmax = a->hi[row0 + j];
+        }
+        for (int64_t h = 0; h < kvh && !pairs; h++) /* the pairs path reads q where it is */
+            for (int64_t j = 0; j < nq; j++)
+                for (int64_t g = 0; g < G; g++) {
+                    float *qr = qf + ((h * nq + j) * G + g) * D;
+                    load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
+                    for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
+                }
+        memset(acc, 0, sizeof(float) * (size_t)(kvh * rows * D));
+        for (int64_t r = 0; r < kvh * rows; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        const int64_t *table = a->tables + seq * a->table_stride;
+        const int64_t row_size = kvh * D; /* elements of one key (every head) */
+        for (int64_t c0 = kmin; c0 < kmax;) { /* chunks of consecutive keys within one block */
+            const int64_t cn = chunk_len(c0, kmax, bs);
+            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
+            if (c0 + cn < kmax) { /* the next chunk's lines, while this one computes */
+                const int64_t n1 = c0 + cn, cn1 = chunk_len(n1, kmax, bs);
+                const int64_t k1 = ((table[n1 / bs] * 2 * bs) + n1 % bs) * row_size;
+                prefetch_chunk((const char *)a->cache + k1 * size, cn1 * row_size * size,
+                               bs * row_size * size);
+            }
+            for (int64_t h = 0; h < kvh; h++) {
+#if defined(PAIRS_PATH)
+                if (pairs) {
+                    const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
+                    keys_pairs(kh, row_size, cn, D, (uint32_t *)kt);
+                    values_pairs(kh + bs * row_size, row_size, cn, D, (uint32_t *)vf);
+                }
+#endif
+                if (!pairs)
+                    keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn,
+                           D, a->dtype, kt, vf);
+                for (int64_t qi = 0; qi < nq; qi++) {
+                    const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+                    const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+                    if (lo >= hi) continue;
+                    const int64_t r = (h * nq + qi) * G; /* the query's G rows of head h */
+#if defined(PAIRS_PATH)
+                    if (pairs) {
+                        const uint16_t *qrows[G];
+                        for (int64_t g = 0; g < G; g++)
+                            qrows[g] = (const uint16_t *)a->q + (tok0 + qi) * a->q_stride +
+                                       (h * G + g) * D;
+                        softmax_bf16(G, qrows, (const uint32_t *)kt, (const uint32_t *)vf, D, lo,
+                                     hi, a->scale, a->softcap, m + r, l + r, acc + r * D);
+                        continue;
+                    }
+#endif
+                    softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r,
+                            acc + r * D);
+                }
+            }
+            c0 += cn;
+        }
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t qi = 0; qi < nq; qi++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = (h * nq + qi) * G + g;
+                    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                    const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+#if defined(PAIRS_PATH)
+                    if (pairs) {
+                        uint16_t *dst = (uint16_t *)a->out + o;
+                        for (int64_t d = 0; d < D; d++)
+                            dst[d] = f32_to_bf16(acc[r * D + unpermute(d)] * inv);
+                        continue;
+                    }
+#endif
+                    if (a->dtype == 1) {
+                        uint16_t *dst = (uint16_t *)a->out + o;
+                        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
+                    } else {
+                        float *dst = (float *)a->out + o;
+                        for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+                    }
+                }
+    }
+    free(buf);
+}
+
+static void *run_thread(void *arg) {
+    run((Args *)arg);
+    return NULL;
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
+int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, void *out,
+                           const int64_t *tables, int64_t table_stride, const int64_t *seq_token,
+                           const int64_t *seq_qlen, const int64_t *seq_row, const int64_t *lo,
+                           const int64_t *hi, int64_t num_seqs, int64_t num_heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                           float softcap, int dtype, int num_threads) {
+    const int64_t items = num_seqs;
+    int64_t keys = 0; /* the work: keys read, summed over sequences */
+    for (int64_t i = 0; i < num_seqs; i++)
+        if (seq_qlen[i] > 0) keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
+    if (keys * kv_heads * head_dim < (1 << 19)) num_threads = 1; /* a thread's start costs more */
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
+    Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
+                 seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
+                 block_size, scale,  softcap, dtype,      0,          items,        0};
+    if (num_threads == 1) {
+        run(&base);
+        return base.status;
+    }
+    Args args[num_threads];
+    pthread_t threads[num_threads];
+    int started[num_threads];
+    for (int t = 0; t < num_threads; t++) {
+        args[t] = base;
+        args[t].begin = items * t / num_threads;
+        args[t].end = items * (t + 1) / num_threads;
+        started[t] = t > 0 && pthread_create(&threads[t], NULL, run_thread, &args[t]) == 0;
+        if (t > 0 && !started[t]) run(&args[t]);
+    }
+    run(&args[0]);
+    for (int t = 1; t < num_threads; t++)
+        if (started[t]) pthread_join(threads[t], NULL);
+    int status = 0;
+    for (int t = 0; t < num_threads; t++)
+        if (args[t].status) status = args[t].status;
+    return status;
+}

@@ -1,0 +1,254 @@
+"""Native CPU kernels of the model, built from `csrc/` with the system C compiler on first use and
+cached per source, flags, compiler and CPU (`~/.cache/kvtier/kernels/`, `$XDG_CACHE_HOME` moves
+it); loaded with ctypes, which releases the GIL while a kernel runs. Plain C with no Python or
+torch headers: a build takes a few seconds (4 s for both libraries on a busy 2-core box). Without
+a compiler, a writable cache or a successful build, `kernels()` is None (logged once) and the
+model keeps its torch paths.
+
+`paged_attention.c`: attention of few queries per sequence straight from the paged cache.
+`fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
+without FMA contraction so float32 rounds as torch's separate ops do."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvtier.model")
+
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types the kernels take
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "kvtier_paged_attention": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                               _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT],
+    "kvtier_rms_norm": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT, _INT,
+                        _INT],
+    "kvtier_rope": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT],
+    "kvtier_act_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT, _INT],
+    "kvtier_argmax": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded libraries (attention, fused elementwise) and where they came from."""
+
+    attention: ctypes.CDLL
+    fused: ctypes.CDLL
+    paths: tuple[Path, ...]
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        index: tuple[torch.Tensor, ...],
+        scale: float,
+        softcap: float | None,
+    ) -> None:
+        """Write the attention of the queries `index` names into their rows of `out`.
+
+        q [T, H, D] (rows may be strided), kv_cache `KVLayout`, out [T, H, D] contiguous, all of
+        one dtype in DTYPES on the CPU; index = (tables [n, max_blocks], seq_token [n],
+        seq_qlen [n], seq_row [n], lo [rows], hi [rows]), int64, contiguous (see the C source)."""
+        tables, seq_token, seq_qlen, seq_row, lo, hi = index
+        _, num_heads, dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous()
+        assert kv_cache.is_contiguous() and q.dtype == kv_cache.dtype == out.dtype
+        status = self.attention.kvtier_paged_attention(
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(),
+            tables.data_ptr(), tables.stride(0), seq_token.data_ptr(), seq_qlen.data_ptr(),
+            seq_row.data_ptr(), lo.data_ptr(), hi.data_ptr(), seq_token.shape[0], num_heads,
+            kv_cache.shape[3], dim, kv_cache.shape[2], scale, softcap or 0.0, DTYPES[q.dtype],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("kvtier_paged_attention: no scratch memory for its work items")
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        gemma: bool,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm of the rows of x [..., dim] (2-D, or 3-D with a contiguous last two dims'
+        rows: q [T, H, D] views) into a new contiguous tensor; with `residual` (contiguous, the
+        shape of the rows), residual += x first (in place) and the sum is normalized."""
+        dim = x.shape[-1]
+        assert x.stride(-1) == 1 and weight.dtype == x.dtype and x.dim() in (2, 3)
+        inner, inner_stride = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+        rows = x.numel() // dim
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if residual is not None:
+            assert residual.is_contiguous() and residual.shape == x.shape
+        self.fused.kvtier_rms_norm(
+            x.data_ptr(), x.stride(0), inner, inner_stride,
+            None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            rows, dim, eps, int(gemma), DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] (heads D apart, tokens any stride) in place by cos/sin
+        [T, 1, D] (contiguous, x's dtype); returns x."""
+        tokens, heads, dim = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous()
+        assert sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
+        self.fused.kvtier_rope(
+            x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), tokens,
+            DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return x
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up of gate_up [rows, 2 * inter] (contiguous) → [rows, inter]."""
+        rows, width = gate_up.shape
+        assert gate_up.is_contiguous()
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.fused.kvtier_act_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, ACTIVATIONS[activation],
+            DTYPES[gate_up.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+CPU = torch.device("cpu")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of float32 rows x [n, vocab] (the first maximum, or the first NaN);
+    torch's reduction runs at ~2 ns an element, the native one at memory speed."""
+    kernels = kernels_for(x) if x.dtype == torch.float32 and x.dim() == 2 else None
+    if kernels is None or x.stride(-1) != 1:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernels.fused.kvtier_argmax(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def kernels_for(x: torch.Tensor) -> Kernels | None:
+    """The kernels, if they serve `x` (see `usable`)."""
+    return kernels() if usable(x) else None
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels serve tensors of `x`'s dtype and device (the host CPU: not another
+    device, nor a stand-in for one such as the placement audit's `cpu:1`), and were built."""
+    return x.device == CPU and x.dtype in DTYPES and kernels() is not None
+
+
+def attention_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the attention kernel serves queries of `q`'s dtype and device (any tensor of
+    them) over `kv_cache`: head_dim a multiple of 16, at most MAX_HEAD_DIM."""
+    dim = kv_cache.shape[-1]
+    return usable(q) and kv_cache.dtype == q.dtype and dim % 16 == 0 and dim <= MAX_HEAD_DIM
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The kernels built for this CPU, building them on first use; None where they cannot be."""
+    return build(FLAGS)
+
+
+def build(flags: tuple[str, ...]) -> Kernels | None:
+    """Build (or find in the cache) and load every kernel library, compiled with `flags`."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (cc): native kernels off, using the torch paths")
+        return None
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("C compiler %s unusable (%s): native kernels off", compiler, exc)
+        return None
+    attention = _library(compiler, version, CSRC / "paged_attention.c", flags)
+    fused = _library(compiler, version, CSRC / "fused.c", (*flags, "-ffp-contract=off"))
+    if attention is None or fused is None:
+        return None
+    return Kernels(attention[0], fused[0], (attention[1], fused[1]))
+
+
+def _library(
+    compiler: str, version: str, source: Path, flags: tuple[str, ...]
+) -> tuple[ctypes.CDLL, Path] | None:
+    text = source.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([text, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    path = cache_dir() / f"{source.stem}-{key}.so"
+    if not path.is_file() and not _build(compiler, source, flags, path):
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("could not load %s (%s): native kernels off", path, exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        if hasattr(library, name):
+            fn = getattr(library, name)
+            fn.restype = ctypes.c_int if name == "kvtier_paged_attention" else None
+            fn.argtypes = argtypes
+    return library, path
+
+
+def _build(compiler: str, source: Path, flags: tuple[str, ...], path: Path) -> bool:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    except OSError as exc:  # a read-only home, a full disk: the torch paths still work
+        log.warning("cannot write %s (%s): native kernels off", path.parent, exc)
+        return False
+    os.close(fd)
+    cmd = [compiler, *flags, "-o", tmp, str(source), "-lm", "-lpthread"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        ok, err = res.returncode == 0, res.stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        ok, err = False, str(exc)
+    if not ok:
+        Path(tmp).unlink(missing_ok=True)
+        log.warning("building %s failed: native kernels off:\n%s", source.name, err)
+        return False
+    os.replace(tmp, path)  # atomic: concurrent builders leave one complete file
+    log.info("built %s in %s", source.name, path)
+    return True

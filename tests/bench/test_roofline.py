@@ -1,0 +1,41 @@
+"""`kvtier bench roofline` at toy size: the bytes a decode step reads (weights once, each sequence's
+KV over its readable context), a measured copy bandwidth, and one row per batch size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvtier.bench import roofline
+from kvtier.cli import main
+from kvtier.model.loader import load_model
+from kvtier.model.testing import write_tiny_model
+
+
+def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
+    out = tmp_path / "rl.json"
+    rc = main(
+        [
+            "bench", "roofline", "--model", "tiny-llama", "--batch-sizes", "1", "3",
+            "--input-len", "8", "--output-len", "3", "--rounds", "1", "--copy-mib", "8",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["copy_bandwidth_bytes_s"] > 0
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    one, three = res["rows"]
+    assert one["weight_bytes"] == three["weight_bytes"] > 0
+    assert three["kv_bytes"] == 3 * one["kv_bytes"] > 0
+    assert all(r["fraction_of_roofline"] > 0 for r in res["rows"])
+
+
+def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> None:
+    qwen = load_model(write_tiny_model(tmp_path / "q", "qwen2", window=4), dtype="bfloat16")
+    params = {id(p): p for p in qwen.parameters()}.values()  # the LM head is the embedding
+    assert roofline.weight_bytes(qwen, tied=True) == sum(2 * p.numel() for p in params)
+    cfg = qwen.config  # Qwen2 slides from layer max_window_layers = 1 on: 1 full, 3 over 4 tokens
+    assert cfg.layer_kinds == ("full", "sliding", "sliding", "sliding")
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert roofline.kv_bytes(qwen, 2, 10.0) == 2 * (1 * 10 + 3 * 4) * per_token

@@ -1,0 +1,191 @@
+"""Every path of paged attention against one dense reference (float64, per query, keys read from the
+cache through the block table): first chunks on their own keys, block gathers, the native kernel
+(its AVX-512 and portable builds, one and two threads), with causal, window and chunk masks, block
+sizes that do not divide them, softcap, and ragged batches mixing every kind of sequence. Cache
+slots no query may read hold NaN, so a stray read shows."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier.model import native
+from kvtier.model.attention import AttentionMetadata, LayerKind
+from kvtier.model.layers import PACK_BF16, Linear
+from kvtier.model.paged import paged_attention, plan_group
+
+# (num_computed, num_scheduled) per sequence: a first chunk (own keys), a decode, a short
+# multi-query step (draft verification), a long chunk after a prefix (gather), an idle sequence,
+# a short first chunk, a second decode at another length.
+RAGGED = [(0, 12), (20, 1), (13, 3), (9, 12), (5, 0), (0, 5), (7, 1)]
+KINDS = [LayerKind(), LayerKind(window=5), LayerKind(chunk=6)]
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def make_case(
+    batch: list[tuple[int, int]], bs: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM
+):
+    """Metadata, q/k/v of the new tokens and a cache holding each prefix (NaN elsewhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // bs) for c, n in batch]
+    ids = torch.randperm(sum(need) + 4, generator=gen)[: sum(need)] + 1  # block 0: null
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at : at + n].tolist())
+        at += n
+    meta = AttentionMetadata.build([c for c, _ in batch], [n for _, n in batch], [tables], bs)
+    cache = torch.full((sum(need) + 5, 2, bs, KV_HEADS, dim), float("nan"), dtype=torch.float64)
+    cache[0] = 0.0  # the null block is zeros (never written)
+    for (computed, _), table in zip(batch, tables, strict=True):
+        for p in range(computed):
+            cache[table[p // bs], :, p % bs] = torch.randn(2, KV_HEADS, dim, generator=gen)
+    num_tokens = sum(n for _, n in batch)
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * dim, generator=gen, dtype=torch.float64)
+    q, k, v = qkv.to(dtype).split([HEADS * dim, KV_HEADS * dim, KV_HEADS * dim], dim=-1)
+    q = q.view(num_tokens, HEADS, dim)  # a strided view, as the model's fused projection gives
+    return meta, q, k.reshape(-1, KV_HEADS, dim), v.reshape(-1, KV_HEADS, dim), cache.to(dtype)
+
+
+def reference(q, cache, meta, kind, scale, softcap):
+    """Dense attention per query in float64 over the keys the mask allows, read by table."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, group = meta.block_size, HEADS // KV_HEADS
+    table = meta.block_tables[0]
+    for i, (end, n) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
+        pos = torch.arange(end)
+        blocks = table[i, pos // bs]
+        keys = cache[blocks, 0, pos % bs].double()  # [end, KVH, D]
+        values = cache[blocks, 1, pos % bs].double()
+        for j in range(n):
+            t, qp = meta.query_start_loc[i] + j, end - n + j
+            allowed = kind.mask(torch.tensor([qp]), pos)[0]
+            for h in range(HEADS):
+                s = keys[allowed, h // group] @ q[t, h].double() * scale
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
+                out[t, h] = torch.softmax(s, 0) @ values[allowed, h // group]
+    return out
+
+
+def run_paths(batch, bs, kind, dtype, softcap=None, dim=DIM, **plan_args):
+    meta, q, k, v, cache = make_case(batch, bs, dtype, dim=dim)
+    plan = plan_group(meta, 0, kind, KV_HEADS, HEADS // KV_HEADS, **plan_args)
+    out = paged_attention(q, k, v, cache, plan, dim**-0.5, softcap)
+    return out, reference(q, cache, meta, kind, dim**-0.5, softcap), plan
+
+
+needs_native = pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
+TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["causal", "window5", "chunk6"])
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("own_keys", [True, False], ids=["own", "gather"])
+def test_torch_paths_match_reference_on_a_ragged_batch(kind, bs, dtype, own_keys):
+    out, ref, plan = run_paths(RAGGED, bs, kind, dtype, own_keys=own_keys)
+    assert plan.native is None
+    assert [o.num_seqs for o in plan.owns] == ([1] if own_keys else [])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", KINDS, ids=["causal", "window5", "chunk6"])
+@pytest.mark.parametrize("bs", [4, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [16, 64])  # bf16 with head_dim 64: the AVX512-BF16 pairs path
+def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype, dim):
+    out, ref, plan = run_paths(RAGGED, bs, kind, dtype, dim=dim, native=True)
+    assert plan.native is not None and plan.native.seq_token.numel() == 4  # the short ones
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [16, 64])
+def test_native_kernel_softcap(dtype, dim):
+    out, ref, _ = run_paths(RAGGED, 4, LayerKind(window=5), dtype, 2.0, dim, native=True)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
+
+
+def test_softcap_on_the_gather_path():
+    out, ref, _ = run_paths(RAGGED, 4, LayerKind(), torch.float64, softcap=2.0, own_keys=False)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+@needs_native
+def test_native_kernel_same_bits_on_two_threads():
+    meta, q, k, v, cache = make_case([(40 + 3 * i, 1) for i in range(9)], 4, torch.float32, 3)
+    plan = plan_group(meta, 0, LayerKind(window=7), KV_HEADS, HEADS // KV_HEADS, native=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(q, k, v, cache, plan, 0.3, None)
+        torch.set_num_threads(2)
+        two = paged_attention(q, k, v, cache, plan, 0.3, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_portable_kernel_build_matches_reference(dtype):
+    """The kernel built without AVX-512 (its portable loops) gives the same attention."""
+    portable = native.build(("-O2", "-march=x86-64", "-fPIC", "-shared"))
+    if portable is None:
+        pytest.skip("no C compiler")
+    meta, q, k, v, cache = make_case(RAGGED, 4, dtype)
+    kind = LayerKind(chunk=6)
+    plan = plan_group(meta, 0, kind, KV_HEADS, HEADS // KV_HEADS, native=True)
+    paged_attention(q, k, v, cache, plan, DIM**-0.5, None)  # writes the new keys
+    assert plan.native is not None
+    out = torch.zeros(q.shape, dtype=dtype)
+    portable.paged_attention(q, cache, out, plan.native.index(), DIM**-0.5, None)
+    ref = reference(q, cache, meta, kind, DIM**-0.5, None)
+    rows = torch.cat([torch.arange(a, a + n) for a, n in
+                      zip(meta.query_start_loc, meta.query_lens) if 0 < n <= 8])  # fmt: skip
+    torch.testing.assert_close(out[rows].double(), ref[rows], atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_first_chunks_of_equal_length_share_one_call_without_a_gather(softcap):
+    batch = [(0, 12), (0, 12), (3, 12), (0, 12), (0, 9)]
+    tables = [[1, 2, 3], [4, 5, 6], [7] * 4, [8] * 3, [9] * 3]
+    meta = AttentionMetadata.build([c for c, _ in batch], [n for _, n in batch], [tables], 4)
+    plan = plan_group(meta, 0, LayerKind(window=5), KV_HEADS, HEADS // KV_HEADS)
+    twelve, nine = plan.owns
+    assert (twelve.num_seqs, twelve.num_queries, twelve.token_start) == (3, 12, None)
+    assert twelve.tokens.tolist() == [*range(24), *range(36, 48)]  # the third has a prefix
+    assert (nine.num_seqs, nine.token_start) == (1, 48)  # a slice of the batch, no index
+    assert twelve.mask is not None and twelve.mask.shape == (12, 12)
+    (gather,) = plan.gathers
+    assert gather.num_seqs == 1
+    for kind in KINDS:
+        out, ref, _ = run_paths(batch, 4, kind, torch.float64, softcap=softcap)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+def test_gather_reads_whole_blocks_from_the_window_start():
+    meta = AttentionMetadata.build([21, 6], [1, 1], [[[9, 8, 7, 6, 5, 4], [3, 2]]], 4)
+    (g,) = plan_group(meta, 0, LayerKind(window=5), KV_HEADS, HEADS // KV_HEADS).gathers
+    # query 21 reads 17-21: blocks 4 and 5 (ids 5, 4); query 6 reads 2-6: blocks 0, 1 (3, 2)
+    assert g.num_blocks == 2 and g.blocks.tolist() == [5, 4, 3, 2]
+    # the tail past each end is zeroed: positions 22-23 (rows 6, 7), 7 (row 8 + 7)
+    assert g.tail_rows is not None and g.tail_rows.tolist() == [6, 7, 15]
+
+
+@pytest.mark.skipif(not PACK_BF16, reason="oneDNN without bf16 here")
+def test_prepacked_linear_gives_the_bits_of_f_linear_and_follows_its_weight():
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64, generator=gen).to(torch.bfloat16))
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer.float()(x.float()), F.linear(x.float(), layer.weight, layer.bias))

@@ -19,7 +19,7 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.stats import EngineStats
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.chain import TierStats
-from tests.stores.servers import RedisServer, wait_until
+from tests.stores.servers import RedisServer, start_cluster, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 BASE: dict[str, Any] = {
@@ -142,6 +142,30 @@ def test_redis_tier_serves_later_rounds_with_the_same_tokens(
             assert c.dbsize() > 0
     finally:
         llm.engine.close()
+
+
+def test_a_redis_cluster_serves_later_rounds_with_the_same_tokens(
+    llama: Path, reference: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """The remote tier on a three-master Cluster (keys of one chain segment on one node)."""
+    nodes = start_cluster(tmp_path / "cluster")
+    llm = None
+    try:
+        llm = LLM(str(llama), **BASE, **SMALL, kv_remote_url=nodes[0].url)
+        assert rounds(llm) == reference
+        remote = tier(assert_clean(llm), "remote")
+        assert remote.metrics.num_hit_tokens > 0 and remote.store.num_errors == 0
+        sizes = []
+        for n in nodes:
+            with n.client() as c:
+                sizes.append(int(c.dbsize()))
+        # these chains are shorter than one 64-block segment: all on one shard, by design
+        assert sorted(sizes)[-1] == sum(sizes) > 0
+    finally:
+        if llm is not None:
+            llm.engine.close()
+        for n in nodes:
+            n.stop()
 
 
 def test_disk_then_remote_promotes_remote_hits_to_disk(

@@ -1,6 +1,7 @@
 """The lower tiers behind `kvtier serve` (architecture.md §Chain): two replica processes on one
 real Redis share prefixes (replica B's first request on a prefix A served is a remote hit, in
-`usage.prompt_tokens_details.cached_tokens` and on /metrics), and a server restarted on the same
+`usage.prompt_tokens_details.cached_tokens` and on /metrics; once Redis is killed both still
+answer with the same tokens), and a server restarted on the same
 `--kv-disk-path` finds its blocks (the first request on an old prefix is a disk hit)."""
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ SERVE = ["serve", "--max-model-len", "512", "--num-device-blocks", "256", "--tor
 TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
 
 
-def complete(port: int) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+def complete(port: int, prompt: str = PROMPT) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     status, _, raw = request(port, "/v1/completions", body)
     assert status == 200, raw
     out: dict[str, Any] = json.loads(raw)
@@ -80,6 +81,13 @@ def test_replica_b_finds_what_replica_a_served_in_redis(
         hits = metric(b.port, "kvtier:prefix_cache_hits_total", 'tier="remote"')
         assert hits == cached(second)
         assert metric(b.port, "kvtier:kv_tier_get_latency_seconds_count", 'tier="remote"') > 0
+        redis_server.kill()  # Redis dies: a new prompt's lookups miss, both replicas answer it
+        again = PROMPT + " And which one times code?"
+        new = [complete(p.port, again)["choices"][0]["text"] for p in replicas]
+        assert new[0] == new[1]
+        old = [complete(p.port)["choices"][0]["text"] for p in replicas]
+        assert old == [first["choices"][0]["text"]] * 2
+        assert metric(b.port, "kvtier:kv_tier_errors_total", 'tier="remote"') > 0
     finally:
         stop(replicas)
     for p in replicas:

@@ -298,6 +298,40 @@ def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
         llm.engine.close()
 
 
+def test_a_step_never_blocks_on_a_lower_tier_read(
+    llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
+) -> None:
+    """A request waits for a hung Redis (deadline 60 s; the client's 2 s socket timeout ends the
+    read as a miss): `step()` returns at once with nothing to do (the caller — the server's loop —
+    stays free to take new requests), a request that needs no read runs meanwhile, and the
+    waiting one finishes with the same tokens."""
+    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
+    try:
+        assert rounds(first, 1) == reference[:1]
+    finally:
+        first.engine.close()
+    llm = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url, kv_tier_timeout_s=60)
+    engine, chain = llm.engine, llm.engine.tier_chain
+    assert chain is not None
+    redis_server.pause()
+    try:
+        engine.add_request("blocked", prompts()[0], GREEDY)
+        for _ in range(3):  # it blocked for the whole read (2 s, the socket timeout) here
+            assert engine.step() == []
+        assert chain.waiting_on_io() == {"blocked"}
+        engine.add_request("free", [5, 6, 7], GREEDY)  # too short to look below the host
+        done: dict[str, list[int]] = {}
+        while "free" not in done:
+            done |= {o.req_id: o.result.token_ids for o in engine.step() if o.result}
+    finally:
+        redis_server.resume()
+    while engine.has_unfinished_requests():
+        done |= {o.req_id: o.result.token_ids for o in engine.step() if o.result}
+    assert list(done["blocked"]) == reference[0][0]
+    assert_clean(llm)
+    engine.close()
+
+
 def test_truncated_disk_files_are_misses(
     llama: Path, reference: list[list[list[int]]], tmp_path: Path
 ) -> None:

@@ -32,6 +32,8 @@ from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
 DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
+# How long one step waits for a disk or remote read when no request can run without one.
+TIER_POLL_S = 0.01
 
 
 class EngineCore:
@@ -214,20 +216,24 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """One engine step: the synchronous loop at depth 1, the batch queue otherwise."""
-        self._wait_for_tiers()
+        if not self._ready_past_tiers():
+            return []  # every request waits for a disk or remote read: no empty forward
         if self.scheduler.async_depth == 1:
             return self.step_sync()
         return self.step_async()
 
-    def _wait_for_tiers(self) -> None:
-        """When every unfinished request waits for a disk or remote read, wait for that I/O (up
-        to its deadline) instead of stepping an empty forward."""
+    def _ready_past_tiers(self) -> bool:
+        """False when every unfinished request waits for a disk or remote read that has neither
+        landed nor missed its deadline after `TIER_POLL_S` more: a step would be an empty forward
+        (modelled time on the sim, a wasted forward elsewhere), and returning keeps the caller
+        (the server's loop) free to take new requests."""
         chain = self.tier_chain
         if chain is None or self.scheduler.running or len(self.queue):
-            return
+            return True
         blocked = chain.waiting_on_io()
-        if blocked and all(r.request_id in blocked for r in self.scheduler.waiting):
-            chain.wait_for_io()
+        if not blocked or any(r.request_id not in blocked for r in self.scheduler.waiting):
+            return True
+        return chain.wait_for_io(TIER_POLL_S)
 
     def step_sync(self) -> list[StepOutput]:
         """schedule → execute → wait → update."""

@@ -419,13 +419,18 @@ class TierChain:
         """Requests whose lookup waits for a read below the host (reads only)."""
         return {rid for rid, st in self._reqs.items() if st.fetch or st.waiting_on}
 
-    def wait_for_io(self) -> None:
-        """Block until a read in flight finishes or the earliest deadline passes (for an engine
-        with nothing else to do: cheaper than stepping empty forwards). Mutates nothing."""
-        pending = [f for f in self._fetches if not f.future.done()]
-        if pending:
-            timeout = max(0.0, min(f.deadline for f in pending) - self.clock())
-            wait([f.future for f in pending], timeout, FIRST_COMPLETED)
+    def wait_for_io(self, max_wait_s: float) -> bool:
+        """Block up to `max_wait_s` until a read in flight finishes or a deadline passes (for an
+        engine with nothing else to do: cheaper than stepping empty forwards). True when one has
+        (the next lookup makes progress), False when all still wait. Mutates nothing."""
+        if any(f.future.done() for f in self._fetches):
+            return True
+        if not self._fetches:
+            return False
+        deadline = min(f.deadline for f in self._fetches)
+        timeout = min(max_wait_s, max(0.0, deadline - self.clock()))
+        wait([f.future for f in self._fetches], timeout, FIRST_COMPLETED)
+        return any(f.future.done() for f in self._fetches) or self.clock() >= deadline
 
     # ---- lifecycle and stats ---------------------------------------------------------------------
 

@@ -332,6 +332,34 @@ def test_a_step_never_blocks_on_a_lower_tier_read(
     engine.close()
 
 
+def test_a_request_aborted_while_its_read_is_in_flight_leaks_nothing(
+    llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
+) -> None:
+    """Aborted while it waits for Redis: its read still lands and is staged for whoever asks
+    next; pools and pins end empty and the next request runs with the same tokens."""
+    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
+    try:
+        assert rounds(first, 1) == reference[:1]
+    finally:
+        first.engine.close()
+    llm = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url, kv_tier_timeout_s=60)
+    engine, chain = llm.engine, llm.engine.tier_chain
+    assert chain is not None
+    redis_server.pause()
+    try:
+        engine.add_request("gone", prompts()[0], GREEDY)
+        assert engine.step() == [] and chain.waiting_on_io() == {"gone"}
+        assert engine.abort("gone") is not None
+        assert chain.waiting_on_io() == set()
+    finally:
+        redis_server.resume()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert generate(llm, prompts()[:2]) == reference[0][:2]
+    assert_clean(llm)
+    engine.close()
+
+
 def test_truncated_disk_files_are_misses(
     llama: Path, reference: list[list[list[int]]], tmp_path: Path
 ) -> None:

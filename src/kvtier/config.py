@@ -37,6 +37,10 @@ STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM
 HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
 # What admission charges window groups for tokens in flight (kv.specs.AdmissionPolicy)
 ADMISSION_POLICIES = ("shared", "per-request", "optimistic")
+# URL schemes of --kv-remote-url (the ones `stores.redis_store.redis_url` accepts; config imports
+# no other layer, so the list is repeated here)
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+DEFAULT_DISK_GIB = 16.0  # --kv-disk-size when --kv-disk-path is given alone
 
 
 def parse_protect(text: str) -> tuple[str, ...]:
@@ -318,9 +322,16 @@ class CacheConfig:
     num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
     admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
+    # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL, and
+    # how long a lookup of 64 blocks may wait for them (longer batches wait proportionally).
+    kv_disk_path: str | None = None
+    kv_disk_size: float | None = None  # GiB (default DEFAULT_DISK_GIB with a disk path)
+    kv_remote_url: str | None = None  # redis://host:port/db (valkey:// too)
+    kv_tier_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        self._check_lower_tiers()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.num_device_blocks is not None and self.num_device_blocks < 2:
@@ -353,6 +364,63 @@ class CacheConfig:
             raise ValueError(
                 f"--admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
             )
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.num_host_blocks is not None or self.kv_offloading_size is not None
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """A disk or remote tier is configured (it stages its blocks through the host tier)."""
+        return self.kv_disk_path is not None or self.kv_remote_url is not None
+
+    def _check_lower_tiers(self) -> None:
+        if self.kv_disk_path is not None and not self.kv_disk_path.strip():
+            raise ValueError("--kv-disk-path must name a folder, got an empty string")
+        if self.kv_disk_size is not None:
+            if self.kv_disk_path is None:
+                raise ValueError("--kv-disk-size needs --kv-disk-path (the folder it limits)")
+            if not self.kv_disk_size > 0:
+                raise ValueError(
+                    f"--kv-disk-size must be a positive number of GiB, got {self.kv_disk_size}"
+                )
+        url = self.kv_remote_url
+        if url is not None and url.partition("://")[0] not in REMOTE_SCHEMES:
+            raise ValueError(
+                f"--kv-remote-url {url!r} must start with redis://, rediss://, unix://, valkey:// "
+                "or valkeys://, e.g. redis://127.0.0.1:6379/0"
+            )
+        if not self.kv_tier_timeout_s > 0:
+            raise ValueError(
+                f"--kv-tier-timeout-s must be positive seconds, got {self.kv_tier_timeout_s}"
+            )
+        if not self.has_lower_tiers:
+            return
+        what = "--kv-disk-path" if self.kv_disk_path is not None else "--kv-remote-url"
+        if not self.has_host_tier:
+            raise ValueError(
+                f"{what} needs a host KV tier to stage blocks through (disk and remote blocks are "
+                "read into host blocks, then loaded like host hits); add --num-host-blocks N or "
+                "--kv-offloading-size GiB"
+            )
+        if self.kv_offload_store_mode != "eager":
+            raise ValueError(
+                f"{what} demotes the blocks the eager host store writes; --kv-offload-store-mode "
+                "lazy stores no request's chain, so use eager (the default) with disk or remote "
+                "tiers"
+            )
+        if url is not None and self.prefix_caching_hash_algo != "sha256":
+            raise ValueError(
+                "--kv-remote-url shares blocks by their chained hash with every replica on that "
+                "server, so the hash must resist collisions: use --prefix-caching-hash-algo "
+                "sha256 (the default), not xxhash"
+            )
+
+    @property
+    def disk_size_bytes(self) -> int:
+        """The disk tier's byte limit (--kv-disk-size, default DEFAULT_DISK_GIB)."""
+        gib = DEFAULT_DISK_GIB if self.kv_disk_size is None else self.kv_disk_size
+        return max(1, int(gib * (1 << 30)))
 
 
 @dataclass(frozen=True)
@@ -429,6 +497,19 @@ FLAG_HELP = {
     "kv_offload_store_mode": (
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
         "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"
+    ),
+    "kv_disk_path": (
+        "folder of the disk KV tier below the host tier (one per process; survives restarts); "
+        "needs a host tier"
+    ),
+    "kv_disk_size": f"disk KV tier size in GiB (default {DEFAULT_DISK_GIB:g})",
+    "kv_remote_url": (
+        "remote KV tier on Redis or Valkey shared by replicas, redis://host:port/db; needs a host "
+        "tier and sha256 block hashes"
+    ),
+    "kv_tier_timeout_s": (
+        "longest a lookup of 64 blocks waits for the disk and remote tiers (longer lookups wait "
+        "proportionally); past it the request recomputes what did not arrive"
     ),
     "admission": (
         "what admission charges window groups for tokens in flight: shared (steady window per "

@@ -44,3 +44,35 @@ def test_offload_bench_host_tier_off_vs_on(tmp_path: Path) -> None:
     ratios = result["ratios"]["on-eager"]
     assert set(ratios) >= {"ttft_device_mean_off_over_on", "tok_s_device_on_over_off"}
     assert (tmp_path / "offload.png").stat().st_size > 0
+
+
+def test_offload_bench_one_line_per_tier_with_disk_and_redis(tmp_path: Path) -> None:
+    """--tiers device,host,disk,remote: each configuration adds a tier; with a host tier a
+    quarter of the workload and a disk half of it, the disk and the remote tier both serve
+    prompt tokens, and every configuration gives the device-only tokens."""
+    from tests.stores.servers import RedisServer
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    out = tmp_path / "tiers.json"
+    try:
+        rc = main(
+            [
+                "bench", "offload", "--tiers", "device,host,disk,remote",
+                "--remote-url", redis_server.url, "--disk-fraction", "0.5",
+                "--num-prefixes", "2", "--prefix-len", "128", "--users-per-prefix", "8",
+                "--rounds", "3", "--question-len", "32", "--answer-len", "8",
+                "--concurrency", "4", "--out", str(out),
+            ]
+        )  # fmt: skip
+    finally:
+        redis_server.stop()
+    assert rc == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["device", "+host", "+disk", "+remote"]
+    for row in rows.values():
+        assert row["same_tokens_as_off"] == 48 and row["hazards"] == 0
+        assert sum(row["hit_tokens"].values()) == row["prompt_tokens"]
+    assert rows["+disk"]["hit_tokens"]["disk"] > 0
+    assert rows["+remote"]["hit_tokens"]["remote"] > 0
+    assert rows["+remote"]["lower_tiers"]["remote"]["demoted_blocks"] > 0
+    assert "disk" not in rows["+host"]["hit_tokens"]

@@ -268,6 +268,11 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "torch_threads": st.one_of(st.none(), st.just(1)),  # more would slow the suite down
     "admission": st.sampled_from(["shared", "per-request", "optimistic"]),
     "scheduler_reserve_full_isl": st.booleans(),
+    # the tiers below the host hold folders and servers: test_tier_engine.py covers them
+    "kv_disk_path": st.none(),
+    "kv_disk_size": st.none(),
+    "kv_remote_url": st.none(),
+    "kv_tier_timeout_s": st.sampled_from([0.05, 0.5]),
     "block_sise": HOSTILE,  # not an engine argument
 }
 ENGINE_FIELDS = (

@@ -282,3 +282,22 @@ def test_a_kv_dtype_other_than_the_models_is_refused(models: dict[str, Path]) ->
     naming the flag, before anything is allocated."""
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_state_snapshots_come_back_from_the_disk_tier(
+    arch: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tier chain below the host (architecture.md §Chain) keeps state pages like any block:
+    with a device pool and a host tier too small for the prefixes, later rounds restore them from
+    disk — every group to one boundary — with the tokens each prompt gets alone."""
+    folder = models[arch]
+    tiers = {"num_device_blocks": HOST_BLOCKS[arch], "num_host_blocks": 12}
+    llm = LLM(str(folder), **SMALL, **CHECKED, **tiers, device="sim", kv_disk_path=str(tmp_path))
+    try:
+        assert rounds(llm, 3) == [list(alone(folder))] * 3
+        check_clean(llm)
+        disk = llm.engine.stats().tier("disk")
+        assert disk is not None and disk.metrics.num_hit_tokens > 0
+    finally:
+        llm.engine.close()

@@ -24,6 +24,8 @@ same tokens as with the tier off (greedy). Prints a table, saves JSON, optionall
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,13 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench import save_json
 from kvtier.bench.offload_report import percentiles, plot, print_row, ratio
-from kvtier.bench.offload_workload import (
-    Workload,
-    build_workload,
-    drive,
-    sim_device,
-    working_set_blocks,
+from kvtier.bench.offload_tiers import (
+    add_tier_arguments,
+    parse_tiers,
+    tier_configurations,
+    tier_hits,
+    tier_io,
 )
+from kvtier.bench.offload_workload import Workload, build_workload, drive, working_set_blocks
 
 if TYPE_CHECKING:
     from kvtier.device.costs import CostModel
@@ -79,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host<->device copy bandwidth of the sim cost model in GB/s (default: the sim's); "
         "lower it to see how slow copies may get before the tier stops paying",
     )
+    parser.add_argument(
+        "--device",
+        choices=("sim", "cpu"),
+        default="sim",
+        help="sim: modelled device time (and wall); cpu: wall time only",
+    )
+    add_tier_arguments(parser)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -102,24 +112,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_config(
     args: argparse.Namespace, w: Workload, engine_kw: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[tuple[int, int], list[int]]]:
+    from kvtier.device.sim import SimDevice
     from kvtier.engine import LLM
 
     llm = LLM(args.model, torch_threads=args.torch_threads, **engine_kw)
     engine = llm.engine
-    device = sim_device(engine)
-    device.cost_model = cost_model(args)
-    t0_ns, t0_wall = device.now_ns, time.perf_counter()
-    records = drive(engine, w, args.concurrency)
+    device = engine.device
+    if isinstance(device, SimDevice):
+        device.cost_model = cost_model(args)
+    t0_ns, t0_wall = getattr(device, "now_ns", 0), time.perf_counter()
+    try:
+        records = drive(engine, w, args.concurrency)
+        stats = engine.stats()
+        lower = tier_hits(engine, sum(r.host_tokens for r in records))
+        io = tier_io(engine)
+    finally:
+        engine.close()  # the disk and remote tiers finish their writes; the folder is unlocked
     # The measured span ends with the last answer (stores still in flight are not counted).
     end_ns = max(r.done_ns or 0 for r in records)
     wall = max(r.done_wall or 0.0 for r in records) - t0_wall
-    device_s = (end_ns - t0_ns) / 1e9
+    device_s = (end_ns - t0_ns) / 1e9 if isinstance(device, SimDevice) else 0.0
     out_tokens = sum(len(r.output or []) for r in records)
     prompt_tokens = sum(r.prompt_tokens for r in records)
-    host = sum(r.host_tokens for r in records)
+    external = sum(r.host_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
-    stats = engine.stats()
     m = stats.host_metrics
+    hits = {"device": cached - external, **lower, "recompute": prompt_tokens - cached}
+    if not io:  # host off vs on: no lower tiers to name
+        hits = {k: v for k, v in hits.items() if k not in ("disk", "remote")}
     ttft_dev = {id(r): r.ttft_device_ms for r in records}
     by_round = []
     for rnd in range(w.rounds):
@@ -146,16 +166,9 @@ def run_config(
         "tok_s_device": out_tokens / device_s if device_s else None,
         "tok_s_wall": out_tokens / wall,
         "prompt_tokens": prompt_tokens,
-        "hit_tokens": {
-            "device": cached - host,
-            "host": host,
-            "recompute": prompt_tokens - cached,
-        },
-        "hit_fraction": {
-            "device": (cached - host) / prompt_tokens,
-            "host": host / prompt_tokens,
-            "recompute": (prompt_tokens - cached) / prompt_tokens,
-        },
+        "hit_tokens": hits,
+        "hit_fraction": {k: v / prompt_tokens for k, v in hits.items()},
+        "lower_tiers": io,
         "host_loads": {
             "blocks": m.num_loaded_blocks if m else 0,
             "bytes": m.num_loaded_bytes if m else 0,
@@ -213,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.kv.plan import plan_kv
     from kvtier.kv.specs import blocks_for_requests
 
+    tiers = parse_tiers(args) if args.tiers else None
     modes = store_modes(args)
     path = Path(args.model) if args.model else DEFAULT_MODEL
     cfg = ModelConfig.from_pretrained(path)
@@ -233,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
     if args.host_blocks is None:
         args.host_blocks = every
     common: dict[str, Any] = {
-        "device": "sim",
-        "sanitize": "collect",
+        "device": args.device,
+        "sanitize": "collect" if args.device == "sim" else None,
         "dtype": args.dtype,
         "block_size": args.block_size,
         "max_model_len": max_len,
@@ -273,14 +287,24 @@ def run(args: argparse.Namespace) -> int:
     )
     rows: list[dict[str, Any]] = []
     outputs: dict[str, dict[tuple[int, int], list[int]]] = {}
-    for name, kw in configurations(modes, args.host_blocks):
-        row, tokens = run_config(args, w, {**common, **kw})
-        outputs[name] = tokens
-        ref = outputs["off"]
-        same = sum(tokens[k] == ref[k] for k in ref)
-        row = {"config": name, "same_tokens_as_off": same, **row}
-        rows.append(row)
-        print_row(row, len(ref))
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-") as tmp:
+        disk = Path(args.disk_path or tmp)
+        if tiers is None:
+            configs = configurations(modes, args.host_blocks)
+        else:
+            block_bytes = probe.bytes_per_block
+            configs = tier_configurations(tiers, args, every, block_bytes, str(disk))
+            print(f"tiers: {'; '.join(f'{n} {kw}' for n, kw in configs)}", flush=True)
+        for name, kw in configs:
+            if disk.exists():  # each configuration starts with an empty disk tier
+                shutil.rmtree(disk)
+            row, tokens = run_config(args, w, {**common, **kw})
+            outputs[name] = tokens
+            ref = outputs[configs[0][0]]
+            same = sum(tokens[k] == ref[k] for k in ref)
+            row = {"config": name, "same_tokens_as_off": same, **row}
+            rows.append(row)
+            print_row(row, len(ref))
     off = rows[0]
     ratios = {}
     for row in rows[1:]:
@@ -300,13 +324,13 @@ def run(args: argparse.Namespace) -> int:
             ),
             "tok_s_wall_on_over_off": ratio(row["tok_s_wall"], off["tok_s_wall"]),
         }
-        r = ratios[row["config"]]
+        r = {k: "n/a" if v is None else f"×{v:.2f}" for k, v in ratios[row["config"]].items()}
         print(
-            f"{row['config']} vs off: TTFT (device) mean ×{r['ttft_device_mean_off_over_on']:.2f} "
-            f"lower, median ×{r['ttft_device_median_off_over_on']:.2f}, p99 "
-            f"×{r['ttft_device_p99_off_over_on']:.2f}; output tok/s (device) "
-            f"×{r['tok_s_device_on_over_off']:.2f}; wall: TTFT ×"
-            f"{r['ttft_wall_mean_off_over_on']:.2f}, tok/s ×{r['tok_s_wall_on_over_off']:.2f}"
+            f"{row['config']} vs {off['config']}: TTFT (device) mean "
+            f"{r['ttft_device_mean_off_over_on']} lower, median "
+            f"{r['ttft_device_median_off_over_on']}, p99 {r['ttft_device_p99_off_over_on']}; "
+            f"output tok/s (device) {r['tok_s_device_on_over_off']}; wall: TTFT "
+            f"{r['ttft_wall_mean_off_over_on']}, tok/s {r['tok_s_wall_on_over_off']}"
         )
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("func",)},

@@ -26,12 +26,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def print_row(row: dict[str, Any], total: int) -> None:
     td, tw, hf = row["ttft_device_ms"], row["ttft_wall_ms"], row["hit_fraction"]
+    shares = " ".join(f"{tier} {share:.1%}" for tier, share in hf.items())
     print(
         f"{row['config']:9s} TTFT device ms mean {td['mean']:7.2f} median {td['median']:7.2f} "
         f"p99 {td['p99']:7.2f} | wall ms mean {tw['mean']:7.1f} median {tw['median']:7.1f} "
         f"p99 {tw['p99']:7.1f} | out tok/s device {row['tok_s_device'] or 0:8.0f} wall "
-        f"{row['tok_s_wall']:6.0f} | prompt tokens: device {hf['device']:.1%} host "
-        f"{hf['host']:.1%} recompute {hf['recompute']:.1%} | host loads "
+        f"{row['tok_s_wall']:6.0f} | prompt tokens: {shares} | host loads "
         f"{row['host_loads']['blocks']} blk ({row['host_loads']['bytes'] / 2**20:.1f} MiB) "
         f"stores {row['host_stores']['blocks']} blk ({row['host_stores']['bytes'] / 2**20:.1f} MiB)"
         f" | preempt {row['preemptions']} | hazards {row['hazards']} | same tokens as off "
@@ -39,10 +39,17 @@ def print_row(row: dict[str, Any], total: int) -> None:
     )
     rounds = "  ".join(
         f"r{r['round']} {r['ttft_device_ms_mean']:.2f} ms ({r['device_hit']:.0%} device, "
-        f"{r['host_hit']:.0%} host)"
+        f"{r['host_hit']:.0%} loaded)"
         for r in row["by_round"]
     )
     print(f"{'':9s} by round, mean TTFT (device) and prompt hits: {rounds}", flush=True)
+    for tier, io in row.get("lower_tiers", {}).items():
+        print(
+            f"{'':9s} {tier}: {io['promoted_blocks']} blocks promoted to host, "
+            f"{io['demoted_blocks']} demoted, {io['dropped_blocks']} dropped, {io['errors']} errors, "
+            f"{io['timeouts']} timeouts",
+            flush=True,
+        )
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -67,8 +74,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     b.bar(names, [r["tok_s_device"] or 0 for r in rows], color="tab:green")
     b.set_ylabel("output tokens/s, modelled device time")
     bottom = [0.0] * len(rows)
-    for tier, color in (("device", "tab:blue"), ("host", "tab:orange"), ("recompute", "tab:gray")):
-        vals = [100 * r["hit_fraction"][tier] for r in rows]
+    colors = {"device": "tab:blue", "host": "tab:orange", "disk": "tab:green"}
+    colors |= {"remote": "tab:purple", "recompute": "tab:gray"}
+    for tier, color in colors.items():
+        vals = [100 * r["hit_fraction"].get(tier, 0.0) for r in rows]
         c.bar(names, vals, bottom=bottom, label=tier, color=color)
         bottom = [s + v for s, v in zip(bottom, vals, strict=True)]
     c.set_ylabel("prompt tokens (%)")

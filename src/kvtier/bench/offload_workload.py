@@ -116,6 +116,17 @@ def sim_device(engine: EngineCore) -> SimDevice:
     return device
 
 
+def device_clock(engine: EngineCore) -> Callable[[], int]:
+    """The sim device's modelled clock in ns; always 0 on the cpu and cuda backends (which the
+    benchmarks measure on the wall clock only)."""
+    from kvtier.device.sim import SimDevice
+
+    device = engine.device
+    if isinstance(device, SimDevice):
+        return lambda: device.now_ns
+    return lambda: 0
+
+
 def drive(
     engine: EngineCore,
     w: Workload,
@@ -126,7 +137,7 @@ def drive(
     `after_step` is called after every engine step (e.g. to sample `engine.stats()`)."""
     from kvtier.engine import SamplingParams
 
-    device = sim_device(engine)
+    now_ns = device_clock(engine)
     ready: deque[tuple[Conversation, int]] = deque((c, 0) for c in w.convs)
     prompts = {c.index: ids(c.prefix) + ids(c.questions[0]) for c in w.convs}
     inflight: dict[str, Record] = {}
@@ -140,18 +151,16 @@ def drive(
                 max_tokens=conv.output_lens[rnd], temperature=0.0, ignore_eos=True
             )
             engine.add_request(req_id, prompt, params)
-            inflight[req_id] = Record(
-                conv.index, rnd, len(prompt), device.now_ns, time.perf_counter()
-            )
+            inflight[req_id] = Record(conv.index, rnd, len(prompt), now_ns(), time.perf_counter())
         for out in engine.step():
             rec = inflight.get(out.req_id)
             if rec is None:
                 continue
             if rec.first_ns is None and out.new_token_ids:
-                rec.first_ns, rec.first_wall = device.now_ns, time.perf_counter()
+                rec.first_ns, rec.first_wall = now_ns(), time.perf_counter()
             if out.result is None:
                 continue
-            rec.done_ns, rec.done_wall = device.now_ns, time.perf_counter()
+            rec.done_ns, rec.done_wall = now_ns(), time.perf_counter()
             rec.output = list(out.result.token_ids)
             rec.cached_tokens = out.result.num_cached_tokens
             rec.host_tokens = out.result.num_external_cached_tokens

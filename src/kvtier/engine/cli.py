@@ -11,7 +11,8 @@ from kvtier.cli_args import add_dataclass_args, dataclass_from_args
 from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
 
 if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, not when parsing
-    from kvtier.engine.params import EngineArgs
+    from kvtier.engine.core import EngineCore
+    from kvtier.engine.params import EngineArgs, SamplingParams
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,13 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
+    try:
+        return _generate(engine, args, params)
+    finally:
+        engine.close()  # the disk and remote tiers finish their queued writes
+
+
+def _generate(engine: EngineCore, args: argparse.Namespace, params: SamplingParams) -> int:
     t0 = time.perf_counter()
     ids = []
     for i, prompt in enumerate(args.prompts):

@@ -18,6 +18,7 @@ from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
+from kvtier.engine.tiers import build_chain
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
@@ -33,6 +34,8 @@ from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
 DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
+# How long one step waits for a disk or remote read when no request can run without one.
+TIER_POLL_S = 0.01
 
 
 class EngineCore:
@@ -65,29 +68,6 @@ class EngineCore:
         )
         host = [t for t in self.plan.tiers if t.name == "host"]
         num_host_blocks = host[0].num_blocks if host else 0
-        self.host_tier = (
-            HostTier(
-                self.kv,
-                num_host_blocks,
-                store_mode=args.cache.kv_offload_store_mode,
-                lazy_scan_blocks=lazy_scan_blocks_for(
-                    self.plan.specs, sched_cfg.max_num_batched_tokens
-                ),
-                bytes_per_block=self.plan.bytes_per_block,
-                store_from_settled="settled" in args.protect,
-            )
-            if num_host_blocks
-            else None
-        )
-        self.scheduler = Scheduler.from_config(
-            sched_cfg,
-            self.kv,
-            tier=self.host_tier,
-            num_speculative_tokens=args.num_speculative_tokens,
-            settled="settled" in args.protect,
-            policy=args.policy,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-        )
         cfg = self.model_config
         layout = KVLayout(
             self.plan.layers_per_group,
@@ -113,6 +93,35 @@ class EngineCore:
             sanitize=mode,
             poison=args.poison,
             seed=args.seed,
+        )
+        self.host_tier = (
+            HostTier(
+                self.kv,
+                num_host_blocks,
+                store_mode=args.cache.kv_offload_store_mode,
+                lazy_scan_blocks=lazy_scan_blocks_for(
+                    self.plan.specs, sched_cfg.max_num_batched_tokens
+                ),
+                bytes_per_block=self.plan.bytes_per_block,
+                store_from_settled="settled" in args.protect,
+                record_published=args.cache.has_lower_tiers,
+            )
+            if num_host_blocks
+            else None
+        )
+        self.tier_chain = (
+            build_chain(args.cache, self.host_tier, self.device, path, dtype_name)
+            if self.host_tier is not None and args.cache.has_lower_tiers
+            else None
+        )
+        self.scheduler = Scheduler.from_config(
+            sched_cfg,
+            self.kv,
+            tier=self.tier_chain or self.host_tier,
+            num_speculative_tokens=args.num_speculative_tokens,
+            settled="settled" in args.protect,
+            policy=args.policy,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
         )
         self.model.to(self.device.torch_device)  # weights and rope tables where the KV lives
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -249,9 +258,24 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         """One engine step: the synchronous loop at depth 1, the batch queue otherwise."""
+        if not self._ready_past_tiers():
+            return []  # every request waits for a disk or remote read: no empty forward
         if self.scheduler.async_depth == 1:
             return self.step_sync()
         return self.step_async()
+
+    def _ready_past_tiers(self) -> bool:
+        """False when every unfinished request waits for a disk or remote read that has neither
+        landed nor missed its deadline after `TIER_POLL_S` more: a step would be an empty forward
+        (modelled time on the sim, a wasted forward elsewhere), and returning keeps the caller
+        (the server's loop) free to take new requests."""
+        chain = self.tier_chain
+        if chain is None or self.scheduler.running or len(self.queue):
+            return True
+        blocked = chain.waiting_on_io()
+        if not blocked or any(r.request_id not in blocked for r in self.scheduler.waiting):
+            return True
+        return chain.wait_for_io(TIER_POLL_S)
 
     def step_sync(self) -> list[StepOutput]:
         """schedule → execute → wait → update."""
@@ -369,11 +393,25 @@ class EngineCore:
             num_accepted_tokens=self.num_accepted_tokens,
             hazards=self._hazard_counts(),
             device_time_ns=getattr(self.device, "now_ns", None),
+            tiers=() if self.tier_chain is None else tuple(self.tier_chain.tier_stats()),
         )
 
     def _hazard_counts(self) -> dict[str, int]:
         sanitizer = self.device.sanitizer
         return {} if sanitizer is None else {str(k): n for k, n in sanitizer.counts.items()}
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait until the writes queued to the disk and remote tiers are written (tests, before a
+        restart); False if `timeout` seconds passed first. True at once without those tiers."""
+        return self.tier_chain is None or self.tier_chain.flush(timeout)
+
+    def close(self) -> None:
+        """Release what outlives a step: the disk and remote tiers (queued writes finish, the
+        disk folder is unlocked) and the device's stream threads. Idempotent; the engine is
+        unusable afterwards."""
+        if self.tier_chain is not None:
+            self.tier_chain.close()
+        self.device.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (the host tier keeps its entries); False, changing

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from kvtier.kv.manager import KVCacheManager, PrefixCacheStats
 from kvtier.kv.stats import PoolStats
 from kvtier.offload import HostTier, HostTierMetrics
+from kvtier.offload.chain import TierStats
 from kvtier.sched.request import RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
@@ -36,6 +37,11 @@ class EngineStats:
     prefix_cache: PrefixCacheStats  # device prefix cache, counted once per admission
     host_metrics: HostTierMetrics | None  # counters of the host tier (a copy)
     host_store_mode: str | None  # the host tier's store mode, "eager" or "lazy" (None: no tier)
+    tiers: tuple[TierStats, ...] = ()  # the tiers below the host, in lookup order (disk, remote)
+
+    def tier(self, name: str) -> TierStats | None:
+        """The lower tier called `name` ("disk", "remote"), or None."""
+        return next((t for t in self.tiers if t.name == name), None)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -73,6 +79,7 @@ def collect_stats(
     num_accepted_tokens: int,
     hazards: dict[str, int],
     device_time_ns: int | None = None,
+    tiers: tuple[TierStats, ...] = (),
 ) -> EngineStats:
     """Build an `EngineStats` (reads only)."""
     num_loading = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.waiting)
@@ -100,4 +107,5 @@ def collect_stats(
         prefix_cache=replace(kv.stats),
         host_metrics=None if host_tier is None else replace(host_tier.metrics),
         host_store_mode=None if host_tier is None else host_tier.store_mode,
+        tiers=tiers,
     )

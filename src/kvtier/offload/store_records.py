@@ -3,9 +3,10 @@ Plain data; `StorePlanner` (stores.py) owns every instance. Torch-free."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.ids import BlockHash
+from kvtier.ids import BlockHash, BlockId
 from kvtier.kv.block import KVBlock
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
@@ -49,3 +50,15 @@ class StoreProgress:
     lost: frozenset[tuple[int, int]]  # (group, position) evicted from the host, to re-store
     num_in_flight: int  # its stores not yet completed
     finished: bool  # the request ended; the state goes once its stores complete
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A host block an eager store just published, for the tiers below the host to demote
+    (`HostTier.take_published`): its key, place in its request's chain and host block."""
+
+    group_id: int
+    position: int  # table position in the request's chain
+    block_hash: BlockHash
+    host_block_id: BlockId
+    chain: Sequence[BlockHash]  # the request's hashes in this group's view (chain_tag source)

@@ -21,7 +21,13 @@ from collections.abc import Iterable
 
 from kvtier.kv.block import KVBlock
 from kvtier.offload.context import HostContext
-from kvtier.offload.store_records import Candidate, ReqState, StoreProgress, StoreRecord
+from kvtier.offload.store_records import (
+    Candidate,
+    Published,
+    ReqState,
+    StoreProgress,
+    StoreRecord,
+)
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.request import Request
 
@@ -31,6 +37,8 @@ class StorePlanner:
 
     `store_mode` "eager" stores running requests' settled blocks, "lazy" the hashed blocks near
     the device LRU head; `store_from_settled=False` plans from the optimistic count instead.
+    `record_published`: keep a `Published` record of every block a request's store publishes
+    (taken by `take_published`; the tier chain demotes them below the host).
     """
 
     def __init__(
@@ -41,8 +49,11 @@ class StorePlanner:
         store_from_settled: bool,
         max_restores_per_step: int,
         lazy_scan_blocks: int,
+        record_published: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.record_published = record_published
+        self._published: list[Published] = []
         self.store_mode = store_mode
         self.store_from_settled = store_from_settled
         self.max_restores_per_step = max_restores_per_step
@@ -318,9 +329,21 @@ class StorePlanner:
         for c in store.cands:  # every request holding these keys re-stores them (rate-limited)
             self.on_evicted(c.key, notify=True)
 
+    def take_published(self) -> list[Published]:
+        """The blocks published since the last call (with `record_published`; mutates)."""
+        out, self._published = self._published, []
+        return out
+
     def _finish_store(self, store: StoreRecord, publish: bool) -> None:
         ctx, t = self.ctx, store.transfer
         del self._stores[t.transfer_id]
+        st = self._states.get(t.req_id)
+        if publish and self.record_published and st is not None:
+            views = ctx.coordinator.group_hashes(st.request.block_hashes)
+            for c, hb in zip(store.cands, store.host_blocks):
+                self._published.append(
+                    Published(c.group_id, c.position, c.key[1], hb.block_id, views[c.group_id])
+                )
         for c in store.cands:
             del self._store_keys[c.key]
         if publish:
@@ -343,7 +366,6 @@ class StorePlanner:
         ctx.device_kv.unpin(store.device_blocks)
         ctx.metrics.num_orphans_demoted = ctx.host.num_orphans_demoted
         ctx.metrics.num_pending_stores = len(self._stores)
-        st = self._states.get(t.req_id)
         if st is not None:
             st.transfers.discard(t.transfer_id)
             self._maybe_drop(st)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from kvtier.ids import BlockId, ReqId
+from kvtier.ids import BlockHash, BlockId, ReqId
 from kvtier.kv.block import KVBlock
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import KVSpec
@@ -26,7 +26,7 @@ from kvtier.kv.stats import PoolStats
 from kvtier.offload.context import HostContext
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.loads import LoadPlanner
-from kvtier.offload.store_records import StoreProgress
+from kvtier.offload.store_records import Published, StoreProgress
 from kvtier.offload.stores import StorePlanner
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.connector import LoadFailure, TierLookup
@@ -47,6 +47,8 @@ class HostTier:
     blocks that reach the device LRU head (the first `lazy_scan_blocks` blocks there, see
     `lazy_scan_blocks_for`, are kept free or stored). `world_size`: a transfer completes when every worker
     reported it. `max_restores_per_step` caps re-stores after eviction (no thrash).
+    `record_published`: keep what eager stores publish for `take_published` (the tier chain
+    demotes it to the disk and remote tiers, architecture.md §Chain).
     `store_from_settled=False` plans stores from the optimistic count (undelivered outputs excluded,
     steps still executing included) instead: protection `settled` off, which reproduces the store
     read-after-write of architecture.md §H1 without the event.
@@ -64,6 +66,7 @@ class HostTier:
         lazy_scan_blocks: int = 64,
         store_from_settled: bool = True,
         enable_kv_events: bool = False,
+        record_published: bool = False,
     ) -> None:
         if store_mode not in ("eager", "lazy"):
             raise ValueError(f"store mode must be 'eager' or 'lazy', got {store_mode!r}")
@@ -97,6 +100,7 @@ class HostTier:
             store_from_settled=store_from_settled,
             max_restores_per_step=max_restores_per_step,
             lazy_scan_blocks=lazy_scan_blocks,
+            record_published=record_published,
         )
 
     # ---- lookup --------------------------------------------------------------------------------
@@ -225,6 +229,46 @@ class HostTier:
                 dropped += 1
                 self.stores.on_evicted(key, notify=True)
         return dropped
+
+    # ---- the tiers below the host (architecture.md §Chain) --------------------------------------
+
+    def take_published(self) -> list[Published]:
+        """Blocks eager stores published since the last call (empty without `record_published`;
+        mutates). Read their bytes before the next host allocation can reuse them."""
+        return self.stores.take_published()
+
+    def holds(self, key: Key) -> bool:
+        """True if the host caches `key` or a store of it is in flight."""
+        return self.host.contains(key) or self.stores.is_storing(key)
+
+    def allocate_staging(self, n: int) -> list[KVBlock]:
+        """Up to `n` host blocks (ref 1 each; fewer when fewer are allocatable) to write blocks of
+        a lower tier into, evicting LRU entries as a store does (their holders re-store them).
+        Publish them with `publish_staged` or give them back with `release_staging`."""
+        n = min(n, self.host.num_free)
+        if n <= 0:
+            return []
+        blocks, evicted = self.host.allocate(n)
+        self.metrics.num_evicted_blocks += len(evicted)
+        self.metrics.num_orphans_demoted = self.host.num_orphans_demoted
+        for key in evicted:
+            self.stores.on_evicted(key, notify=True)
+        return blocks
+
+    def publish_staged(
+        self,
+        group_id: int,
+        blocks: Sequence[KVBlock],
+        hashes: Sequence[BlockHash],
+        parents: Sequence[BlockHash | None],
+    ) -> None:
+        """Staging blocks whose bytes are written, head → tail of their chain, become host hits;
+        their staging references are dropped (mutates the host cache)."""
+        self.host.publish(group_id, blocks, hashes, parents, self.specs[group_id].block_size)
+
+    def release_staging(self, blocks: Sequence[KVBlock]) -> None:
+        """Give back staging blocks that were not published."""
+        self.host.pool.free(blocks)
 
     # ---- reset, pins, integrity ----------------------------------------------------------------
 

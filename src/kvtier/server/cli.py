@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
@@ -44,6 +45,10 @@ def make_server(engine: EngineLoop, app: FastAPI, config: uvicorn.Config) -> uvi
     return server
 
 
+def _shut_down(signum: int, _frame: object) -> None:
+    log.info("signal %d: the server has shut down; closing the engine", signum)
+
+
 def _fail_at_step() -> int | None:
     value = os.environ.get(FAIL_AT_STEP_ENV)
     if not value:
@@ -69,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d/v1", name, cfg.host, cfg.port)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     server = make_server(loop, app, config)
+    # uvicorn re-raises the SIGTERM/SIGINT it shut down for once `run()` ends; answered here by
+    # a no-op, it would otherwise kill the process before the engine closes its tiers (queued
+    # disk and remote writes would be lost, the disk folder left for the OS to unlock)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _shut_down)
     try:
         server.run()
     finally:

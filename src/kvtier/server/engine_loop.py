@@ -189,6 +189,7 @@ class EngineLoop:
         self._ready.set()
         try:
             self._loop(engine)
+            engine.close()  # the disk and remote tiers finish their queued writes
         except Exception as exc:
             log.exception("engine loop failed; failing every request in flight")
             with self._failure_lock:
@@ -200,6 +201,8 @@ class EngineLoop:
             self._fail_pending(exc)
             for fn in callbacks:
                 fn(exc)
+            with contextlib.suppress(Exception):  # release the disk folder and connections
+                engine.close()
 
     def _fail_pending(self, exc: BaseException) -> None:
         """Answer commands that raced with a failure (later ones are refused by `submit`)."""

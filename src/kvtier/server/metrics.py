@@ -3,13 +3,17 @@ only by the engine thread (after each step); prometheus-client's own locks make 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
     from kvtier.engine.stats import EngineStats
+    from kvtier.offload.chain import TierStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -109,6 +113,28 @@ class EngineMetrics:
             "KV transfers planned, not yet complete (0 without a host tier)",
             registry=r,
         )
+        self.tier_bytes = Counter(
+            "kvtier:kv_tier_bytes",
+            "Bytes of KV blocks read from (promoted) and queued to (demoted) the disk and remote "
+            "tiers",
+            ["tier", "direction"],
+            registry=r,
+        )
+        self.tier_blocks = Counter(
+            "kvtier:kv_tier_blocks",
+            "KV blocks promoted from, demoted to, or dropped (back-pressure) by a lower tier",
+            ["tier", "op"],
+            registry=r,
+        )
+        self.tier_errors = Counter(
+            "kvtier:kv_tier_errors",
+            "Failed I/O batches, batches past their deadline and corrupt values of a lower tier "
+            "(each a miss, then recompute)",
+            ["tier", "kind"],
+            registry=r,
+        )
+        self.tier_latency = _TierLatency()
+        r.register(self.tier_latency)
         for direction in ("device_to_host", "host_to_device"):
             self.transfer_bytes.labels(direction)
         for kind in ("RAW", "WAR", "WAW"):
@@ -150,6 +176,29 @@ class EngineMetrics:
             self.pending_transfers.set(m.num_pending_loads + m.num_pending_stores)
         for kind, n in stats.hazards.items():
             self.hazards.labels(kind).inc(self._delta(kind, n))
+        for t in stats.tiers:
+            self._update_tier(t)
+        self.tier_latency.tiers = stats.tiers
+
+    def _update_tier(self, t: TierStats) -> None:
+        m, s, name = t.metrics, t.store, t.name
+        self.prefix_queries.labels(name).inc(self._delta(f"{name}q", m.num_query_tokens))
+        self.prefix_hits.labels(name).inc(self._delta(f"{name}h", m.num_hit_tokens))
+        for direction, n in (("read", m.num_promoted_bytes), ("write", m.num_demoted_bytes)):
+            self.tier_bytes.labels(name, direction).inc(self._delta(f"{name}b{direction}", n))
+        blocks = (
+            ("promoted", m.num_promoted_blocks),
+            ("demoted", m.num_demoted_blocks),
+            ("dropped", m.num_dropped_blocks + s.num_dropped),
+        )
+        for op, n in blocks:
+            self.tier_blocks.labels(name, op).inc(self._delta(f"{name}k{op}", n))
+        for kind, n in (
+            ("error", s.num_errors),
+            ("timeout", s.num_timeouts),
+            ("corrupt", s.num_corrupt),
+        ):
+            self.tier_errors.labels(name, kind).inc(self._delta(f"{name}e{kind}", n))
 
     def admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -169,3 +218,27 @@ class EngineMetrics:
     def finished(self, arrival: float, now: float, reason: str) -> None:
         self.e2e.observe(now - arrival)
         self.request_success.labels(reason).inc()
+
+
+class _TierLatency(Collector):
+    """The lower tiers' store latency histograms (`StoreStats`), exported as the engine thread's
+    last snapshot (`tiers`, replaced whole: a scrape reads one consistent tuple)."""
+
+    def __init__(self) -> None:
+        self.tiers: tuple[TierStats, ...] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        for op in ("get", "put"):
+            family = HistogramMetricFamily(
+                f"kvtier:kv_tier_{op}_latency_seconds",
+                f"Latency of one batch {op} on a lower KV tier's store",
+                labels=["tier"],
+            )
+            for t in self.tiers:
+                h = t.store.get_latency if op == "get" else t.store.put_latency
+                buckets, total = [], 0
+                for le, n in zip([*map(str, h.buckets), "+Inf"], h.counts, strict=True):
+                    total += n
+                    buckets.append((le, float(total)))
+                family.add_metric([t.name], buckets, h.sum_s)
+            yield family

@@ -1,0 +1,452 @@
+"""TierChain: device → host → disk → remote as one `sched.connector.KVTier` (architecture.md
+§Chain).
+
+The host tier stays the only tier that copies to and from the device; the tiers below it (`fetch.py`
+`LowerTier`: a `DiskStore`, a `RedisStore`) reach the device through host blocks:
+- lookup: the host extends the device hit; if a lower tier may extend it further, an I/O thread
+  asks the stores (`fetch.run_fetch`) while the request waits (`wait_for_load`, its host hit
+  pinned); once the answer is in, its blocks are written into host blocks (a declared host op of
+  `HostBlockBytes`), published in the host cache, and the request's next lookup is an ordinary
+  host hit, loaded on the load stream like any other. Past the deadline the request runs with what
+  the host has; a miss, a corrupt block or a dead store is a shorter hit, recomputed.
+- stores: every block an eager host store publishes is read (a declared host op) and queued to
+  every lower tier (`BlockStore.put` never blocks; back-pressure drops); a block promoted from the
+  remote tier is queued to the disk tier too.
+Owns the fetch jobs, the per-request lookup state and the lower tiers' metrics; changes no request.
+Torch-free: bytes of host blocks go through the `HostBlockBytes` protocol the runner implements.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from kvtier.ids import BlockHash, BlockId, ReqId
+from kvtier.kv.specs import FullAttention
+from kvtier.offload.fetch import FetchJob, FetchResult, LowerTier, run_fetch
+from kvtier.offload.store_records import Published
+from kvtier.offload.tier import HostTier
+from kvtier.offload.types import Key, Transfer
+from kvtier.sched.connector import LoadFailure, TierLookup
+from kvtier.sched.request import Request
+from kvtier.stores import SEGMENT_BLOCKS, StoreKey, StoreLayout, StoreStats
+
+log = logging.getLogger("kvtier.offload")
+
+BLOCKS_PER_TIMEOUT = 64  # a lookup of n blocks may wait timeout_s × max(1, n / 64)
+
+
+class HostBlockBytes(Protocol):
+    """Whole host blocks as bytes (the payload of store layout version 1), read and written in
+    declared host ops so the device's sanitizer orders them with every copy. `runner/host_io.py`
+    implements it; call only on the engine thread."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's payload."""
+        ...
+
+    def read(self, block_ids: Sequence[BlockId]) -> list[bytes]:
+        """The payload of each host block."""
+        ...
+
+    def write(self, block_ids: Sequence[BlockId], payloads: Sequence[bytes]) -> None:
+        """Overwrite each host block with its payload (each `block_bytes` long)."""
+        ...
+
+
+@dataclass(slots=True)
+class LowerTierMetrics:
+    """Counters of one tier below the host (beside its store's own `StoreStats`)."""
+
+    num_queries: int = 0  # admitted lookups that asked this tier
+    num_query_tokens: int = 0  # tokens asked of it (beyond what the tiers above served)
+    num_hit_tokens: int = 0  # tokens it served to admitted requests
+    num_promoted_blocks: int = 0  # blocks read from it into host blocks
+    num_promoted_bytes: int = 0
+    num_demoted_blocks: int = 0  # blocks queued for writing into it
+    num_demoted_bytes: int = 0
+    num_dropped_blocks: int = 0  # demotions refused under back-pressure
+
+
+@dataclass(slots=True)
+class ChainMetrics:
+    """Counters of the chain's fetches (all lower tiers together)."""
+
+    num_fetches: int = 0  # I/O jobs started
+    num_fetch_timeouts: int = 0  # lookups that stopped waiting at the deadline
+    num_fetch_skipped: int = 0  # lookups that asked nothing: too many jobs in flight
+    num_fetch_errors: int = 0  # jobs that raised or whose stores raised
+    num_staged_blocks: int = 0  # blocks written into host blocks and published there
+    num_bad_payloads: int = 0  # payloads of the wrong size (dropped)
+    fetch_seconds: float = 0.0  # I/O time of the jobs, summed
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier below the host (`TierChain.tier_stats`)."""
+
+    name: str
+    metrics: LowerTierMetrics
+    store: StoreStats
+
+
+@dataclass(slots=True)
+class _Fetch:
+    job: FetchJob
+    future: Future[FetchResult]
+    deadline: float
+
+
+@dataclass(slots=True)
+class _ReqState:
+    """One waiting request's lookup below the host, for its current length."""
+
+    num_tokens: int
+    fetch: _Fetch | None = None  # its own job in flight
+    waiting_on: _Fetch | None = None  # another request's job it waits for
+    done: bool = False  # asked once already (or nothing to ask): no new job
+    result: FetchResult | None = None  # its job's answer, for the metrics at admission
+    last_lookup: tuple[int, int] = (0, 0)  # (device hit, host end) of its last lookup
+    counted: bool = False  # its admission was counted in the metrics
+
+
+class TierChain:
+    """The host tier and the tiers below it, as one `KVTier`.
+
+    `lowers`: the tiers below the host, in lookup order (disk before remote). `io`: host-block
+    bytes. `layouts`: the store layout of each KV-cache group. `timeout_s`: how long a lookup of
+    up to 64 blocks waits (more blocks wait proportionally longer). `max_fetches`: jobs in
+    flight at most; more lookups skip the lower tiers. `clock`: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        host: HostTier,
+        lowers: Sequence[LowerTier],
+        io: HostBlockBytes,
+        layouts: Sequence[StoreLayout],
+        *,
+        timeout_s: float = 0.5,
+        max_fetches: int = 8,
+        num_io_threads: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if len(layouts) != len(host.specs):
+            raise ValueError("layouts needs one StoreLayout per KV-cache group")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.host = host
+        self.lowers = list(lowers)
+        self.io = io
+        self.layouts = list(layouts)
+        self.timeout_s = timeout_s
+        self.max_fetches = max_fetches
+        self.clock = clock
+        self.specs = host.specs
+        self.align = host.coordinator.alignment
+        self.metrics = ChainMetrics()
+        self.tier_metrics = {t.name: LowerTierMetrics() for t in self.lowers}
+        self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvtier-tier-fetch")
+        self._fetches: list[_Fetch] = []  # in flight or done, not yet staged
+        self._fetching: dict[Key, _Fetch] = {}  # first key of each group at a job's start
+        self._reqs: dict[ReqId, _ReqState] = {}
+        # the group whose positions attribute tokens to tiers: the first full-attention group
+        self._ref_group = next(
+            (g for g, s in enumerate(self.specs) if isinstance(s, FullAttention)), 0
+        )
+
+    # ---- lookup --------------------------------------------------------------------------------
+
+    def lookup(self, request: Request, num_hit_tokens: int) -> TierLookup:
+        """The host tier's answer, extended by the tiers below it once their blocks are staged
+        in host blocks: `wait_for_load` while they are being read (the host hit stays pinned),
+        until the deadline; then what the host has."""
+        self._stage_done()
+        answer = self.host.lookup(request, num_hit_tokens)
+        if answer.wait_for_load or not self.lowers:
+            return answer
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is None or st.num_tokens != request.num_tokens:
+            st = self._reqs[rid] = _ReqState(request.num_tokens)
+        end = num_hit_tokens + answer.num_tokens
+        st.last_lookup = (num_hit_tokens, end)
+        now = self.clock()
+        for pending in (st.fetch, st.waiting_on):
+            if pending is None:
+                continue
+            if now < pending.deadline:
+                return TierLookup(0, wait_for_load=True)
+            self.metrics.num_fetch_timeouts += 1
+            st.fetch = st.waiting_on = None
+            st.done = True
+            return answer
+        if st.done:
+            return answer
+        max_len = (request.num_tokens - 1) // self.align * self.align
+        if max_len <= end:
+            st.done = True
+            return answer
+        other = self._fetching_other(request, end)
+        if other is not None:
+            st.waiting_on = other
+            return TierLookup(0, wait_for_load=True)
+        if len(self._fetches) >= self.max_fetches:
+            self.metrics.num_fetch_skipped += 1
+            st.done = True
+            return answer
+        job = self._job(request, num_hit_tokens, end, max_len)
+        if job is None:
+            st.done = True
+            return answer
+        fut = self._pool.submit(run_fetch, job, self.specs, self.align, self.lowers)
+        n = sum(len(range(end // s.block_size, max_len // s.block_size)) for s in self.specs)
+        deadline = now + self.timeout_s * max(1.0, n / BLOCKS_PER_TIMEOUT)
+        st.fetch = _Fetch(job, fut, deadline)
+        self._fetches.append(st.fetch)
+        for key in self._start_keys(request, end):
+            self._fetching[key] = st.fetch
+        self.metrics.num_fetches += 1
+        return TierLookup(0, wait_for_load=True)
+
+    def _start_keys(self, request: Request, end: int) -> list[Key]:
+        views = self.host.coordinator.group_hashes(request.block_hashes)
+        keys = []
+        for g, spec in enumerate(self.specs):
+            p = end // spec.block_size
+            if p < len(views[g]):
+                keys.append((g, views[g][p]))
+        return keys
+
+    def _fetching_other(self, request: Request, end: int) -> _Fetch | None:
+        """Another request's job in flight that reads this request's next block."""
+        for key in self._start_keys(request, end):
+            fetch = self._fetching.get(key)
+            if fetch is not None and fetch.job.req_id != request.request_id:
+                return fetch
+        return None
+
+    def _job(self, request: Request, device_hit: int, end: int, max_len: int) -> FetchJob | None:
+        """The lookup below the host for `request` beyond `end`, or None when no lower tier can
+        add anything (only the disk, and it lacks the next block)."""
+        views = self.host.coordinator.group_hashes(request.block_hashes)
+        room = max(0, self.host.host.num_free // max(1, len(self.specs)))
+        max_len = min(max_len, end + room * self.align)
+        if max_len <= end:
+            return None
+        held: set[tuple[int, int]] = set()
+        copies: list[Sequence[BlockHash]] = []
+        for g, spec in enumerate(self.specs):
+            bs = spec.block_size
+            last = max_len // bs
+            copies.append(list(views[g][:last]))
+            for p in range(end // bs, last):
+                if self.host.holds((g, views[g][p])):
+                    held.add((g, p))
+        job = FetchJob(
+            request.request_id, device_hit, end, max_len, copies, frozenset(held), self.layouts
+        )
+        if all(t.cheap_contains for t in self.lowers):  # disk only: ask its index right here
+            g = self._ref_group
+            p = end // self.specs[g].block_size
+            if (g, p) not in held:
+                key = job.want(g, p).key
+                if not any(t.store.contains([key])[0] for t in self.lowers):
+                    return None
+        return job
+
+    def record_lookup(self, request: Request) -> None:
+        """Count the admission's lookup in the host's and the lower tiers' metrics: per tier
+        asked, the tokens asked beyond the tiers above and those it served up to the hit the
+        request was admitted with (its last lookup)."""
+        self.host.record_lookup(request)
+        st = self._reqs.get(request.request_id)
+        if st is None or st.result is None or st.counted:
+            return
+        st.counted = True
+        res, end = st.result, st.last_lookup[1]
+        prev = res.start
+        for i, tier in enumerate(self.lowers):
+            if not res.asked[i]:
+                continue
+            m = self.tier_metrics[tier.name]
+            m.num_queries += 1
+            m.num_query_tokens += max(0, res.max_len - prev)
+            m.num_hit_tokens += max(0, min(res.reach[i], res.boundary, end) - min(prev, end))
+            prev = max(prev, res.reach[i])
+
+    # ---- staging -------------------------------------------------------------------------------
+
+    def _stage_done(self) -> None:
+        """Write the blocks of every finished job into host blocks and publish them there."""
+        still: list[_Fetch] = []
+        for fetch in self._fetches:
+            if not fetch.future.done():
+                still.append(fetch)
+                continue
+            for key, owner in list(self._fetching.items()):
+                if owner is fetch:
+                    del self._fetching[key]
+            try:
+                result = fetch.future.result()
+            except Exception:
+                log.exception("a lookup below the host failed; the request recomputes")
+                self.metrics.num_fetch_errors += 1
+                result = None
+            if result is not None:
+                self.metrics.fetch_seconds += result.seconds
+                self.metrics.num_fetch_errors += bool(result.errors)
+                self._stage(result)
+            st = self._reqs.get(fetch.job.req_id)
+            if st is not None and st.fetch is fetch:
+                st.fetch, st.done, st.result = None, True, result
+            for other in self._reqs.values():
+                if other.waiting_on is fetch:
+                    other.waiting_on = None
+        self._fetches = still
+
+    def _stage(self, result: FetchResult) -> None:
+        todo = [
+            (w, p, t)
+            for w, p, t in result.found
+            if not self.host.holds((w.group, w.key.block_hash))
+        ]
+        good = []
+        for w, payload, t in todo:
+            if len(payload) != self.io.block_bytes:
+                self.metrics.num_bad_payloads += 1
+                continue
+            good.append((w, payload, t))
+        # head of the chain first: a shortage of host blocks keeps the earlier positions
+        good.sort(
+            key=lambda x: ((x[0].position + 1) * self.specs[x[0].group].block_size, x[0].group)
+        )
+        blocks = self.host.allocate_staging(len(good))
+        good = good[: len(blocks)]
+        if not good:
+            return
+        self.io.write([b.block_id for b in blocks], [p for _, p, _ in good])
+        for g in range(len(self.specs)):
+            idx = [i for i, (w, _, _) in enumerate(good) if w.group == g]
+            if not idx:
+                continue
+            chained = isinstance(self.specs[g], FullAttention)
+            self.host.publish_staged(
+                g,
+                [blocks[i] for i in idx],
+                [good[i][0].key.block_hash for i in idx],
+                [good[i][0].parent if chained else None for i in idx],
+            )
+        self.metrics.num_staged_blocks += len(good)
+        for _, payload, t in good:
+            m = self.tier_metrics[self.lowers[t].name]
+            m.num_promoted_blocks += 1
+            m.num_promoted_bytes += len(payload)
+        for t in range(1, len(self.lowers)):  # promoted through the tiers above its own
+            items = [(w.key, p) for w, p, src in good if src >= t]
+            for upper in self.lowers[:t]:
+                self._put(upper, items)
+
+    # ---- stores --------------------------------------------------------------------------------
+
+    def _demote(self, published: list[Published]) -> None:
+        if not published or not self.lowers:
+            return
+        published.sort(key=lambda p: (p.position, p.group_id))  # chain order: heads first
+        payloads = self.io.read([p.host_block_id for p in published])
+        items: list[tuple[StoreKey, bytes]] = []
+        for p, payload in zip(published, payloads, strict=True):
+            tag = p.chain[(p.position // SEGMENT_BLOCKS) * SEGMENT_BLOCKS]
+            items.append((self.layouts[p.group_id].key(p.group_id, p.block_hash, tag), payload))
+        for tier in self.lowers:
+            self._put(tier, items)
+
+    def _put(self, tier: LowerTier, items: list[tuple[StoreKey, bytes]]) -> None:
+        if not items:
+            return
+        queued = tier.store.put(items)
+        m = self.tier_metrics[tier.name]
+        m.num_demoted_blocks += queued
+        m.num_demoted_bytes += sum(len(p) for _, p in items[:queued])
+        m.num_dropped_blocks += len(items) - queued
+
+    # ---- the rest of KVTier: the host tier's, plus demotion on store completion ------------------
+
+    def plan_load(self, request: Request, num_external_tokens: int) -> Transfer | None:
+        """The host tier's load of the last lookup's hit (staged blocks included)."""
+        return self.host.plan_load(request, num_external_tokens)
+
+    def finish_request(self, request: Request) -> list[Transfer]:
+        """Forget the request's lookup (a job in flight still stages its blocks for others)."""
+        self._reqs.pop(request.request_id, None)  # a job in flight stays in `_fetches`
+        return self.host.finish_request(request)
+
+    def preempt_request(self, request: Request) -> list[Transfer]:
+        return self.host.preempt_request(request)
+
+    def store_before_prune(self, request: Request) -> list[Transfer]:
+        return self.host.store_before_prune(request)
+
+    def plan_stores(self, requests: Iterable[Request]) -> list[Transfer]:
+        """Stage what lower tiers returned meanwhile, then the host tier's stores."""
+        self._stage_done()
+        return self.host.plan_stores(requests)
+
+    def complete(self, transfer_ids: Iterable[int]) -> list[ReqId]:
+        """The host tier's completions; blocks its stores published are queued below it."""
+        loaded = self.host.complete(transfer_ids)
+        self._demote(self.host.take_published())
+        return loaded
+
+    def fail(self, transfer_id: int) -> LoadFailure | None:
+        return self.host.fail(transfer_id)
+
+    def device_pins(self) -> dict[BlockId, int]:
+        return self.host.device_pins()
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        return self.host.has_pending_transfers
+
+    # ---- waiting for the I/O ----------------------------------------------------------------------
+
+    def waiting_on_io(self) -> set[ReqId]:
+        """Requests whose lookup waits for a read below the host (reads only)."""
+        return {rid for rid, st in self._reqs.items() if st.fetch or st.waiting_on}
+
+    def wait_for_io(self, max_wait_s: float) -> bool:
+        """Block up to `max_wait_s` until a read in flight finishes or a deadline passes (for an
+        engine with nothing else to do: cheaper than stepping empty forwards). True when one has
+        (the next lookup makes progress), False when all still wait. Mutates nothing."""
+        if any(f.future.done() for f in self._fetches):
+            return True
+        if not self._fetches:
+            return False
+        deadline = min(f.deadline for f in self._fetches)
+        timeout = min(max_wait_s, max(0.0, deadline - self.clock()))
+        wait([f.future for f in self._fetches], timeout, FIRST_COMPLETED)
+        return any(f.future.done() for f in self._fetches) or self.clock() >= deadline
+
+    # ---- lifecycle and stats ---------------------------------------------------------------------
+
+    def tier_stats(self) -> list[TierStats]:
+        """Snapshots of every lower tier's counters and its store's (changes nothing)."""
+        return [
+            TierStats(t.name, replace(self.tier_metrics[t.name]), t.store.stats())
+            for t in self.lowers
+        ]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued lower-tier write is written; False past `timeout` seconds."""
+        return all(t.store.flush(timeout) for t in self.lowers)
+
+    def close(self) -> None:
+        """Stop the fetch threads, finish queued writes and close the stores (idempotent)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for t in self.lowers:
+            t.store.close()

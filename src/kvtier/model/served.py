@@ -79,10 +79,6 @@ class ServedModel(ABC):
         self.module.to(device)
         return self
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.module.parameters()).dtype
-
 
 class ServedDecoder(ServedModel):
     """A `CausalLM`: attention groups only."""

@@ -270,8 +270,8 @@ _GRANITE_LAYER_TYPES |= {"attention": "full", "full_attention": "full"}
 
 
 def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
-    if arch.startswith("FalconH1For"):  # attention in every layer; the Mamba2 mixer runs beside it
-        return ("full",) * n
+    if arch.startswith("FalconH1For") and not cfg.get("layer_types"):
+        return ("full",) * n  # attention in every layer; the Mamba2 mixer runs beside it
     if arch.startswith("GraniteMoeHybridFor"):
         types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
         try:

@@ -71,6 +71,56 @@ def test_unknown_protection_in_a_variant_is_named(
     assert not (tmp_path / "x").exists()
 
 
+def _windowed_hybrid(tmp_path: Path) -> Path:
+    from kvtier.model.testing import write_tiny_model
+
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"]
+    return write_tiny_model(
+        tmp_path / "falcon-h1-windowed", "falcon_h1", num_kv_heads=4, mamba_d_state=4,
+        mamba_n_groups=1, layer_types=kinds, sliding_window=16,
+    )  # fmt: skip
+
+
+def test_with_prefix_caching_state_groups_take_part_in_the_draft_hazard(tmp_path: Path) -> None:
+    """H4 on a hybrid with a state page per block (`--prefix-caching`): pruning on the optimistic
+    count frees state pages a step launched with unverified drafts still touches; the settled
+    basis with the quarantine is clean (architecture.md §Garble)."""
+    out = tmp_path / "drafts.json"
+    rc = main(
+        [
+            "bench", "garble", "--model", str(_windowed_hybrid(tmp_path)), "--scenario", "drafts",
+            "--prefix-caching", "--num-prompts", "16", "--rounds", "1", "--concurrency", "8",
+            "--max-tokens", "32", "--block-size", "4", "--dtype", "float32",
+            "--variants", "event+quarantine,settled+quarantine", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["event+quarantine"]["state_hazards"] > 0
+    assert rows["event+quarantine"]["garbled"] > 0
+    assert rows["settled+quarantine"]["hazards"] == rows["settled+quarantine"]["garbled"] == 0
+
+
+def test_state_groups_take_part_in_the_finish_hazard(tmp_path: Path) -> None:
+    """On a hybrid with window, full and state groups (a windowed Falcon-H1 toy): a request
+    finishing while its next step is in flight frees its state page; without the quarantine a load
+    lands there before the stale step's state write (WAW on a state page, garbled completions).
+    The seed's "Mamba layers are not affected" holds for readers only (architecture.md §Garble)."""
+    folder = _windowed_hybrid(tmp_path)
+    out = tmp_path / "hybrid.json"
+    rc = main(
+        [
+            "bench", "garble", "--model", str(folder), "--scenario", "finish", "--num-prompts",
+            "16", "--rounds", "2", "--concurrency", "8", "--max-tokens", "32", "--block-size", "4",
+            "--dtype", "float32", "--variants", "settled,settled+quarantine", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["settled"]["state_hazards"] > 0 and rows["settled"]["garbled"] > 0
+    assert rows["settled+quarantine"]["hazards"] == rows["settled+quarantine"]["garbled"] == 0
+
+
 @pytest.mark.parametrize(
     ("scenario", "device", "depth", "offload", "drafts", "expected"),
     [

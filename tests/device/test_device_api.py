@@ -41,15 +41,22 @@ def forward(dev: Device, reads: list[int], writes: list[int], fn: Callable[[], o
 
 def test_layout_shapes_and_block_bytes() -> None:
     assert LAYOUT.slot_shape(6) == (6, 2, 4, 2, 8)
+    assert LAYOUT.page_shape(6) == (6, 2 * 4 * 2 * 8)  # an attention page by default
     assert LAYOUT.block_bytes == 3 * 2 * 4 * 2 * 8 * 4
     assert KVLayout(1, 1, 1, 1, dtype="bfloat16").block_bytes == 4
+    state = KVLayout(2, 4, 2, 8, page_bytes=1000)  # a page sized for a larger state
+    assert state.page_shape(3) == (3, 250) and state.block_bytes == 2000
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kv_tiers_have_one_tensor_per_layer_slot(backend: str) -> None:
+def test_kv_tiers_have_one_flat_tensor_per_layer_slot(backend: str) -> None:
+    """A slot is flat pages; attention's view of it is exact (architecture.md §Pages)."""
     dev = dev_of(backend)
-    assert [tuple(t.shape) for t in dev.kv("device")] == [LAYOUT.slot_shape(6)] * 3
-    assert [tuple(t.shape) for t in dev.kv("host")] == [LAYOUT.slot_shape(4)] * 3
+    assert [tuple(t.shape) for t in dev.kv("device")] == [LAYOUT.page_shape(6)] * 3
+    assert [tuple(t.shape) for t in dev.kv("host")] == [LAYOUT.page_shape(4)] * 3
+    view = dev.kv("device")[1].view(LAYOUT.slot_shape(6))
+    view[2, 1].fill_(3.0)  # block 2's V
+    assert float(dev.kv("device")[1][2].sum()) == 3.0 * 4 * 2 * 8
     assert dev.num_blocks("device") == 6 and dev.num_blocks("host") == 4
     assert dev.kv("device")[0].dtype == torch.float32
     assert dev.kv("device")[0].device == dev.torch_device == torch.device("cpu")
@@ -235,6 +242,8 @@ def test_bad_input_is_a_value_error_naming_it(match: str, call: Callable[[Device
         ({"num_layer_slots": 0}, "num_layer_slots"),
         ({"head_dim": -1}, "head_dim"),
         ({"dtype": "int64"}, "dtype"),
+        ({"page_bytes": 6}, "page_bytes"),
+        ({"page_bytes": -4}, "page_bytes"),
     ],
 )
 def test_bad_layout_is_a_value_error(kwargs: dict[str, object], match: str) -> None:

@@ -37,7 +37,7 @@ def store_race(wait_for_compute: bool, iters: int = 30) -> int:
 
 def load_race(wait_for_compute: bool, iters: int = 30) -> int:
     dev = make_device("cuda", LAYOUT, 4, 4, sanitize="collect")
-    probe = dev.alloc_buffer("probe", LAYOUT.slot_shape(1)[1:])
+    probe = dev.alloc_buffer("probe", LAYOUT.page_shape(1)[1:])
     dev.kv("host")[0][2].fill_(2.0)
     torn = 0
     for i in range(iters):

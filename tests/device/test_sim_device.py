@@ -142,7 +142,7 @@ def test_store_waiting_on_compute_done_copies_every_iteration_intact() -> None:
 def load_race(wait_for_compute: bool, iters: int = 30) -> tuple[int, list[str]]:
     """Scenario 63: compute fills a block with old, sleeps, probes it; a load writes new into it."""
     dev = SimDevice(LAYOUT, 4, 4, sanitize="collect", cost_model=CostModel(jitter=0.1), seed=5)
-    probe = dev.alloc_buffer("probe", LAYOUT.slot_shape(1)[1:])
+    probe = dev.alloc_buffer("probe", LAYOUT.page_shape(1)[1:])
     old, new = 1.0, 2.0
     dev.kv("host")[0][2].fill_(new)
     torn = 0

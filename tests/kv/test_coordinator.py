@@ -113,6 +113,7 @@ def test_mamba_hybrid_hit_is_the_last_snapshot_under_the_full_hit():
     for n in (8, 5):  # snapshot at 8 only: the second step ends at 13
         assert m.allocate_slots(seq, n) is not None
         seq.num_computed_tokens += n
+        m.cache_verified(seq, seq.num_computed_tokens)
     m.free("a")
     hits, length = m.get_computed_blocks(m.new_sequence("b", tokens))
     assert length == 8

@@ -652,3 +652,27 @@ def test_mixed_block_sizes_round_trip_through_the_facade(hash_fn):
     assert num_hit == 64  # full reaches 80, rounded down to the 32-token alignment
     assert [len(h) for h in hits] == [4, 2]
     m.check_integrity()
+
+
+def test_a_state_hit_alone_in_a_pool_sized_for_one_request_is_admitted():
+    """A new request restored from a state snapshot holds the hit page and the page its first
+    step writes: one page beyond its steady charge, its share of the transient reserve (not a
+    second charge beside it). Found as an engine livelock: a preempted request with a 48-token
+    hit never fitted an empty pool the plan had sized for one max-length request."""
+    specs: list[KVSpec] = [FullAttention(8), Mamba(8), Mamba(8), Mamba(8)]
+    max_in_flight = 16
+    sized = KVCacheManager(specs, 2, max_model_len=64, max_in_flight_tokens=max_in_flight)
+    m = manager(sized.blocks_for_requests(1, 64) + 1, specs, 64, max_in_flight_tokens=16)
+    tokens = fresh_tokens(49)
+    first = m.new_sequence("a", tokens)
+    for n in (48, 1):  # a snapshot at 48
+        assert m.allocate_slots(first, n) is not None
+        first.num_computed_tokens += n
+        m.cache_verified(first, first.num_computed_tokens)
+    m.free("a")
+    again = m.new_sequence("b", tokens)
+    hits, num_hit = m.get_computed_blocks(again)
+    assert num_hit == 48
+    new = m.allocate_slots(again, 1, num_new_computed_tokens=48, new_computed_blocks=hits)
+    assert new is not None, "the only request of a sized pool must fit"
+    m.check_integrity()

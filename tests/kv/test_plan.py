@@ -382,6 +382,19 @@ def test_falcon_h1_has_an_attention_group_and_a_state_group_with_raised_blocks()
     )
 
 
+def test_without_prefix_caching_a_state_group_has_one_page_per_request() -> None:
+    """architecture.md §Snapshots, mode none: Mamba(max_model_len), one table position updated
+    in place, no transient reserve (a request never holds more than its whole table)."""
+    sched = SchedulerConfig(max_model_len=16384)
+    cache = CacheConfig(kv_cache_memory_bytes=4 * GIB, enable_prefix_caching=False)
+    plan = plan_kv(falcon_h1(), cache, sched)
+    assert plan.specs == [FullAttention(800), Mamba(16384)]
+    assert plan.specs[1].steady_blocks(16384) == 1
+    assert plan.specs[1].transient_blocks(sched.max_in_flight_tokens, 12, 16384) == 0
+    cached = plan_kv(falcon_h1(), CacheConfig(kv_cache_memory_bytes=4 * GIB), sched)
+    assert plan.blocks_per_request(16384) < cached.blocks_per_request(16384)
+
+
 def test_falcon_h1_max_concurrency_is_the_admission_formula() -> None:
     """4 GiB hold 291 blocks of 800 tokens; a 16K request needs cdiv(16384, 800) = 21 attention
     blocks and 1 state block, and the state group's reserve is min(cdiv(4096, 800) + R, 20 R)."""
@@ -463,3 +476,15 @@ def test_plan_command_prints_the_state_page(capsys, tmp_path) -> None:
     assert saved["state_page_bytes"] == FALCON_STATE_BYTES and saved["block_size"] == 800
     assert saved["tiers"][0]["max_concurrency_at_max_len"] == 12
     assert [g["page_bytes"] for g in saved["groups"]] == [409_600, FALCON_STATE_BYTES]
+
+
+def test_plan_command_says_a_state_group_keeps_no_snapshots_without_prefix_caching(
+    capsys, tmp_path
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--model", "falcon-h1-0.5b", "--no-enable-prefix-caching"]
+    assert run(parser.parse_args(args)) == 0
+    text = capsys.readouterr().out
+    assert "snapshots" not in text
+    assert "one page per request for its whole life" in text

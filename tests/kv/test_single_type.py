@@ -288,18 +288,33 @@ def test_mamba_keeps_one_real_state_block_and_prunes_all_but_the_last():
 def test_mamba_snapshot_is_cacheable_only_when_a_step_ended_on_the_boundary(
     steps, cached_positions
 ):
-    """Deliberate difference (c) from vLLM's align mode, which forces prefill chunks to block
-    multiples: we accept any chunking and publish a state block only if some step ended exactly at
-    its end (otherwise it holds a later state). bs 4, 12-token prompt."""
+    """A state block is published only if some processed step ended exactly at its end
+    (otherwise it holds a later state); the scheduler reports each verified end. bs 4, 12-token
+    prompt."""
     m = manager(32, [Mamba(4)])
     seq = m.new_sequence("r", list(range(12)))
     for n in steps:
         assert m.allocate_slots(seq, n) is not None
         seq.num_computed_tokens += n
+        m.cache_verified(seq, seq.num_computed_tokens)
     table = m.get_blocks("r")[0]
     cached = [i for i, b in enumerate(table) if b.block_hash is not None]
     assert cached == cached_positions
     assert all(table[i].block_hash == seq.block_hashes[i] for i in cached)
+    m.check_integrity()
+
+
+def test_mamba_snapshot_of_a_rolled_back_scheduled_end_is_never_published():
+    """architecture.md §Rollback: 6 tokens, then a token and a draft ending at 8, the draft
+    rejected (7 verified), then 5 more: only position 2 holds a true snapshot."""
+    m = manager(32, [FullAttention(4), Mamba(4)])
+    seq = m.new_sequence("r", list(range(20)))
+    for n, verified in ((6, 6), (2, 7), (5, 12)):
+        assert m.allocate_slots(seq, n) is not None
+        seq.num_computed_tokens = verified
+        m.cache_verified(seq, verified)
+    table = m.get_blocks("r")[1]
+    assert [i for i, b in enumerate(table) if b.block_hash is not None] == [2]
     m.check_integrity()
 
 

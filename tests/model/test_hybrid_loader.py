@@ -78,3 +78,16 @@ def test_unsupported_or_mismatched_folders(tiny_model_dir, tmp_path, changes, ma
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
         load_hybrid(folder)
+
+
+def test_a_falcon_h1_folder_may_name_sliding_window_layers(tmp_path) -> None:
+    """A kvtier toy beyond transformers' Falcon-H1: `layer_types` with sliding-window attention
+    (the garble benchmark's hybrid with window and state groups)."""
+    from kvtier.config import ModelConfig
+    from kvtier.model.testing import write_tiny_model
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    folder = write_tiny_model(tmp_path, "falcon_h1", layer_types=types, sliding_window=16)
+    cfg = ModelConfig.from_pretrained(folder)
+    assert cfg.layer_kinds == ("sliding", "full", "sliding") and cfg.sliding_window == 16
+    assert [k for _, k in cfg.cache_layers()].count("mamba") == 3

@@ -177,12 +177,45 @@ def test_bytes_are_counted_per_group_and_pending_gauges_follow_transfers():
     assert s.planned().transfer_id == s.transfer_id and not s.planned().is_load
 
 
-def test_models_with_state_groups_do_not_use_the_host_tier_yet():
-    dev = device(24, [FullAttention(16), Mamba(16)])
+def test_state_snapshots_are_stored_and_loaded_with_the_attention_blocks():
+    """architecture.md §Tiering: a state group publishes only snapshots (pages a verified step
+    ended on), so only those reach the host; a load restores one boundary for every group: the
+    attention blocks up to it and the one state page at it."""
+    specs = [FullAttention(16), Mamba(16)]
+    dev = device(24, specs)
     t = tier(dev)
-    r = request(dev, "R", tokens(33))
-    run(dev, r)
-    assert t.plan_stores([r]) == [] and t.lookup(r, 0).num_tokens == 0
+    toks = tokens(33)
+    r = request(dev, "R", toks)
+    for n in (16, 16):  # two chunks, each ending on a boundary: snapshots at 16 and 32
+        assert dev.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        dev.cache_verified(r, r.num_computed_tokens)
+    stores = t.plan_stores([r])
+    assert sorted(g for s in stores for g in s.group_ids) == [0, 0, 1, 1]
+    settle_all(t, stores)
+    t.finish_request(r)
+    dev.free("R")
+    dev.pool.evict_blocks(range(1, dev.pool.num_blocks))  # the device forgets it
+    q = request(dev, "Q", toks)
+    hits, num_hit = dev.get_computed_blocks(q)
+    ext = t.lookup(q, num_hit).num_tokens
+    assert (num_hit, ext) == (0, 32)
+    # as Admission._try_load: the load's destinations alone, no new token yet (a state group's
+    # one real page is then the page at the boundary, which the first step reads)
+    got = dev.allocate_slots(
+        q,
+        0,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hits,
+        num_external_computed_tokens=ext,
+        delay_cache_blocks=True,
+    )
+    assert got is not None
+    q.num_computed_tokens = ext
+    load = t.plan_load(q, ext)
+    assert load is not None
+    assert sorted(load.group_ids) == [0, 0, 1]  # the state page at 32 only
+    check(dev, t)
 
 
 def test_planning_modules_import_no_torch():

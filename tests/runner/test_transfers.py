@@ -87,7 +87,7 @@ def test_63_load_cannot_overwrite_a_block_a_pending_forward_reads_with_the_event
                 t[3].fill_(1.0)
 
         def read() -> None:
-            probe.copy_(dev.kv("device")[0][3][0, :, 0, 0])
+            probe.copy_(dev.kv("device")[0].view(LAYOUT.slot_shape(16))[3][0, :, 0, 0])
 
         dev.launch(COMPUTE, fill_old, AccessSet.of(writes={"device": [3]}), OpMeta("fill", step))
         dev.launch(COMPUTE, lambda: None, AccessSet.of(), OpMeta("backlog", step), SLOW)

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the scenario's, 0.5; 0.2 for finish)",
     )
     parser.add_argument("--host-blocks", type=int, default=20000)
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="prefix caching on in a scenario without a host tier (drafts): a hybrid's state "
+        "groups then keep a page per block, which pruning can free",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_garble.json")
     parser.add_argument("--plot", default=None, help="write a PNG chart here")
@@ -199,7 +205,25 @@ def run_variant(
         "preemptions": stats.num_preemptions,
         "hazards": stats.num_hazards,
         "hazard_kinds": stats.hazards,
+        **state_hazards(engine),
     }
+
+
+def state_hazards(engine: Any) -> dict[str, Any]:
+    """Of the hazards the sanitizer kept (its first `max_kept`), how many a state group causes:
+    the earlier access (the op racing ahead of the block's reuse) is to a block its step declared
+    as a state (Mamba) page (`ModelRunner.state_pages`), not a window or full-attention block
+    that was later handed to a state group."""
+    sanitizer = engine.device.sanitizer
+    kept = [] if sanitizer is None else sanitizer.hazards
+    runner = engine.runner
+
+    def on_state(hazard: Any) -> bool:
+        step = hazard.first.meta.step_seq
+        pages = runner.state_pages(step) if step is not None else frozenset()
+        return any(b in pages for b in hazard.block_ids)
+
+    return {"hazards_kept": len(kept), "state_hazards": sum(map(on_state, kept))}
 
 
 def parse_protect_checked(variant: str) -> tuple[str, ...]:
@@ -227,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     if "sliding" not in cfg.layer_kinds:
         raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
     scenario = SCENARIOS[args.scenario]
+    hybrid = cfg.mamba is not None  # state groups beside the window groups: attribute hazards
+    caching = scenario.offload or args.prefix_caching
     tokenizer = load_tokenizer(path)
     batch = [{"prompt_token_ids": p} for p in prompts(tokenizer, args)]
     params = sampling_params(args, tokenizer)
@@ -246,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(batch)} prompts × {args.rounds} rounds, concurrency {args.concurrency}, "
         f"{args.max_tokens} new tokens, {args.dtype}; device pool {device_blocks} blocks "
         f"(the concurrency needs {needed}), "
-        + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier, no caching")
+        + (f"host {args.host_blocks} blocks" if scenario.offload else "no host tier")
+        + ("" if caching else ", no caching")
         + (", blocks NaN-poisoned when handed out" if scenario.poison else "")
     )
     ref = run_variant(  # on the variants' hardware: kernels differ between CPU and GPU
@@ -275,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             async_depth=depth,
             max_model_len=max_len,
             num_device_blocks=device_blocks,
-            enable_prefix_caching=scenario.offload,
+            enable_prefix_caching=caching,
             **host,
             max_num_seqs=args.concurrency,
             protect=protect_of(name),
@@ -297,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
             f"device {r['device_s']:7.2f}s  tok/s {r['tok_s_wall']:7.1f} (device "
             f"{(r['tok_s_device'] or 0):8.1f})  KV {r['mean_kv_usage']:.2f}  waiting "
             f"{r['mean_waiting']:5.1f}  host hits {r['host_hit_rate']:.2%}  preempt "
-            f"{r['preemptions']:3d}  hazards {r['hazards']} {r['hazard_kinds']}",
+            f"{r['preemptions']:3d}  hazards {r['hazards']} {r['hazard_kinds']}"
+            + (f" on state pages {r['state_hazards']}/{r['hazards_kept']}" if hybrid else ""),
             flush=True,
         )
     result = {

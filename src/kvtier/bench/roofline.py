@@ -18,6 +18,7 @@ import torch
 
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
+from kvtier.model.served import ServedDecoder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
             llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
                       max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed)  # fmt: skip
-            model = llm.engine.model
+            served = llm.engine.model
+            if not isinstance(served, ServedDecoder):
+                raise ValueError(f"{path}: bench roofline models decoders, not Mamba2 hybrids")
+            model = served.decoder
             vocab = model.config.vocab_size
             context = args.input_len + args.output_len / 2  # mean over the decode steps
             weights = weight_bytes(model, model.spec.tie_word_embeddings)

@@ -60,7 +60,9 @@ class Device(ABC):
     # -- buffers ---------------------------------------------------------------------------
 
     def kv(self, tier: Tier) -> list[torch.Tensor]:
-        """The KV tensors of `tier`, one per layer slot. Read/write them only inside ops."""
+        """The KV tensors of `tier`, one per layer slot, each [num_blocks, page elements] (a
+        model views the pages; `KVLayout.slot_shape` is attention's view). Read/write them only
+        inside ops."""
         return self._buffers.kv(tier)
 
     def num_blocks(self, tier: Tier) -> int:

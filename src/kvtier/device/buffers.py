@@ -39,17 +39,18 @@ class Buffers:
         self._num_blocks: dict[str, int] = {"device": num_device_blocks, "host": num_host_blocks}
         self._named: dict[str, torch.Tensor] = {}
         dtype = TORCH_DTYPES[layout.dtype]
-        # One tensor per layer slot and tier: [num_blocks, 2, block_size, num_kv_heads, head_dim].
+        # One flat tensor per layer slot and tier: [num_blocks, page elements]. Attention views
+        # a page as [2, block_size, num_kv_heads, head_dim], a state layer as conv + SSM state.
         self._kv: dict[str, list[torch.Tensor]] = {
             tier: [
-                alloc(layout.slot_shape(self._num_blocks[tier]), dtype, tier)
+                alloc(layout.page_shape(self._num_blocks[tier]), dtype, tier)
                 for _ in range(layout.num_layer_slots)
             ]
             for tier in TIERS
         }
 
     def kv(self, tier: Tier) -> list[torch.Tensor]:
-        """The KV tensors of `tier`, one per layer slot."""
+        """The KV tensors of `tier`, one per layer slot: [num_blocks, page elements]."""
         if tier not in self._kv:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         return self._kv[tier]

@@ -28,10 +28,13 @@ FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """One KV pool: `num_layer_slots` tensors, each [num_blocks, 2, block_size, heads, dim].
+    """One KV pool: `num_layer_slots` tensors, each [num_blocks, page elements] of `dtype`: one
+    page of `page_bytes` per block id and slot (architecture.md §Pages).
 
-    A block id indexes the same block in every layer slot; the device and host tiers share the
-    layout and differ only in `num_blocks`.
+    A block id indexes the same page in every layer slot; the device and host tiers share the
+    layout and differ only in `num_blocks`. An attention layer views its slot as
+    `slot_shape` [num_blocks, 2, block_size, heads, dim]; a state (Mamba) layer views the same
+    bytes as its conv and SSM state. `page_bytes` 0 means an attention page.
     """
 
     num_layer_slots: int
@@ -39,6 +42,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    page_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layer_slots", "block_size", "num_kv_heads", "head_dim"):
@@ -49,16 +53,36 @@ class KVLayout:
             raise ValueError(
                 f"KVLayout.dtype must be one of {sorted(FLOAT_DTYPES)}, got {self.dtype!r}"
             )
+        page, elem = self.page_bytes, DTYPE_BYTES[self.dtype]
+        if not isinstance(page, int) or page < 0 or page % elem:
+            raise ValueError(
+                f"KVLayout.page_bytes must be an int ≥ 0 and a multiple of {elem} ({self.dtype} "
+                f"elements), got {page!r}"
+            )
+
+    @property
+    def attention_page_bytes(self) -> int:
+        """Bytes of K and V of one block in one layer slot."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def slot_page_bytes(self) -> int:
+        """Bytes of one block's page in one layer slot."""
+        return self.page_bytes or self.attention_page_bytes
+
+    def page_shape(self, num_blocks: int) -> tuple[int, int]:
+        """Shape of one layer slot's tensor holding `num_blocks` pages (elements of `dtype`)."""
+        return (num_blocks, self.slot_page_bytes // DTYPE_BYTES[self.dtype])
 
     def slot_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
-        """Shape of one layer slot's tensor holding `num_blocks` blocks."""
+        """Attention's view of one layer slot holding `num_blocks` blocks (the page must be an
+        attention page: a hybrid's block size is raised until it is, kv/plan.py)."""
         return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block summed over all layer slots (what one block copy moves)."""
-        per_slot = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return per_slot * DTYPE_BYTES[self.dtype] * self.num_layer_slots
+        return self.slot_page_bytes * self.num_layer_slots
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.config import KV_DTYPES, ModelConfig
+from kvtier.config import KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
@@ -21,10 +21,12 @@ from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
-from kvtier.model import IncrementalDetokenizer, load_model, load_tokenizer
+from kvtier.model import IncrementalDetokenizer, load_tokenizer
 from kvtier.model.loader import resolve_dtype
+from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
+from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.transfers import TransferFaults
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput, TokenLogprobs
@@ -48,7 +50,7 @@ class EngineCore:
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
-        self.model = load_model(path, dtype).eval()
+        self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
         self.plan = self._plan(dtype_name)
         sched_cfg = args.scheduler
@@ -73,14 +75,20 @@ class EngineCore:
             cfg.num_kv_heads,
             cfg.head_dim,
             dtype_name,
+            page_bytes=self.plan.page_bytes if self.plan.state_page_bytes else 0,
         )
         sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
         modes: dict[object, SanitizerMode | None] = {True: "raise", "raise": "raise"}
         mode = modes.get(sanitize, "collect" if sanitize == "collect" else None)
+        # a hybrid verifying drafts keeps the states after drafted tokens in pool rows beyond the
+        # KV manager's blocks (runner/draft_states.py)
+        draft_pages = DraftStates.num_pages(
+            len(self.model.state_groups), args.num_speculative_tokens, sched_cfg.max_num_seqs
+        )
         self.device = make_device(
             args.device,  # type: ignore[arg-type]
             layout,
-            num_blocks,
+            num_blocks + draft_pages,
             num_host_blocks,
             sanitize=mode,
             poison=args.poison,
@@ -121,6 +129,8 @@ class EngineCore:
             self.model,
             self.device,
             block_size=self.plan.block_size,
+            group_block_sizes=[spec.block_size for spec in self.plan.specs],
+            num_kv_blocks=num_blocks,
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.plan.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -140,18 +150,50 @@ class EngineCore:
         cache = args.cache
         if cache.kv_cache_dtype is None and dtype_name in KV_DTYPES:
             cache = replace(cache, kv_cache_dtype=dtype_name)
+        if cfg.mamba is not None and cache.kv_cache_dtype not in (None, dtype_name):
+            raise ValueError(
+                f"kv_cache_dtype (--kv-cache-dtype) {cache.kv_cache_dtype} differs from the "
+                f"hybrid model's dtype {dtype_name}: its Mamba states share the KV pages in the "
+                "model's dtype; leave --kv-cache-dtype unset"
+            )
+        if cfg.mamba is not None:  # states are kept in the run's dtype, not the folder's
+            cfg = replace(cfg, dtype=dtype_name)
         sched = args.scheduler
         if sched.max_model_len is None:
             sched = replace(sched, max_model_len=cfg.max_position_embeddings)
         if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
             # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
             # requests can use (small models would otherwise carry millions of idle blocks).
-            plan = plan_kv(cfg, replace(cache, kv_cache_memory_bytes=DEFAULT_KV_BYTES), sched)
+            default = self._without_draft_pages(cfg, cache, sched, DEFAULT_KV_BYTES)
+            plan = plan_kv(cfg, default, sched)
             wanted = plan.blocks_for_requests(sched.max_num_seqs, plan.max_model_len)
             cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
+        elif cache.num_device_blocks is None and cache.kv_cache_memory_bytes is not None:
+            cache = self._without_draft_pages(cfg, cache, sched, cache.kv_cache_memory_bytes)
         plan = plan_kv(cfg, cache, sched)
         self.args = replace(args, cache=cache, scheduler=sched)
         return plan
+
+    def _without_draft_pages(
+        self, cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, budget: int
+    ) -> CacheConfig:
+        """`cache` with a byte budget of `budget` less the runner's draft pages (a hybrid with
+        drafts, runner/draft_states.py): they come out of the same memory as the KV blocks."""
+        num = DraftStates.num_pages(
+            len(self.model.state_groups), self.args.num_speculative_tokens, sched.max_num_seqs
+        )
+        if num:
+            probe = replace(cache, kv_cache_memory_bytes=None, num_device_blocks=1 << 20)
+            pages = num * plan_kv(cfg, probe, sched).bytes_per_block
+            if pages >= budget:
+                raise ValueError(
+                    f"the draft pages of {self.args.num_speculative_tokens} speculative tokens "
+                    f"for {sched.max_num_seqs} sequences take {pages} bytes of the KV budget "
+                    f"({budget}); raise --kv-cache-memory-bytes or lower --max-num-seqs or "
+                    "--num-speculative-tokens"
+                )
+            budget -= pages
+        return replace(cache, kv_cache_memory_bytes=budget)
 
     # ---- requests ------------------------------------------------------------------------------
 

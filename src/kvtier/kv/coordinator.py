@@ -122,6 +122,10 @@ class KVCacheCoordinator:
         for m, view in zip(self.managers, self.group_hashes(block_hashes)):
             m.cache_blocks(req_id, view, num_tokens, token_ids)
 
+    def mark_snapshots(self, req_id: ReqId, num_tokens: int) -> None:
+        for m in self.managers:
+            m.mark_snapshot(req_id, num_tokens)
+
     def remove_skipped_blocks(
         self, req_id: ReqId, num_settled_tokens: int, last_step_seq: int | None
     ) -> int:

@@ -203,10 +203,10 @@ class KVCacheManager:
         are its share of the transient reserve, not a second charge on top of it."""
         excess = 0
         for spec in self.specs:
-            if isinstance(spec, Mamba):
-                continue  # one live state block: never beyond its steady charge
             bs = spec.block_size
             real = cdiv(num_tokens, bs) - spec.num_skipped_tokens(total_computed) // bs
+            if isinstance(spec, Mamba):  # the page it starts from (a hit) and the one it writes
+                real = min(2, real)
             excess += max(0, real - spec.steady_blocks(1 << 62))
         return excess
 
@@ -293,6 +293,16 @@ class KVCacheManager:
             self.coordinator.cache_blocks(
                 request.request_id, request.block_hashes, num_tokens, request.all_token_ids
             )
+
+    def cache_verified(self, request: KVSequence, num_tokens: int) -> None:
+        """The device holds exactly `num_tokens` of the request's tokens: a processed step's
+        end (rejected drafts excluded) or a landed load. A state group whose block ends there
+        marks it as a snapshot; every group publishes its full blocks up to there (mutates;
+        nothing with caching off). Snapshots are never marked on scheduled ends, which a
+        rejected draft may never reach (architecture.md §Rollback)."""
+        if self.enable_caching:
+            self.coordinator.mark_snapshots(request.request_id, num_tokens)
+            self.cache_blocks(request, num_tokens)
 
     def remove_skipped_blocks(
         self, request_id: str, num_settled_tokens: int, last_step_seq: int | None = None

@@ -105,7 +105,9 @@ class KVPlan:
         return max_concurrency(self.specs, blocks - 1, n, f, policy, self.max_model_len)
 
 
-def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
+def layer_spec(
+    model: ModelConfig, kind: str, block_size: int, state_block_size: int | None = None
+) -> KVSpec:
     if kind == "full":
         return FullAttention(block_size)
     if kind == "sliding":
@@ -115,16 +117,19 @@ def layer_spec(model: ModelConfig, kind: str, block_size: int) -> KVSpec:
         assert model.attention_chunk_size is not None
         return ChunkedLocal(block_size, model.attention_chunk_size)
     if kind == "mamba":
-        return Mamba(block_size)
+        return Mamba(state_block_size or block_size)
     raise ValueError(f"{model.source}: layer kind {kind!r} has no KV plan")
 
 
-def group_layers(model: ModelConfig, block_size: int) -> tuple[tuple[KVGroup, ...], int]:
+def group_layers(
+    model: ModelConfig, block_size: int, state_block_size: int | None = None
+) -> tuple[tuple[KVGroup, ...], int]:
     """Split cache layers (`ModelConfig.cache_layers`: attention and Mamba mixers) into groups of
-    equal slot count (the smallest kind's layer count), full attention first."""
+    equal slot count (the smallest kind's layer count), full attention first. State groups use
+    `state_block_size` tokens per block (default `block_size`)."""
     by_spec: dict[KVSpec, list[int]] = defaultdict(list)
     for i, kind in model.cache_layers():
-        by_spec[layer_spec(model, kind, block_size)].append(i)
+        by_spec[layer_spec(model, kind, block_size, state_block_size)].append(i)
     slots = min(len(v) for v in by_spec.values())
     groups: list[KVGroup] = []
     ordered = sorted(by_spec.items(), key=lambda kv: not isinstance(kv[0], FullAttention))
@@ -142,9 +147,12 @@ def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> K
     attention_page = 2 * block_size_bytes(model, block_size, dtype) if kinds != {"mamba"} else 0
     state_page = state_page_bytes(model) if "mamba" in kinds else 0
     page_bytes = max(attention_page, state_page)
-    groups, slots = group_layers(model, block_size)
-    check_alignment([g.spec for g in groups])  # what the engine's coordinator will refuse
     max_model_len = sched.max_model_len or model.max_position_embeddings
+    # Without prefix caching a state group needs one page per request for its whole life, updated
+    # in place: one table position (architecture.md §Snapshots).
+    state_block = block_size if cache.enable_prefix_caching else max_model_len
+    groups, slots = group_layers(model, block_size, state_block)
+    check_alignment([g.spec for g in groups])  # what the engine's coordinator will refuse
     bytes_per_block = slots * page_bytes
     if cache.num_device_blocks is not None:
         device_blocks = cache.num_device_blocks

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         f"(slot padding {plan.padding_fraction:.1%})"
     )
     if plan.state_page_bytes:
-        _print_state(model, plan)
+        _print_state(model, plan, cache.enable_prefix_caching)
     for g in plan.groups:
         print(f"  group {g.spec!r}: layers {list(g.layer_indices)}")
     print(
@@ -104,15 +104,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_state(model: ModelConfig, plan: KVPlan) -> None:
+def _print_state(model: ModelConfig, plan: KVPlan, caching: bool) -> None:
     shape = model.mamba
     assert shape is not None
     print(
         f"Mamba state page: conv {shape.conv_dim}×{shape.conv_kernel - 1} + SSM "
         f"{shape.num_heads}×{shape.head_dim}×{shape.state_size} elements in {model.dtype} = "
-        f"{plan.state_page_bytes} B per Mamba layer; a state group holds one live page per "
-        f"request (prefix caching keeps snapshots at {plan.block_size}-token boundaries a step "
-        "ends on)"
+        f"{plan.state_page_bytes} B per Mamba layer; "
+        + (
+            f"a state group holds one live page per request (prefix caching keeps snapshots at "
+            f"{plan.block_size}-token boundaries a step ends on)"
+            if caching
+            else "without prefix caching a state group holds one page per request for its whole "
+            "life, updated in place"
+        )
     )
     if plan.block_size != plan.requested_block_size:
         print(

@@ -126,18 +126,13 @@ class SingleTypeManager(ABC):
             return
         table = self.req_to_blocks[req_id]
         self.pool.cache_full_blocks(
-            self.group_id,
-            self._cacheable(req_id, table),
-            block_hashes,
-            num_cached,
-            num_full,
-            self.block_size,
-            token_ids,
+            self.group_id, table, block_hashes, num_cached, num_full, self.block_size, token_ids
         )
         self.num_cached_block[req_id] = num_full
 
-    def _cacheable(self, req_id: ReqId, table: list[KVBlock]) -> Sequence[KVBlock]:
-        return table
+    def mark_snapshot(self, req_id: ReqId, num_tokens: int) -> None:  # noqa: B027
+        """The device holds exactly `num_tokens` of the request's tokens (a processed step's
+        end): nothing to record except for state groups."""
 
     def remove_skipped_blocks(
         self, req_id: ReqId, num_settled_tokens: int, last_step_seq: int | None
@@ -257,10 +252,14 @@ class ChunkedLocalManager(SingleTypeManager):
 
 class MambaManager(SingleTypeManager):
     """Only the state block of the last computed token is real; a block is a reusable snapshot
-    only if some step ended exactly at its end (otherwise it holds an earlier state)."""
+    only if the device's count after some processed step ended exactly at its end (otherwise it
+    holds an earlier or later state). Snapshots are marked on verified ends (`mark_snapshot`,
+    reported by the scheduler once a step is processed, drafts rolled back), never on scheduled
+    ones (architecture.md §Rollback)."""
 
     def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int) -> None:
         super().__init__(spec, pool, group_id)
+        # INVARIANT: positions marked as snapshots and not yet published (their hashes unknown).
         self._snapshots: dict[ReqId, set[int]] = {}
 
     def _num_real_of_new(self, num_new_positions: int) -> int:
@@ -272,24 +271,42 @@ class MambaManager(SingleTypeManager):
         table.extend([self.null_block] * (num_positions - 1))
         return super()._extend_real(table, 1)
 
-    def allocate_new_blocks(
-        self, req_id: ReqId, num_tokens: int, total_computed_tokens: int
-    ) -> list[KVBlock]:
-        new_blocks = super().allocate_new_blocks(req_id, num_tokens, total_computed_tokens)
-        if num_tokens % self.block_size == 0:  # this step ends on a block boundary: a snapshot
-            self._snapshots.setdefault(req_id, set()).add(num_tokens // self.block_size - 1)
-        return new_blocks
-
     def add_computed_blocks(
         self, req_id: ReqId, new_computed_blocks: Sequence[KVBlock], total_computed_tokens: int
     ) -> None:
         super().add_computed_blocks(req_id, new_computed_blocks, total_computed_tokens)
         self._snapshots[req_id] = set()
 
-    def _cacheable(self, req_id: ReqId, table: list[KVBlock]) -> Sequence[KVBlock]:
-        snaps = self._snapshots.get(req_id, set())
-        null = self.null_block
-        return [b if i in snaps else null for i, b in enumerate(table)]
+    def mark_snapshot(self, req_id: ReqId, num_tokens: int) -> None:
+        """The block ending at `num_tokens`, if any, holds the state after exactly that many
+        tokens: publish it with the next `cache_blocks` that knows its hash (mutates)."""
+        if num_tokens <= 0 or num_tokens % self.block_size:
+            return
+        pos = num_tokens // self.block_size - 1
+        table = self.req_to_blocks.get(req_id)
+        if table is None or pos >= len(table) or table[pos].is_null:
+            return
+        if table[pos].block_hash is None:
+            self._snapshots.setdefault(req_id, set()).add(pos)
+
+    def cache_blocks(
+        self,
+        req_id: ReqId,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Publish the marked snapshots among the request's first `num_tokens` tokens."""
+        pending = self._snapshots.get(req_id)
+        if not pending:
+            return
+        num_full = min(num_tokens // self.block_size, len(block_hashes))
+        table = self.req_to_blocks[req_id]
+        for pos in sorted(p for p in pending if p < num_full):
+            pending.discard(pos)
+            self.pool.cache_full_blocks(
+                self.group_id, table, block_hashes, pos, pos + 1, self.block_size, token_ids
+            )
 
     def free(self, req_id: ReqId, last_step_seq: int | None) -> None:
         self._snapshots.pop(req_id, None)

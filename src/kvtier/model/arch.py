@@ -56,7 +56,8 @@ def arch_spec(config: ModelConfig) -> ArchSpec:
     if config.mamba is not None:
         raise ValueError(
             f"{config.source}: {arch} is a Mamba2 hybrid; load it with "
-            "kvtier.model.hybrid_loader.load_hybrid (the engine does not serve hybrids yet)"
+            "kvtier.model.hybrid_loader.load_hybrid (kvtier.model.served.load_served loads either "
+            "kind, as the engine does)"
         )
     if arch not in SUPPORTED and not arch.startswith(SUPPORTED_PREFIXES):
         raise ValueError(

@@ -47,11 +47,12 @@ class AttentionMetadata:
         cls,
         num_computed_tokens: Sequence[int],
         num_scheduled_tokens: Sequence[int],
-        block_ids: Sequence[Sequence[Sequence[int]]],
+        block_ids: Sequence[Sequence[Sequence[int]] | None],
         block_size: int,
     ) -> AttentionMetadata:
         """From per-sequence counts and `block_ids[group][seq]` (block id per table position;
-        0 = null block for positions a window no longer reads)."""
+        0 = null block for positions a window no longer reads). A group given as None holds no
+        attention (a Mamba state group): an empty table, and no slot is written."""
         loc = [0]
         for n in num_scheduled_tokens:
             loc.append(loc[-1] + n)
@@ -64,6 +65,10 @@ class AttentionMetadata:
         p = torch.tensor(list(num_computed_tokens), dtype=torch.int64)[seq] + offset  # positions
         tables, slots = [], []
         for group in block_ids:
+            if group is None:
+                tables.append(torch.zeros(len(seq_lens), 0, dtype=torch.int64))
+                slots.append(torch.full((loc[-1],), -1, dtype=torch.int64))
+                continue
             width = max([len(ids) for ids in group] + [1])
             padded = [list(ids) + [0] * (width - len(ids)) for ids in group]
             table = torch.tensor(padded, dtype=torch.int64).reshape(len(group), width)

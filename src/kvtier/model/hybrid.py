@@ -130,7 +130,11 @@ class HybridLM(nn.Module):
             for s, i in enumerate(group.layer_indices):
                 (self.state_group if is_state else self.attention_group)[i] = g
                 self.slots[(i, is_state)] = s
-        self.group_kinds = {g: LayerKind() for g in set(self.attention_group.values())}
+        window = config.sliding_window  # attention groups: causal, or a sliding window
+        self.group_kinds = {
+            g: LayerKind(window=window if config.layer_kinds[i] == "sliding" else None)
+            for i, g in self.attention_group.items()
+        }
         ropes = set(spec.attention.layer_ropes)
         assert len(ropes) <= 1, "hybrids here use one rotary embedding for every layer"
         self.use_rope = bool(ropes)
@@ -167,6 +171,27 @@ class HybridLM(nn.Module):
             for _ in range(1 + max(self._slots(True), default=-1))
         ]
         return {i: pool[self.slots[(i, True)]] for i in self.state_group}
+
+    def state_views(self, slot: torch.Tensor) -> MambaCache:
+        """A Mamba layer's view of one flat pool slot [num_blocks, page elements] of the model's
+        dtype: each page starts with the conv state [conv_dim, K − 1], then the SSM state
+        [heads, head_dim, N] (architecture.md §Pages); rows stride one page, nothing is copied."""
+        s = self.config.mamba
+        assert s is not None
+        dtype = self.model.embed_tokens.weight.dtype
+        if slot.dtype != dtype or slot.dim() != 2:
+            raise ValueError(
+                f"a Mamba layer's pool slot must be [num_blocks, page elements] of {dtype} (the "
+                f"model's dtype), got {tuple(slot.shape)} of {slot.dtype}; use the model's dtype "
+                "for the KV cache"
+            )
+        c, n = s.conv_state_elems, s.ssm_state_elems
+        if slot.shape[1] < c + n:
+            raise ValueError(f"a page of {slot.shape[1]} elements cannot hold a state of {c + n}")
+        nb = slot.shape[0]
+        conv = slot[:, :c].view(nb, s.conv_dim, s.conv_kernel - 1)
+        ssm = slot[:, c : c + n].view(nb, s.num_heads, s.head_dim, s.state_size)
+        return MambaCache(conv, ssm)
 
     def _slots(self, is_state: bool) -> list[int]:
         return [s for (_, state), s in self.slots.items() if state == is_state]

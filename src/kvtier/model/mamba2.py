@@ -78,13 +78,14 @@ class StateMetadata:
         num_computed_tokens: Sequence[int],
         num_scheduled_tokens: Sequence[int],
         block_ids: Mapping[int, Sequence[Sequence[int]]],
-        block_size: int,
+        block_size: int | Mapping[int, int],
         token_slots: Mapping[int, Mapping[int, Sequence[int]]] | None = None,
     ) -> StateMetadata:
         """From the block tables of the Mamba groups (`block_ids[group][seq]`): the state after n
-        tokens is at table position (n - 1) // block_size. A sequence with no tokens before
-        starts from zeros (its src is never read). `token_slots[group][seq]` (one slot per
-        scheduled token) sends that sequence's state after each token there instead."""
+        tokens is at table position (n - 1) // block_size (one size, or one per group). A
+        sequence with no tokens before starts from zeros (its src is never read).
+        `token_slots[group][seq]` (one slot per scheduled token) sends that sequence's state
+        after each token there instead."""
         loc = [0]
         for n in num_scheduled_tokens:
             loc.append(loc[-1] + n)
@@ -92,11 +93,12 @@ class StateMetadata:
         src: dict[int, tuple[int, ...]] = {}
         dst: dict[int, tuple[int, ...]] = {}
         for group, tables in block_ids.items():
+            bs = block_size if isinstance(block_size, int) else block_size[group]
             dst[group] = tuple(
-                t[(e - 1) // block_size] if e else 0 for t, e in zip(tables, ends, strict=True)
+                t[(e - 1) // bs] if e else 0 for t, e in zip(tables, ends, strict=True)
             )
             src[group] = tuple(
-                t[(c - 1) // block_size] if c else d
+                t[(c - 1) // bs] if c else d
                 for t, c, d in zip(tables, num_computed_tokens, dst[group], strict=True)
             )
         per_token = {

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kvtier.kv.coordinator import KVCacheCoordinator
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.specs import FullAttention, KVSpec, Mamba
+from kvtier.kv.specs import FullAttention, KVSpec
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.types import HostTierMetrics
 
@@ -34,8 +34,6 @@ class HostContext:
         self.bytes_per_block = list(bytes_per_block)
         self.world_size = world_size  # a transfer completes when every worker reported it
         self.chained = [isinstance(s, FullAttention) for s in self.specs]
-        # Mamba state blocks have no external-load destination in the device table yet.
-        self.enabled = not any(isinstance(s, Mamba) for s in self.specs)
         self.metrics = HostTierMetrics()
         self._last_transfer_id = 0
 

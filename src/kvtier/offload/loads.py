@@ -87,7 +87,7 @@ class LoadPlanner:
         if max_external_tokens is not None:
             max_len = min(max_len, num_device_hit_tokens + max_external_tokens)
         self._last_lookup.pop(rid, None)
-        if not self.ctx.enabled or max_len <= num_device_hit_tokens:
+        if max_len <= num_device_hit_tokens:
             return TierLookup(0)
         num_query = max_len - num_device_hit_tokens
         self._last_lookup[rid] = (num_query, 0)

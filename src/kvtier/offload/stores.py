@@ -81,8 +81,6 @@ class StorePlanner:
 
     def plan(self, requests: Iterable[Request]) -> list[Transfer]:
         out: list[Transfer] = []
-        if not self.ctx.enabled:
-            return out
         out += self._plan_restores()  # losses of earlier steps first: heads before new tails
         if self.store_mode == "lazy":
             out += self._plan_lazy()
@@ -96,14 +94,14 @@ class StorePlanner:
     def plan_before_prune(self, request: Request) -> list[Transfer]:
         """Eager mode: stores of the request's settled, unstored blocks now, before its windows
         drop them from the device table (lazy mode stores them near the device LRU head)."""
-        if not self.ctx.enabled or self.store_mode == "lazy":
+        if self.store_mode == "lazy":
             return []
         st = self._state(request)
         return [] if st.finished else self._plan_request(st)
 
     def flush(self, request: Request, finished: bool) -> list[Transfer]:
         st = self._states.get(request.request_id)
-        if st is None or not self.ctx.enabled or self.store_mode == "lazy":
+        if st is None or self.store_mode == "lazy":
             return []
         out = [] if st.finished else self._plan_request(st)
         st.lost.clear()  # the device copies are about to be released

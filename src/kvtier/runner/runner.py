@@ -21,8 +21,10 @@ import torch
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.mamba2 import StateMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
-from kvtier.model.transformer import CausalLM
+from kvtier.model.served import ServedModel
+from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.logprobs import LogprobRows
 from kvtier.runner.state import DeviceRequest, DeviceState
 from kvtier.runner.transfers import TransferEngine
@@ -61,15 +63,27 @@ class StepHandle:
         return list(self.output.num_scheduled_tokens)
 
 
+STATE_PAGES_KEPT = 1 << 16  # steps whose declared state pages `ModelRunner.state_pages` keeps
+
+
 class ModelRunner:
-    """Executes steps of a `CausalLM` through a `Device` (KV in the device tier's layer slots)."""
+    """Executes steps of a model (`ServedModel`: a plain decoder or a Mamba2 hybrid) through a
+    `Device` (KV and states in the device tier's layer slots).
+
+    `group_block_sizes`: tokens per block of each KV group (default `block_size` for all; a
+    state group without prefix caching has one page per request, architecture.md §Snapshots).
+    `num_kv_blocks`: the device pool's blocks the KV manager owns (default all); a hybrid with
+    drafts keeps its draft pages in the rows after them (`DraftStates.num_pages`).
+    """
 
     def __init__(
         self,
-        model: CausalLM,
+        model: ServedModel,
         device: Device,
         *,
         block_size: int,
+        group_block_sizes: Sequence[int] | None = None,
+        num_kv_blocks: int | None = None,
         max_num_seqs: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
@@ -83,15 +97,38 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
-        pool = device.kv("device")
-        self.kv_caches = [pool[s] for s in model.layer_slots()]
+        self.pool = device.kv("device")  # flat page slots
+        self.caches = model.bind(self.pool, block_size)  # each layer's view of its slot
         self.num_groups = len(model.kv_groups)
+        self.group_block_sizes = list(group_block_sizes or [block_size] * self.num_groups)
+        if len(self.group_block_sizes) != self.num_groups:
+            raise ValueError(
+                f"group_block_sizes has {len(self.group_block_sizes)} sizes for "
+                f"{self.num_groups} KV groups; give one per group"
+            )
+        self.state_groups = model.state_groups
+        first = device.num_blocks("device") if num_kv_blocks is None else num_kv_blocks
+        self.drafts = DraftStates(
+            first, num_speculative_tokens, self.state_groups, self.group_block_sizes, max_num_seqs
+        )
+        if self.drafts.enabled:
+            need = first + DraftStates.num_pages(
+                len(self.state_groups), num_speculative_tokens, max_num_seqs
+            )
+            if device.num_blocks("device") < need:
+                raise ValueError(
+                    f"the device pool has {device.num_blocks('device')} blocks; a hybrid with "
+                    f"{num_speculative_tokens} speculative tokens needs {need} (the KV "
+                    "manager's and the draft pages, DraftStates.num_pages)"
+                )
         self.torch_device = device.torch_device
         # device side, touched only inside ops; one spare row: see DeviceState.apply_diffs
         self.state = DeviceState(
             max_num_seqs + 1, max_model_len, self.torch_device, num_speculative_tokens > 0
         )
         self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
+        # per recent step: the state pages its forward declares (hazard attribution, §State)
+        self._state_pages: dict[int, frozenset[int]] = {}
         self.eos_token_ids = tuple(eos_token_ids)
         self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
@@ -179,36 +216,62 @@ class ModelRunner:
     def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
         """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
         tables = self._tables
+        sizes = self.group_block_sizes
         for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
             tables.pop(req_id, None)
         fresh: list[int] = []
-        starts: dict[str, int] = {}
-        ends: dict[str, int] = {}  # the scheduler's start of each request's step
+        lowest: dict[str, int] = {}  # the lowest start the device may have (rejected drafts)
+        starts: dict[str, int] = {}  # the scheduler's (optimistic) start of each request's step
         for new in output.scheduled_new_reqs:
             tables[new.req_id] = [list(ids) for ids in new.block_ids]
-            starts[new.req_id] = ends[new.req_id] = new.num_computed_tokens
-            fresh += _new_ids(new.block_ids, new.num_computed_tokens, self.block_size)
+            lowest[new.req_id] = starts[new.req_id] = new.num_computed_tokens
+            fresh += _new_ids(new.block_ids, new.num_computed_tokens, sizes)
         for cached in output.scheduled_cached_reqs:
             for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
                 table.extend(ids)
                 fresh += [b for b in ids if b]
             # drafts of earlier steps may still be rejected: it may start as low as this
-            starts[cached.req_id] = cached.lowest_start
-            ends[cached.req_id] = cached.num_computed_tokens
+            lowest[cached.req_id] = cached.lowest_start
+            starts[cached.req_id] = cached.num_computed_tokens
         if fresh:
             self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
-        bs = self.block_size
+        state: set[int] = set()
         kinds = self.model.group_kinds
         for req_id, n in output.num_scheduled_tokens.items():
-            lo = starts[req_id]
-            hi = ends[req_id] + n  # the scheduler's end; the device's is never later
-            for kind, table in zip(kinds, tables[req_id], strict=True):
+            lo, start = lowest[req_id], starts[req_id]
+            hi = start + n  # the scheduler's end; the device's is never later
+            for kind, table, bs in zip(kinds, tables[req_id], sizes, strict=True):
+                if kind is None:  # a state group: the page of the start count, then of the end
+                    if start:
+                        first, last = (max(lo, 1) - 1) // bs, (start - 1) // bs
+                        read = [b for b in table[first : last + 1] if b]
+                        reads.update(read)
+                        state.update(read)
+                    pages = [b for b in table[lo // bs : (hi - 1) // bs + 1] if b]
+                    writes.update(pages)
+                    state.update(pages)
+                    continue
                 # What attention gathers: from the window (or chunk) start of the first query.
                 reads.update(b for b in table[kind.kv_start(lo) // bs : -(-hi // bs)] if b)
                 writes.update(b for b in table[lo // bs : -(-hi // bs)] if b)
+        if self.drafts.enabled:  # the states after drafted tokens (architecture.md §Rollback)
+            drafting = [
+                r for r in output.num_scheduled_tokens if output.scheduled_spec_decode_tokens.get(r)
+            ]
+            state.update(self.drafts.all_pages(len(drafting)))
+            writes.update(self.drafts.all_pages(len(drafting)))
+        if state:
+            self._state_pages[output.step_seq] = frozenset(state)
+            if len(self._state_pages) > STATE_PAGES_KEPT:
+                del self._state_pages[next(iter(self._state_pages))]
         return reads, writes
+
+    def state_pages(self, step_seq: int) -> frozenset[int]:
+        """The state (Mamba) pages the forward of step `step_seq` declared, for one of the last
+        `STATE_PAGES_KEPT` steps (empty otherwise): which hazards touch state pages."""
+        return self._state_pages.get(step_seq, frozenset())
 
     # ---- device side (runs inside the forward op) ---------------------------------------------
 
@@ -245,20 +308,44 @@ class ModelRunner:
             return
         if draft_ids:
             state.tokens.index_put_(self._index(draft_rows, draft_pos), self._index(draft_ids)[0])
-        meta = AttentionMetadata.build(
-            [p.start for p in plan],
-            [p.num_real + len(p.drafts) for p in plan],
-            [[p.state.tables[g] for p in plan] for g in range(self.num_groups)],
-            self.block_size,
-        )
+        starts = [p.start for p in plan]
+        counts = [p.num_real + len(p.drafts) for p in plan]
+        tables = [[p.state.tables[g] for p in plan] for g in range(self.num_groups)]
+        attention_tables = [None if g in self.state_groups else t for g, t in enumerate(tables)]
+        meta = AttentionMetadata.build(starts, counts, attention_tables, self.block_size)
+        state_meta = None
+        drafting = [i for i, p in enumerate(plan) if p.drafts] if self.drafts.enabled else []
+        if self.state_groups:  # each sequence's state page by the device's own start
+            sizes = {g: self.group_block_sizes[g] for g in self.state_groups}
+            state_tables = {g: tables[g] for g in self.state_groups}
+            token_slots: dict[int, dict[int, list[int]]] = {g: {} for g in self.state_groups}
+            for q, i in enumerate(drafting):  # drafts: the state after each token
+                p = plan[i]
+                got = self.drafts.token_slots(q, p.start, p.num_real, len(p.drafts), p.state.tables)
+                for g, slots in got.items():
+                    token_slots[g][i] = slots
+            state_meta = StateMetadata.build(starts, counts, state_tables, sizes, token_slots)
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
         positions = meta.query_positions().to(self.torch_device, non_blocking=True)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
         sampled_rows = self._sample(plan, meta, hidden, results)
+        if drafting:
+            self._land_draft_states(plan, drafting)
         # queued copies to host memory; the host reads them once the step's event completed
         results.sampled = None if sampled_rows is None else sampled_rows.to_host()
         results.prompt = None if prompt_rows is None else prompt_rows.to_host()
+
+    def _land_draft_states(self, plan: list[_Planned], drafting: list[int]) -> None:
+        """After the drafts are accepted: each state page of the device's new count holds the
+        state after exactly that many tokens (architecture.md §Rollback)."""
+        landings = []
+        for q, i in enumerate(drafting):
+            p = plan[i]
+            last = p.state.position - p.start - 1  # token index of the last accepted token
+            if last < p.num_real + len(p.drafts) - 1:  # some rejected
+                landings.append((q, p.start, max(p.num_real - 1, 0), last, p.state.tables))
+        self.drafts.land(self.pool, landings, self.torch_device)
 
     def _index(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """Host-built int64 index tensors on the device (no wait: the host knows them)."""
@@ -417,6 +504,10 @@ def _banned_before_min_tokens(
     return rows, cols
 
 
-def _new_ids(block_ids: tuple[list[int], ...], num_computed: int, bs: int) -> list[int]:
+def _new_ids(
+    block_ids: tuple[list[int], ...], num_computed: int, sizes: Sequence[int]
+) -> list[int]:
     """Blocks a new request's step will write (prefix hits before num_computed are shared)."""
-    return [b for ids in block_ids for b in ids[num_computed // bs :] if b]
+    return [
+        b for ids, bs in zip(block_ids, sizes, strict=True) for b in ids[num_computed // bs :] if b
+    ]

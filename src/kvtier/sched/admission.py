@@ -76,6 +76,7 @@ class Admission:
             n = min(request.num_tokens - num_hit, step.budget)
             if 0 < self.long_prefill_token_threshold < n:
                 n = self.long_prefill_token_threshold
+            n = self.lifetimes.align_chunk(num_hit, n)
             allocated = (
                 kv.allocate_slots(request, n)
                 if loaded
@@ -122,7 +123,7 @@ class Admission:
             request = requests.get(req_id)
             if request is not None:
                 request.status = RequestStatus.WAITING  # admissible from the loaded boundary
-                self.kv.cache_blocks(request, request.num_computed_tokens)
+                self.kv.cache_verified(request, request.num_computed_tokens)
         for tid in result.failed_transfers:
             failure = tier.fail(tid)
             if failure is None or failure.req_id not in requests:
@@ -134,7 +135,7 @@ class Admission:
             if failure.must_reallocate:  # a window table cannot roll back in place: start over
                 self.lifetimes.free(request)
             else:
-                self.kv.cache_blocks(request, failure.num_good_tokens)
+                self.kv.cache_verified(request, failure.num_good_tokens)
 
     def _release_loaded_behind(
         self, head: Request, waiting: RequestQueue, running: list[Request]

@@ -37,8 +37,11 @@ class SettledLifetimes:
         self.specs = list(kv.specs)
         self.has_windows = not all(isinstance(s, FullAttention) for s in self.specs)
         self.block_sizes = [s.block_size for s in self.specs]
-        # Mamba groups record a prefix-cache snapshot when a step ends on their block boundary.
-        self.snapshot_sizes = [s.block_size for s in self.specs if isinstance(s, Mamba)]
+        # With prefix caching, Mamba groups record a snapshot when a processed step ends on
+        # their block boundary (architecture.md §Snapshots, §Rollback).
+        self.snapshot_sizes = (
+            [s.block_size for s in self.specs if isinstance(s, Mamba)] if kv.enable_caching else []
+        )
         self.cache_unit = kv.hasher.block_size  # every group caches whole multiples of it
 
     def basis(self, request: Request, processed_step_seq: int) -> tuple[int, int]:
@@ -81,12 +84,29 @@ class SettledLifetimes:
             request.cached_basis = num_tokens
             self.kv.cache_blocks(request, num_tokens)
 
+    def verified(self, request: Request) -> None:
+        """A step of the request's current incarnation was processed: its settled count is
+        now exactly what the device holds. A state group whose block ends there keeps it as a
+        prefix-cache snapshot (`KVCacheManager.cache_verified`; call after the step's tokens
+        are delivered, so the block's hash is known)."""
+        settled = request.num_settled_tokens
+        if any(settled % bs == 0 for bs in self.snapshot_sizes):
+            self.kv.cache_verified(request, settled)
+
+    def align_chunk(self, start: int, num_new_tokens: int) -> int:
+        """Tokens of a prefill chunk from `start`: cut at the last state-block boundary inside
+        it, so that every chunk of a prompt leaves a snapshot a prefix hit can restore
+        (architecture.md §Snapshots); unchanged when it holds no boundary (no side effects)."""
+        for bs in self.snapshot_sizes:
+            end = (start + num_new_tokens) // bs * bs
+            if end > start:
+                num_new_tokens = end - start
+        return num_new_tokens
+
     def needs_allocation(self, request: Request, end: int) -> bool:
-        """True unless the tables already cover positions < `end` and no group has anything to
-        record for a step ending there (then `allocate_slots` would change nothing)."""
-        if end > request.num_slot_tokens:
-            return True
-        return any(end % bs == 0 for bs in self.snapshot_sizes)
+        """True unless the tables already cover positions < `end` (then `allocate_slots` would
+        change nothing)."""
+        return end > request.num_slot_tokens
 
     def num_slot_tokens(self, num_tokens: int) -> int:
         """Positions covered once every group's table holds `num_tokens` (whole blocks)."""

@@ -254,8 +254,10 @@ class Scheduler:
             num_new += len(drafts)
             target += len(drafts)
         num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
-        if not drafts and 0 < self.long_prefill_token_threshold < num_new:
-            num_new = self.long_prefill_token_threshold
+        if not drafts:
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            num_new = self.lifetimes.align_chunk(request.num_computed_tokens, num_new)
         return num_new, drafts, request.num_computed_tokens + num_new == target
 
     def _allocate_or_preempt(self, request: Request, n: int, step: StepBuild) -> BlockIds | None:
@@ -311,8 +313,9 @@ class Scheduler:
         """Process step `output.step_seq` (mutates). Steps must be processed in schedule order.
 
         Consumes each scheduled request's ledger record, rolls back rejected drafts, delivers
-        tokens (stale ones too, without touching the new incarnation), caches full blocks, prunes
-        windows on the settled count, finishes requests and releases the quarantine.
+        tokens (stale ones too, without touching the new incarnation), marks state snapshots on
+        the step's verified end, caches full blocks, prunes windows on the settled count,
+        finishes requests and releases the quarantine.
         Returns the requests that gained tokens or finished.
         """
         seq = output.step_seq
@@ -351,6 +354,8 @@ class Scheduler:
                     request.num_computed_tokens -= record.num_draft_tokens - (len(tokens) - 1)
                 reason, delivered = request.deliver(tokens, self.max_model_len)
                 outputs.append(RequestUpdate(req_id, delivered, reason))
+                if not record.stale:
+                    self.lifetimes.verified(request)
                 if reason is not None:
                     num_finished += status is running_status
                     self._finish(request, reason)
@@ -359,6 +364,8 @@ class Scheduler:
                 raise ValueError(
                     f"step {seq}: {req_id} ran a prefill chunk but got tokens {tokens}"
                 )
+            elif not record.stale:
+                self.lifetimes.verified(request)
             if status is running_status:
                 self.lifetimes.cache(request)
                 self._prune(request, seq)  # return blocks once the step settles

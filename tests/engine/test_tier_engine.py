@@ -445,3 +445,28 @@ def test_bad_tier_flags_name_the_flag_and_the_fix(kwargs: dict[str, Any], names:
 def test_a_bad_redis_url_is_refused_when_the_engine_starts(llama: Path) -> None:
     with pytest.raises(ValueError, match="--kv-remote-url"):
         LLM(str(llama), **BASE, **SMALL, kv_remote_url="redis://127.0.0.1:notaport/0")
+
+
+def test_a_hybrid_restores_its_state_and_attention_from_disk(tmp_path: Path) -> None:
+    """State groups on the lower tiers: a restarted engine loads a Falcon-H1's Mamba snapshot and
+    its attention blocks from disk, to one boundary, and continues with the same tokens."""
+    falcon = write_tiny_model(tmp_path / "falcon-h1", "falcon_h1")
+    ref = LLM(str(falcon), **BASE, num_device_blocks=400)
+    try:
+        reference = rounds(ref, 1)
+    finally:
+        ref.engine.close()
+    folder = str(tmp_path / "disk")
+    first = LLM(str(falcon), **BASE, **SMALL, kv_disk_path=folder)
+    try:
+        assert rounds(first, 1) == reference
+    finally:
+        first.engine.close()
+    second = LLM(str(falcon), **BASE, **SMALL, kv_disk_path=folder)
+    try:
+        assert rounds(second, 1) == reference
+        stats = assert_clean(second)
+        disk = tier(stats, "disk")
+        assert disk.metrics.num_hit_tokens > 0 and disk.metrics.num_promoted_blocks > 0
+    finally:
+        second.engine.close()

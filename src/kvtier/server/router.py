@@ -171,13 +171,13 @@ class Router:
             try:
                 resp = await self.client.send(req, stream=True)
             except httpx.TransportError as exc:
-                self._leave(replica)
+                self.leave(replica)
                 self._failed(replica, type(exc).__name__, down=True)
                 continue
             if resp.status_code >= 500 or resp.status_code == 429:
                 content = await resp.aread()
                 await resp.aclose()
-                self._leave(replica)
+                self.leave(replica)
                 self._failed(replica, str(resp.status_code), down=False)
                 last = Response(content, resp.status_code, self._headers(resp, replica))
                 continue
@@ -186,7 +186,7 @@ class Router:
                 first = await anext(chunks, b"")
             except httpx.TransportError as exc:
                 await resp.aclose()
-                self._leave(replica)
+                self.leave(replica)
                 self._failed(replica, type(exc).__name__, down=True)
                 continue
             self.metrics.requests.labels(replica, str(resp.status_code)).inc()
@@ -239,7 +239,8 @@ class Router:
         self.in_flight[replica] += 1
         self.metrics.in_flight.labels(replica).set(self.in_flight[replica])
 
-    def _leave(self, replica: str) -> None:
+    def leave(self, replica: str) -> None:
+        """One request on `replica` is done (mutates its in-flight count and gauge)."""
         self.in_flight[replica] -= 1
         self.metrics.in_flight.labels(replica).set(self.in_flight[replica])
 
@@ -261,7 +262,7 @@ class _Done:
         if not self.closed:
             self.closed = True
             await self.resp.aclose()
-            self.router._leave(self.replica)
+            self.router.leave(self.replica)
 
 
 def build_router_app(cfg: RouterConfig) -> FastAPI:

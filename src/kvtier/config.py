@@ -32,6 +32,7 @@ DTYPE_BYTES = {
 KV_DTYPES = ("float64", "float32", "bfloat16", "float16", "fp8")  # a model's or KV cache's dtype
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
+MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
@@ -443,7 +444,7 @@ class SchedulerConfig:
             raise ValueError("--max-num-batched-tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
-        if not 1 <= self.async_depth <= 3:
+        if not 1 <= self.async_depth <= MAX_ASYNC_DEPTH:
             raise ValueError(f"--async-depth must be 1, 2 or 3, got {self.async_depth}")
 
     @property

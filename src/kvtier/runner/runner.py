@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import MAX_ASYNC_DEPTH
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
 from kvtier.model.attention import AttentionMetadata
@@ -87,7 +88,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
-        max_async_depth: int = 3,
+        max_async_depth: int = MAX_ASYNC_DEPTH,
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         order_copies_after_compute: bool = True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvtier.config import MAX_ASYNC_DEPTH
 from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sched.admission import Admission
@@ -27,8 +28,6 @@ from kvtier.sched.step_build import StepBuild
 if TYPE_CHECKING:
     from kvtier.config import SchedulerConfig
     from kvtier.sched.connector import KVTier
-
-MAX_ASYNC_DEPTH = 3
 
 
 class Scheduler:

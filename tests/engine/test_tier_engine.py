@@ -90,6 +90,16 @@ def assert_clean(llm: LLM) -> EngineStats:
     return stats
 
 
+def fill_tier(model: Path, expected: list[list[list[int]]], **tier: Any) -> None:
+    """Run one round through an engine with `tier` (its tokens must be `expected`), then close it:
+    closing flushes its disk and Redis writes and unlocks a disk folder."""
+    first = LLM(str(model), **BASE, **SMALL, **tier)
+    try:
+        assert rounds(first, 1) == expected
+    finally:
+        first.engine.close()
+
+
 def tier(stats: EngineStats, name: str) -> TierStats:
     t = stats.tier(name)
     assert t is not None
@@ -177,11 +187,7 @@ def test_disk_then_remote_promotes_remote_hits_to_disk(
 ) -> None:
     """A second engine with an empty disk and the first one's Redis: its hits come from the
     remote tier, and what it read there is written to its disk too (promotion)."""
-    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
-    try:
-        assert rounds(first, 1) == reference[:1]
-    finally:
-        first.engine.close()
+    fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
         str(llama),
         **BASE,
@@ -286,11 +292,7 @@ def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
     """While the only request waits for a hung Redis, the engine waits for the I/O instead of
     stepping empty forwards (each one modelled device time on the sim, a wasted forward on a
     real device): the run takes the steps its tokens need."""
-    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
-    try:
-        assert rounds(first, 1) == reference[:1]
-    finally:
-        first.engine.close()
+    fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
         str(llama), **(BASE | {"kv_tier_timeout_s": 0.2}), **SMALL, kv_remote_url=redis_server.url
     )
@@ -315,11 +317,7 @@ def test_a_step_never_blocks_on_a_lower_tier_read(
     read as a miss): `step()` returns at once with nothing to do (the caller — the server's loop —
     stays free to take new requests), a request that needs no read runs meanwhile, and the
     waiting one finishes with the same tokens."""
-    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
-    try:
-        assert rounds(first, 1) == reference[:1]
-    finally:
-        first.engine.close()
+    fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
         str(llama), **(BASE | {"kv_tier_timeout_s": 60}), **SMALL, kv_remote_url=redis_server.url
     )
@@ -349,11 +347,7 @@ def test_a_request_aborted_while_its_read_is_in_flight_leaks_nothing(
 ) -> None:
     """Aborted while it waits for Redis: its read still lands and is staged for whoever asks
     next; pools and pins end empty and the next request runs with the same tokens."""
-    first = LLM(str(llama), **BASE, **SMALL, kv_remote_url=redis_server.url)
-    try:
-        assert rounds(first, 1) == reference[:1]
-    finally:
-        first.engine.close()
+    fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
         str(llama), **(BASE | {"kv_tier_timeout_s": 60}), **SMALL, kv_remote_url=redis_server.url
     )
@@ -411,11 +405,7 @@ def test_a_restarted_engine_finds_its_blocks_on_disk(
     llama: Path, reference: list[list[list[int]]], tmp_path: Path
 ) -> None:
     folder = str(tmp_path / "disk")
-    first = LLM(str(llama), **BASE, **SMALL, kv_disk_path=folder)
-    try:
-        assert rounds(first, 1) == reference[:1]
-    finally:
-        first.engine.close()  # flushes and unlocks the folder
+    fill_tier(llama, reference[:1], kv_disk_path=folder)
     second = LLM(str(llama), **BASE, **SMALL, kv_disk_path=folder)
     try:
         out = second.generate([{"prompt_token_ids": prompts()[0]}], GREEDY, use_tqdm=False)
@@ -471,11 +461,7 @@ def test_a_hybrid_restores_its_state_and_attention_from_disk(tmp_path: Path) -> 
     finally:
         ref.engine.close()
     folder = str(tmp_path / "disk")
-    first = LLM(str(falcon), **BASE, **SMALL, kv_disk_path=folder)
-    try:
-        assert rounds(first, 1) == reference
-    finally:
-        first.engine.close()
+    fill_tier(falcon, reference, kv_disk_path=folder)
     second = LLM(str(falcon), **BASE, **SMALL, kv_disk_path=folder)
     try:
         assert rounds(second, 1) == reference

@@ -16,6 +16,7 @@ from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferF
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.types import Transfer
+from tests.engine.workloads import check_clean, rounds
 from tests.model.reference import hf_logits, hf_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -108,21 +109,6 @@ def test_the_reference_run_is_transformers_greedy(arch: str, models: dict[str, P
         assert list(got) == tokens[len(prompt) :]
 
 
-def rounds(llm: LLM, n: int) -> list[list[tuple[int, ...]]]:
-    batch = [{"prompt_token_ids": p} for p in prompts()]
-    return [
-        [tuple(o.outputs[0].token_ids) for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-        for _ in range(n)
-    ]
-
-
-def check_clean(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.stats().num_hazards == 0
-    engine.check_integrity()
-    assert engine.stats().is_idle
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
@@ -141,7 +127,7 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     # later rounds restore the shared prefix from state snapshots (prefix caching on), from the
     # host tier too when it is on
     n = 3 if host else 2
-    assert rounds(llm, n) == [list(alone(folder))] * n
+    assert rounds(llm, prompts(), GREEDY, n) == [list(alone(folder))] * n
     check_clean(llm)
     stats = llm.engine.stats()
     if "num_device_blocks" in config and not host:
@@ -191,7 +177,7 @@ def test_the_host_tier_loads_each_state_snapshot_with_its_attention_blocks(
     config = {**SMALL, **CHECKED, **HOST, "num_device_blocks": HOST_BLOCKS[arch], "device": "sim"}
     llm = LLM(str(models[arch]), **config)
     llm.engine.set_transfer_faults(FAULTS[fault])
-    assert rounds(llm, 3) == [list(alone(models[arch]))] * 3
+    assert rounds(llm, prompts(), GREEDY, 3) == [list(alone(models[arch]))] * 3
     check_clean(llm)
     state_groups = llm.engine.runner.state_groups
     assert loads and state_groups
@@ -223,7 +209,7 @@ def test_window_full_and_state_groups_together(mode: str, models: dict[str, Path
     llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": "sim", **config})
     kinds = {type(spec).__name__ for spec in llm.engine.plan.specs}
     assert kinds == {"FullAttention", "SlidingWindow", "Mamba"}
-    assert rounds(llm, 2) == [list(alone(folder))] * 2
+    assert rounds(llm, prompts(), GREEDY, 2) == [list(alone(folder))] * 2
     check_clean(llm)
 
 
@@ -296,7 +282,7 @@ def test_state_snapshots_come_back_from_the_disk_tier(
     disk = {"kv_disk_path": str(tmp_path), "kv_tier_timeout_s": 30.0}  # hits, not deadline races
     llm = LLM(str(folder), **SMALL, **CHECKED, **tiers, **disk, device="sim")
     try:
-        assert rounds(llm, 3) == [list(alone(folder))] * 3
+        assert rounds(llm, prompts(), GREEDY, 3) == [list(alone(folder))] * 3
         check_clean(llm)
         got = llm.engine.stats().tier("disk")
         assert got is not None and got.metrics.num_promoted_blocks > 0

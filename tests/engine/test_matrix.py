@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferFaults
 from kvtier.model.testing import write_tiny_model
-from tests.engine.workloads import mixed_prompts
+from tests.engine.workloads import check_clean, mixed_prompts, rounds
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 64}
@@ -65,21 +65,6 @@ def alone(model: Path) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def rounds(llm: LLM, n: int) -> list[list[tuple[int, ...]]]:
-    batch = [{"prompt_token_ids": p} for p in mixed_prompts()]
-    return [
-        [tuple(o.outputs[0].token_ids) for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-        for _ in range(n)
-    ]
-
-
-def check_clean(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.stats().num_hazards == 0
-    engine.check_integrity()
-    assert engine.stats().is_idle
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_gives_each_prompt_its_tokens_alone(
@@ -88,7 +73,7 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     config = MODES[mode]
     llm = LLM(str(gemma3), **{**SMALL, **CHECKED, "device": device, **config})
     n = 3 if "num_host_blocks" in config else 1  # later rounds load prefixes back from the host
-    assert rounds(llm, n) == [list(alone(gemma3))] * n
+    assert rounds(llm, mixed_prompts(), GREEDY, n) == [list(alone(gemma3))] * n
     check_clean(llm)
     stats = llm.engine.stats()
     if "num_device_blocks" in config and "num_host_blocks" not in config:
@@ -104,7 +89,7 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
 def test_failing_and_slow_copies_change_no_token(fault: str, device: str, gemma3: Path) -> None:
     llm = LLM(str(gemma3), **{**SMALL, **CHECKED, **HOST, "device": device})
     llm.engine.set_transfer_faults(FAULTS[fault])
-    assert rounds(llm, 3) == [list(alone(gemma3))] * 3
+    assert rounds(llm, mixed_prompts(), GREEDY, 3) == [list(alone(gemma3))] * 3
     check_clean(llm)
 
 

@@ -31,8 +31,9 @@ BASE: dict[str, Any] = {
     "poison": True,
     "check_integrity": True,
     # reads past their deadline recompute (same tokens, no lower-tier hit); the timeout tests set
-    # their own. Assertions on a tier's use read promoted blocks, not num_hit_tokens: which
-    # request a shared read is credited to depends on I/O timing (architecture.md §Noticed)
+    # their own. Assertions on a tier's use read promoted blocks: a promoted block that the
+    # device serves before any admission loads it from the host credits no hit (architecture.md
+    # §Chain)
     "kv_tier_timeout_s": 30.0,
 }
 SMALL = {"num_device_blocks": 40, "num_host_blocks": 20}  # neither keeps 16 prompts' prefixes

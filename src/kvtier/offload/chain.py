@@ -65,7 +65,8 @@ class LowerTierMetrics:
 
     num_queries: int = 0  # admitted lookups that asked this tier
     num_query_tokens: int = 0  # tokens asked of it (beyond what the tiers above served)
-    num_hit_tokens: int = 0  # tokens it served to admitted requests
+    num_hit_tokens: int = 0  # tokens of its blocks first loaded from the host by an admission
+    num_preempted_hit_tokens: int = 0  # the same, by re-admissions after a preemption
     num_promoted_blocks: int = 0  # blocks read from it into host blocks
     num_promoted_bytes: int = 0
     num_demoted_blocks: int = 0  # blocks queued for writing into it
@@ -261,24 +262,37 @@ class TierChain:
         return job
 
     def record_lookup(self, request: Request) -> None:
-        """Count the admission's lookup in the host's and the lower tiers' metrics: per tier
-        asked, the tokens asked beyond the tiers above and those it served up to the hit the
-        request was admitted with (its last lookup)."""
+        """Count the admission's lookup in the host's and the lower tiers' metrics: per tier its
+        request's own read asked, a query of the tokens beyond the tiers above; per tier, the
+        tokens of the blocks it promoted that this admission loads from the host first (its
+        last lookup's external tokens; whichever request's read staged them)."""
         self.host.record_lookup(request)
         st = self._reqs.get(request.request_id)
-        if st is None or st.result is None or st.counted:
+        if st is None:
             return
-        st.counted = True
-        res, end = st.result, st.last_lookup[1]
-        prev = res.start
-        for i, tier in enumerate(self.lowers):
-            if not res.asked[i]:
+        if st.result is not None and not st.counted:
+            st.counted = True
+            res, prev = st.result, st.result.start
+            for i, tier in enumerate(self.lowers):
+                if not res.asked[i]:
+                    continue
+                m = self.tier_metrics[tier.name]
+                m.num_queries += 1
+                m.num_query_tokens += max(0, res.max_len - prev)
+                prev = max(prev, res.reach[i])
+        g = self._ref_group
+        bs = self.specs[g].block_size
+        start, end = st.last_lookup
+        view = self.host.coordinator.group_hashes(request.block_hashes)[g]
+        for p in range(start // bs, min(end // bs, len(view))):
+            origin = self.host.take_origin((g, view[p]))
+            if origin is None:
                 continue
-            m = self.tier_metrics[tier.name]
-            m.num_queries += 1
-            m.num_query_tokens += max(0, res.max_len - prev)
-            m.num_hit_tokens += max(0, min(res.reach[i], res.boundary, end) - min(prev, end))
-            prev = max(prev, res.reach[i])
+            m = self.tier_metrics[self.lowers[origin].name]
+            if request.num_preemptions:
+                m.num_preempted_hit_tokens += bs
+            else:
+                m.num_hit_tokens += bs
 
     # ---- staging -------------------------------------------------------------------------------
 
@@ -341,6 +355,7 @@ class TierChain:
                 [blocks[i] for i in idx],
                 [good[i][0].key.block_hash for i in idx],
                 [good[i][0].parent if chained else None for i in idx],
+                [good[i][2] for i in idx],
             )
         self.metrics.num_staged_blocks += len(good)
         for _, payload, t in good:

@@ -44,6 +44,7 @@ class HostCache:
         self._is_pending = is_pending
         self._parent: dict[Key, BlockHash] = {}  # published chained key -> parent hash
         self._children: dict[Key, set[BlockHash]] = {}  # (group, parent hash) -> child hashes
+        self._origin: dict[Key, int] = {}  # staged entry -> the lower tier it came from, unused
         self.num_evicted = 0
         self.num_orphans_demoted = 0
 
@@ -54,6 +55,11 @@ class HostCache:
 
     def contains(self, key: Key) -> bool:
         return self.get(key) is not None
+
+    def take_origin(self, key: Key) -> int | None:
+        """The origin `publish` gave a cached entry, once: None after the first call, for an
+        entry published without one, and for one evicted since (a later publish is a new entry)."""
+        return self._origin.pop(key, None)
 
     @property
     def num_free(self) -> int:
@@ -101,10 +107,14 @@ class HostCache:
         hashes: Sequence[BlockHash],
         parents: Sequence[BlockHash | None] | None,
         block_size: int,
+        origins: Sequence[int] | None = None,
     ) -> None:
         """Insert completed store blocks (ordered head → tail of their chain) into the map and
-        drop the store's reference tail-first; orphans among them go straight to the LRU head."""
+        drop the store's reference tail-first; orphans among them go straight to the LRU head.
+        `origins`: per block, where its bytes came from (a lower tier's index), for `take_origin`."""
         for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
+            if origins is not None:
+                self._origin[(group_id, block_hash)] = origins[i]
             parent = parents[i] if parents is not None else None
             if parent is None:
                 self.pool.cache_full_blocks(group_id, [block], [block_hash], 0, 1, block_size)
@@ -125,6 +135,7 @@ class HostCache:
         return not self.contains(parent) and not self._is_pending(parent)
 
     def _forget(self, key: Key) -> None:
+        self._origin.pop(key, None)
         parent = self._parent.pop(key, None)
         if parent is not None:
             siblings = self._children.get((key[0], parent))
@@ -167,12 +178,15 @@ class HostCache:
             return False
         self._parent.clear()
         self._children.clear()
+        self._origin.clear()
         return True
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         for key in self._parent:
             assert self.contains(key), f"parent link kept for evicted {key[1].hex()[:8]}"
+        for key in self._origin:
+            assert self.contains(key), f"origin kept for evicted {key[1].hex()[:8]}"
         for (g, _), children in self._children.items():
             assert children, "empty child set kept"
             for c in children:

@@ -261,10 +261,18 @@ class HostTier:
         blocks: Sequence[KVBlock],
         hashes: Sequence[BlockHash],
         parents: Sequence[BlockHash | None],
+        origins: Sequence[int],
     ) -> None:
         """Staging blocks whose bytes are written, head → tail of their chain, become host hits;
-        their staging references are dropped (mutates the host cache)."""
-        self.host.publish(group_id, blocks, hashes, parents, self.specs[group_id].block_size)
+        their staging references are dropped (mutates the host cache). `origins`: the lower
+        tier each block came from, until `take_origin` or its eviction."""
+        bs = self.specs[group_id].block_size
+        self.host.publish(group_id, blocks, hashes, parents, bs, origins)
+
+    def take_origin(self, key: Key) -> int | None:
+        """The lower tier a staged host entry came from, the first time it is asked (the hit
+        that loads it first is that tier's); None for an entry the host stored itself."""
+        return self.host.take_origin(key)
 
     def release_staging(self, blocks: Sequence[KVBlock]) -> None:
         """Give back staging blocks that were not published."""

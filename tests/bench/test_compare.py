@@ -165,25 +165,35 @@ def fake_results() -> dict[str, Any]:
 
 
 def test_rows_carry_the_issue_targets_and_dump_as_json() -> None:
+    """Issue 14's targets: offline cold and warm tok/s ≥ 1.2×; serving at every concurrency TTFT
+    ≤ 1.0×, TPOT and E2EL ≤ 0.8×, output tok/s ≥ 1.2×; scheduler host time ≤ 1.0×."""
     rows = compare.ratio_rows(fake_results(), parse())
     by = {(r["metric"], r["setting"]): r for r in rows}
     assert len(rows) == 3 + 2 * 5 + 2
     cold = by[("offline output tok/s", "tiny-llama bfloat16 cold")]
     assert cold["ratio"] == pytest.approx(0.55) and cold["meets_target"] is False
-    assert by[("offline output tok/s", "tiny-llama bfloat16 warm")]["target"] is None
+    assert cold["target"] == 1.2
+    warm = by[("offline output tok/s", "tiny-llama bfloat16 warm")]
+    assert warm["target"] == 1.2 and warm["meets_target"] is False
     per_cpu = by[("offline output tok/CPU-s", "tiny-llama bfloat16 cold+warm")]
     assert per_cpu["ours"] == [20.0, 24.0] and per_cpu["theirs"] == [40.0, 40.0]
+    assert per_cpu["target"] is None
     assert by[("serve output tok/server CPU-s", "tiny-llama concurrency 16")]["ratio"] == 0.5
-    tpot16 = by[("serve median TPOT ms", "tiny-llama concurrency 16")]
-    assert tpot16["target"] == 1.0 and tpot16["ratio"] == 2.0 and tpot16["meets_target"] is False
-    assert by[("serve median TPOT ms", "tiny-llama concurrency 1")]["target"] is None
-    assert by[("serve output tok/s", "tiny-llama concurrency 1")]["better"] == "higher"
+    for c in ("1", "16"):
+        setting = f"tiny-llama concurrency {c}"
+        tpot = by[("serve median TPOT ms", setting)]
+        assert tpot["target"] == 0.8 and tpot["ratio"] == 2.0 and tpot["meets_target"] is False
+        assert by[("serve median E2EL ms", setting)]["target"] == 0.8
+        assert by[("serve median TTFT ms", setting)]["target"] == 1.0
+        tok_s = by[("serve output tok/s", setting)]
+        assert tok_s["better"] == "higher" and tok_s["target"] == 1.2
     dec = by[("sched host µs/request-step", "full 256 reqs decode")]
     assert dec["ours"] == [4.0, 6.0] and dec["ratio"] == pytest.approx(0.375)
     assert dec["meets_target"] is True
     assert json.loads(json.dumps(rows)) == rows
     text = compare_report.render(rows)
-    assert "≥1.0 MISSED" in text and "≤1.0 met" in text and "0.38 [0.25–0.50]" in text
+    assert "≥1.2 MISSED" in text and "≤0.8 MISSED" in text and "≤1.0 met" in text
+    assert "0.38 [0.25–0.50]" in text
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:

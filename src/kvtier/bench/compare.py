@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sched-num-requests", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--sched-specs", nargs="+", default=["full", "hybrid"])
     parser.add_argument(
-        "--threads", type=int, default=1,
-        help="kvtier's torch threads (vLLM's CPU build binds one OMP thread per worker here)",
+        "--threads", type=int, default=None,
+        help="kvtier's torch threads (default: the engine's own choice, as vLLM's CPU build "
+        "makes its own: one OMP thread for its worker here)",
     )  # fmt: skip
     parser.add_argument("--peer-venv", type=Path, default=venv.default_venv())
     parser.add_argument("--no-install", action="store_true", help="fail if the venv lacks vLLM")
@@ -127,6 +128,7 @@ def offline(
                   torch_threads=args.threads,
                   max_model_len=_max_len(args), max_num_seqs=args.num_prompts,
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
+        threads = llm.engine.torch_threads
         n = args.output_len
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
 
@@ -172,6 +174,7 @@ def offline(
     return {
         "model": models.label(name),
         "dtype": dtype,
+        "torch_threads": threads,  # kvtier's, as its engine chose them (or --threads)
         "peer": {k: v for k, v in peer.ready.items() if k != "kind"},
         "identical_completions": f"{same}/{args.repeat * args.num_prompts}",
         "ours": [{k: v for k, v in r.items() if k != "tokens"} for r in a],
@@ -207,8 +210,10 @@ def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> d
               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1"]  # fmt: skip
     p1, p2 = procs.free_port(), procs.free_port()
     ours_argv = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(path),
-                 "--port", str(p1), "--torch-threads", str(args.threads),
-                 "--block-size", str(args.block_size), "--log-level", "warning", *common]  # fmt: skip
+                 "--port", str(p1), "--block-size", str(args.block_size),
+                 "--log-level", "warning", *common]  # fmt: skip
+    if args.threads is not None:
+        ours_argv += ["--torch-threads", str(args.threads)]
     theirs_argv = [str(python), str(VLLM_SERVE_SCRIPT), str(path), "--port", str(p2),
                    "--uvicorn-log-level", "warning", *common]  # fmt: skip
     if args.peer_block_size:

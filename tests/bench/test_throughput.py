@@ -16,11 +16,13 @@ def test_throughput_counts_every_output_token(tmp_path: Path) -> None:
         [
             "bench", "throughput", "--models", "default", "--dtypes", "float32",
             "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-            "--no-transformers", "--out", str(out),
+            "--no-transformers", "--torch-threads", "2", "--out", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
-    [row] = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["threads"] == 2
+    [row] = saved["rows"]
     for run in ("cold", "warm"):
         assert row["kvtier"][run]["output_tokens"] == 4 * 8
         assert row["kvtier"][run]["output_tokens_per_s"] > 0

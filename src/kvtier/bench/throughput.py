@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile one cold pass of each model and dtype on the sim device (every op on the "
         "host thread, synchronous) with cProfile: functions by own time to PATH (printed too)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="kvtier's torch threads (default: the engine's choice for the model)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_throughput.json")
 
@@ -79,6 +85,7 @@ def run_kvtier(
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        torch_threads=args.torch_threads,
     )
     # min_tokens masks EOS until the length is reached, as transformers' min_new_tokens does.
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, temperature=0.0)
@@ -117,6 +124,7 @@ def run_protect_cost(path: str, dtype: str, vocab: int, args: argparse.Namespace
         "max_model_len": args.input_len + args.output_len + args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed,
+        "torch_threads": args.torch_threads,
     }
     llms = {
         name: LLM(path, protect=p, **common) for name, p in (("all", PROTECTIONS), ("none", ()))

@@ -26,6 +26,7 @@ def test_throughput_counts_every_output_token(tmp_path: Path) -> None:
     for run in ("cold", "warm"):
         assert row["kvtier"][run]["output_tokens"] == 4 * 8
         assert row["kvtier"][run]["output_tokens_per_s"] > 0
+        assert row["kvtier"][run]["cores"] > 0
 
 
 def test_random_prompts_are_seeded_and_skip_special_ids() -> None:

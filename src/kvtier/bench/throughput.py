@@ -97,11 +97,16 @@ def run_kvtier(
     result: dict[str, Any] = {}
     outs: list[list[int]] = []
     for name in ("cold", "warm"):  # the warm pass hits the prefix cache for every prompt
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in got)
-        result[name] = {"seconds": elapsed, "output_tokens": n, "output_tokens_per_s": n / elapsed}
+        result[name] = {
+            "seconds": elapsed,
+            "output_tokens": n,
+            "output_tokens_per_s": n / elapsed,
+            "cores": (time.process_time() - c0) / elapsed,  # CPU-s of every thread per second
+        }
         outs = [o.outputs[0].token_ids for o in got]
     result["tokens"] = outs
     result["hazards"] = llm.engine.stats().num_hazards
@@ -273,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
                 print(
                     f"{models.label(name):12s} {dtype:9s} kvtier cold {row['kvtier_cold_tok_s']:8.1f} tok/s  "
-                    f"warm {row['kvtier_warm_tok_s']:8.1f} tok/s"
+                    f"warm {row['kvtier_warm_tok_s']:8.1f} tok/s  cores used "
+                    f"{ours['cold']['cores']:.2f} · {ours['warm']['cores']:.2f}"
                     + (
                         f"  sim+sanitizer {row['kvtier_sim_sanitized_tok_s']:8.1f} tok/s "
                         f"(+{row['sim_overhead']:.1%}, same tokens: {row['sim_same_tokens']})"

@@ -124,3 +124,20 @@ def test_an_evicted_staged_block_forgets_where_it_came_from(
     assert chain.host.evict(keys) == 4
     chain.host.check_integrity()
     assert [chain.host.take_origin(k) for k in keys] == [None] * 4
+
+
+def test_a_re_admission_after_preemption_is_counted_apart(
+    parts: tuple[TierChain, DiskStore],
+) -> None:
+    """As the device's prefix stats: hits of re-admissions after a preemption are their own
+    counter, so the lower tiers' hit tokens stay within first admissions' external tokens."""
+    chain, disk = parts
+    a = request(chain.host.device_kv, "a", [*PREFIX, 1, 2, 3])
+    put_prefix(chain, disk, a, chain.io.block_bytes)
+    a.num_preemptions = 1
+    assert chain.lookup(a, 0).wait_for_load
+    assert settle(chain, a, 0).num_tokens == len(PREFIX)
+    chain.record_lookup(a)
+    m = chain.tier_metrics["disk"]
+    assert (m.num_hit_tokens, m.num_preempted_hit_tokens) == (0, len(PREFIX))
+    chain.finish_request(a)

@@ -18,12 +18,14 @@ def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
         [
             "bench", "roofline", "--model", "tiny-llama", "--batch-sizes", "1", "3",
             "--input-len", "8", "--output-len", "3", "--rounds", "1", "--copy-mib", "8",
-            "--out", str(out),
+            "--threads", "2", "--out", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["copy_bandwidth_bytes_s"] > 0
+    # the copy and every engine's decode steps ran on the threads asked for
+    assert res["threads"] == 2 and all(r["torch_threads"] == 2 for r in res["rows"])
     assert [r["batch"] for r in res["rows"]] == [1, 3]
     one, three = res["rows"]
     assert one["weight_bytes"] == three["weight_bytes"] > 0

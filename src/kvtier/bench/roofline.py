@@ -18,6 +18,7 @@ import torch
 
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
+from kvtier.engine.threads import checkpoint_bytes, default_torch_threads
 from kvtier.model.served import ServedDecoder
 
 
@@ -29,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per batch size")
     parser.add_argument("--copy-mib", type=int, default=512, help="size of the copied tensor")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (as bench compare)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the copy and the engine (default: the engine's choice for the model)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_roofline.json")
@@ -100,16 +106,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output_len < 2 or args.rounds < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--output-len must be ≥ 2, --rounds and --batch-sizes ≥ 1")
-    torch.set_num_threads(args.threads)
-    bandwidth = copy_bandwidth(args.copy_mib)
-    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {args.threads} thread(s))")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(args.model, Path(tmp))
+        threads = args.threads or default_torch_threads(weight_bytes=checkpoint_bytes(path))
+        torch.set_num_threads(threads)
+        bandwidth = copy_bandwidth(args.copy_mib)
+        print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s))")
         for batch in args.batch_sizes:
             llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
-                      max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed)  # fmt: skip
+                      max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed,
+                      torch_threads=threads)  # fmt: skip
             served = llm.engine.model
             if not isinstance(served, ServedDecoder):
                 raise ValueError(f"{path}: bench roofline models decoders, not Mamba2 hybrids")
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 "step_ms_rounds": [s * 1e3 for s in steps],
                 "fraction_of_roofline": roofline / step,
                 "output_tok_s": batch / step,
+                "torch_threads": llm.engine.torch_threads,
             }
             rows.append(row)
             print(
@@ -142,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
             )
             del llm
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    payload = {"config": config, "copy_bandwidth_bytes_s": bandwidth, "rows": rows}
+    payload = {
+        "config": config,
+        "threads": threads,
+        "copy_bandwidth_bytes_s": bandwidth,
+        "rows": rows,
+    }
     print(f"saved {save_json(payload, args.out)}")
     return 0

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -108,6 +109,21 @@ def run_json(argv: list[str], env: dict[str, str], log: Path, timeout: float) ->
     return last_json(res.stdout)
 
 
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in this process (by default it ends the process at once),
+    so the `finally` blocks that stop its peer processes run: they live in sessions of their own
+    and would outlive it. Only from the main thread, and only over the default handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _stop(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
     if proc.poll() is not None:
         return
@@ -125,6 +141,7 @@ class LineWorker:
     """A script that prints {"kind": "ready"} once loaded, then one JSON line per stdin line."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> None:
+        _exit_on_sigterm()
         self.log = log
         self._err: IO[str] = log.open("a")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -169,6 +186,7 @@ class Server:
     def __init__(
         self, argv: list[str], port: int, env: dict[str, str], log: Path, timeout: float
     ) -> None:
+        _exit_on_sigterm()
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = log
         self._err = log.open("a")

@@ -18,7 +18,7 @@ import torch
 
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
-from kvtier.engine.threads import checkpoint_bytes, default_torch_threads
+from kvtier.engine.threads import configure_torch_threads
 from kvtier.model.served import ServedDecoder
 
 
@@ -109,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(args.model, Path(tmp))
-        threads = args.threads or default_torch_threads(weight_bytes=checkpoint_bytes(path))
-        torch.set_num_threads(threads)
+        threads = configure_torch_threads(args.threads, path)  # the engine's choice unless told
         bandwidth = copy_bandwidth(args.copy_mib)
         print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s))")
         for batch in args.batch_sizes:

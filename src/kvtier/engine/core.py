@@ -17,7 +17,7 @@ from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
-from kvtier.engine.threads import checkpoint_bytes, configure_torch_threads
+from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
@@ -46,7 +46,7 @@ class EngineCore:
         path = args.model_path
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
-        self.torch_threads = configure_torch_threads(args.torch_threads, checkpoint_bytes(path))
+        self.torch_threads = configure_torch_threads(args.torch_threads, path)
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)

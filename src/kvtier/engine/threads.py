@@ -40,11 +40,12 @@ def default_torch_threads(cores: int | None = None, weight_bytes: int = 0) -> in
     return max(1, cores - 1)
 
 
-def configure_torch_threads(requested: int | None, weight_bytes: int = 0) -> int:
-    """Set torch's intra-op thread count (`requested`, or the default for a model of
-    `weight_bytes`) and log the choice."""
+def configure_torch_threads(requested: int | None, model_path: str | Path | None = None) -> int:
+    """Set torch's intra-op thread count (`requested`, or the default for the model in
+    `model_path`) and log the choice."""
     import torch
 
+    weight_bytes = 0 if model_path is None else checkpoint_bytes(model_path)
     cores = usable_cores()
     threads = requested if requested is not None else default_torch_threads(cores, weight_bytes)
     torch.set_num_threads(threads)

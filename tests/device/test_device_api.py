@@ -192,6 +192,10 @@ def test_sanitizer_off_reports_nothing_and_still_runs_ops(backend: str) -> None:
     dev.copy_blocks(STORE, "device", "host", [2], [0], OpMeta("store"))
     dev.synchronize()
     assert dev.hazards == [] and dev.sanitizer is None
+    assert not dev.checks_access  # callers may skip computing block sets nobody reads
+    checked = dev_of(backend)
+    assert checked.checks_access
+    checked.close()
 
 
 def test_access_set_of_marks_unpaged_buffers_whole() -> None:

@@ -54,6 +54,12 @@ class Device(ABC):
         for sid, name in DEFAULT_STREAMS.items():
             self._add_stream(sid, name)
 
+    @property
+    def checks_access(self) -> bool:
+        """Whether ops' access sets are checked (a sanitizer is on); a caller may declare empty
+        block sets otherwise, and skip the work of computing them."""
+        return self.sanitizer is not None
+
     def close(self) -> None:  # noqa: B027 (a hook with a default: most backends hold nothing)
         """Release what the backend holds beyond memory (worker threads); idempotent."""
 

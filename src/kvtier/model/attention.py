@@ -37,10 +37,11 @@ class AttentionMetadata:
 
     def query_positions(self) -> torch.Tensor:
         """[num_tokens] int64 position of every query token (what `positions` must hold)."""
-        parts = [
-            torch.arange(n - q, n) for n, q in zip(self.seq_lens, self.query_lens, strict=True)
-        ]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        counts = torch.tensor(self.query_lens, dtype=torch.int64)
+        seq = torch.repeat_interleave(torch.arange(len(self.seq_lens)), counts)  # [num_tokens]
+        first = torch.tensor(self.seq_lens, dtype=torch.int64) - counts  # first query position
+        starts = torch.tensor(self.query_start_loc[:-1], dtype=torch.int64)
+        return first[seq] + torch.arange(self.query_start_loc[-1]) - starts[seq]
 
     @classmethod
     def build(

@@ -127,7 +127,7 @@ class ModelRunner:
         self.state = DeviceState(
             max_num_seqs + 1, max_model_len, self.torch_device, num_speculative_tokens > 0
         )
-        self._tables: dict[str, list[list[int]]] = {}  # host mirror, for access sets only
+        self._tables: dict[str, list[list[int]]] = {}  # host mirror, for the sanitizer only
         # per recent step: the state pages its forward declares (hazard attribution, §State)
         self._state_pages: dict[int, frozenset[int]] = {}
         self.eos_token_ids = tuple(eos_token_ids)
@@ -215,27 +215,37 @@ class ModelRunner:
         return out
 
     def _host_bookkeeping(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
-        """Update the host mirror of tables, poison fresh blocks; return (reads, writes) ids."""
+        """Poison fresh blocks; return the (reads, writes) block ids the forward declares, which
+        only the sanitizer reads: empty sets when the device checks no access sets."""
+        sizes = self.group_block_sizes
+        fresh: list[int] = []
+        for new in output.scheduled_new_reqs:
+            fresh += _new_ids(new.block_ids, new.num_computed_tokens, sizes)
+        for cached in output.scheduled_cached_reqs:
+            fresh += [b for ids in cached.new_block_ids for b in ids if b]
+        if fresh:
+            self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
+        if not self.device.checks_access:
+            return set(), set()
+        return self._declared_blocks(output)
+
+    def _declared_blocks(self, output: SchedulerOutput) -> tuple[set[int], set[int]]:
+        """Update the host mirror of tables; return the (reads, writes) ids of the forward."""
         tables = self._tables
         sizes = self.group_block_sizes
         for req_id in (*output.preempted_req_ids, *output.finished_req_ids):
             tables.pop(req_id, None)
-        fresh: list[int] = []
         lowest: dict[str, int] = {}  # the lowest start the device may have (rejected drafts)
         starts: dict[str, int] = {}  # the scheduler's (optimistic) start of each request's step
         for new in output.scheduled_new_reqs:
             tables[new.req_id] = [list(ids) for ids in new.block_ids]
             lowest[new.req_id] = starts[new.req_id] = new.num_computed_tokens
-            fresh += _new_ids(new.block_ids, new.num_computed_tokens, sizes)
         for cached in output.scheduled_cached_reqs:
             for table, ids in zip(tables[cached.req_id], cached.new_block_ids, strict=True):
                 table.extend(ids)
-                fresh += [b for b in ids if b]
             # drafts of earlier steps may still be rejected: it may start as low as this
             lowest[cached.req_id] = cached.lowest_start
             starts[cached.req_id] = cached.num_computed_tokens
-        if fresh:
-            self.device.poison_blocks("device", fresh, meta=OpMeta("poison", output.step_seq))
         reads: set[int] = set()
         writes: set[int] = set()
         state: set[int] = set()
@@ -271,7 +281,8 @@ class ModelRunner:
 
     def state_pages(self, step_seq: int) -> frozenset[int]:
         """The state (Mamba) pages the forward of step `step_seq` declared, for one of the last
-        `STATE_PAGES_KEPT` steps (empty otherwise): which hazards touch state pages."""
+        `STATE_PAGES_KEPT` steps (empty otherwise, and without a sanitizer): which hazards
+        touch state pages."""
         return self._state_pages.get(step_seq, frozenset())
 
     # ---- device side (runs inside the forward op) ---------------------------------------------

@@ -98,7 +98,7 @@ def check_ints(
         if bad_type:
             raise TypeError(f"{name} must be a list of integers, but it holds {show(bad_type[0])}")
         ints = tuple(int(v) for v in items if is_int(v))
-    if lo is None or not ints or lo <= min(ints) and max(ints) <= hi:
+    if lo is None or not ints or (lo <= min(ints) and max(ints) <= hi):
         return ints
     bad = [n for n in ints if not lo <= n <= hi]
     if bad:

@@ -65,7 +65,7 @@ def check_prompt_ids(
     tokens = list(check_ints(name, token_ids, lo=None))
     if not tokens:
         raise ValueError(f"{name} is empty; send at least one token")
-    if 0 <= min(tokens) and max(tokens) < vocab_size:
+    if min(tokens) >= 0 and max(tokens) < vocab_size:
         return tokens
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:

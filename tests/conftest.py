@@ -35,3 +35,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+    native = sys.modules.get("kvtier.model.native")
+    if native is not None:  # an engine sets its kernels' threads too (engine/threads.py)
+        native.set_threads(None)

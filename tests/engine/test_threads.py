@@ -19,6 +19,7 @@ from kvtier.engine.threads import (
     default_torch_threads,
     usable_cores,
 )
+from kvtier.model import native
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (4, 3), (64, 63)])
@@ -50,6 +51,19 @@ def test_the_engine_sets_and_logs_its_thread_count(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.INFO, logger="kvtier.engine"):
         LLM(max_model_len=64, num_device_blocks=64, torch_threads=2)
     assert torch.get_num_threads() == 2 and "(--torch-threads)" in caplog.text
+    assert native.threads() == 2  # a request binds the native kernels too
+
+
+def test_native_kernels_get_every_core_by_default() -> None:
+    """They release the GIL and decode attention is memory-bound: the host thread's core helps
+    (README, kvtier beside vLLM); torch keeps its own count."""
+    LLM(max_model_len=64, num_device_blocks=64)
+    assert native.threads() == usable_cores()
+    assert torch.get_num_threads() == default_torch_threads()
+    native.set_threads(None)
+    assert native.threads() == torch.get_num_threads()
+    with pytest.raises(ValueError, match="native kernel threads must be ≥ 1"):
+        native.set_threads(0)
 
 
 def test_a_bad_thread_count_names_the_flag() -> None:

@@ -45,15 +45,23 @@ def configure_torch_threads(requested: int | None, model_path: str | Path | None
     `model_path`) and log the choice."""
     import torch
 
+    from kvtier.model import native
+
     weight_bytes = 0 if model_path is None else checkpoint_bytes(model_path)
     cores = usable_cores()
     threads = requested if requested is not None else default_torch_threads(cores, weight_bytes)
     torch.set_num_threads(threads)
+    # The native kernels release the GIL and are memory-bound (decode attention): every core
+    # unless threads were requested; a call starts threads only when its work pays for them.
+    native.set_threads(requested if requested is not None else cores)
     if requested is not None:
         how = "--torch-threads"
     elif weight_bytes >= ALL_CORES_WEIGHT_BYTES:
         how = f"default: every core for {weight_bytes / (1 << 20):.0f} MiB of weights"
     else:
         how = "default: usable cores − 1 for the host"
-    log.info("torch threads: %d of %d usable cores (%s)", threads, cores, how)
+    log.info(
+        "torch threads: %d of %d usable cores (%s); native kernels: %d",
+        threads, cores, how, native.threads(),
+    )  # fmt: skip
     return threads

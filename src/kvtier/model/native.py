@@ -76,7 +76,7 @@ class Kernels:
             tables.data_ptr(), tables.stride(0), seq_token.data_ptr(), seq_qlen.data_ptr(),
             seq_row.data_ptr(), lo.data_ptr(), hi.data_ptr(), seq_token.shape[0], num_heads,
             kv_cache.shape[3], dim, kv_cache.shape[2], scale, softcap or 0.0, DTYPES[q.dtype],
-            torch.get_num_threads(),
+            threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("kvtier_paged_attention: no scratch memory for its work items")
@@ -102,7 +102,7 @@ class Kernels:
         self.fused.kvtier_rms_norm(
             x.data_ptr(), x.stride(0), inner, inner_stride,
             None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-            rows, dim, eps, int(gemma), DTYPES[x.dtype], torch.get_num_threads(),
+            rows, dim, eps, int(gemma), DTYPES[x.dtype], threads(),
         )  # fmt: skip
         return out
 
@@ -114,7 +114,7 @@ class Kernels:
         assert sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
         self.fused.kvtier_rope(
             x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), tokens,
-            DTYPES[x.dtype], torch.get_num_threads(),
+            DTYPES[x.dtype], threads(),
         )  # fmt: skip
         return x
 
@@ -125,12 +125,27 @@ class Kernels:
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self.fused.kvtier_act_mul(
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, ACTIVATIONS[activation],
-            DTYPES[gate_up.dtype], torch.get_num_threads(),
+            DTYPES[gate_up.dtype], threads(),
         )  # fmt: skip
         return out
 
 
 CPU = torch.device("cpu")
+_threads: int | None = None  # set_threads; None: torch's intra-op thread count
+
+
+def set_threads(n: int | None) -> None:
+    """Threads a kernel call may start (each splits its rows or sequences among them when the
+    call has work enough); None follows `torch.get_num_threads()`."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"native kernel threads must be ≥ 1, got {n}")
+    _threads = n
+
+
+def threads() -> int:
+    """Threads a kernel call may start now (`set_threads`)."""
+    return _threads if _threads is not None else torch.get_num_threads()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +156,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     kernels.fused.kvtier_argmax(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads()
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads()
     )
     return out
 

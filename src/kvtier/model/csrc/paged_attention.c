@@ -504,7 +504,7 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
     int64_t keys = 0; /* the work: keys read, summed over sequences */
     for (int64_t i = 0; i < num_seqs; i++)
         if (seq_qlen[i] > 0) keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
-    if (keys * kv_heads * head_dim < (1 << 19)) num_threads = 1; /* a thread's start costs more */
+    if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* a thread's start costs more */
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
     Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,

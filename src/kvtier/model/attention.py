@@ -5,9 +5,11 @@ group: causal, sliding window or Llama-4 chunks). Plain data; the op lives in `p
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,11 +39,11 @@ class AttentionMetadata:
 
     def query_positions(self) -> torch.Tensor:
         """[num_tokens] int64 position of every query token (what `positions` must hold)."""
-        counts = torch.tensor(self.query_lens, dtype=torch.int64)
-        seq = torch.repeat_interleave(torch.arange(len(self.seq_lens)), counts)  # [num_tokens]
-        first = torch.tensor(self.seq_lens, dtype=torch.int64) - counts  # first query position
-        starts = torch.tensor(self.query_start_loc[:-1], dtype=torch.int64)
-        return first[seq] + torch.arange(self.query_start_loc[-1]) - starts[seq]
+        counts = np.array(self.query_lens, dtype=np.int64)
+        seq = np.repeat(np.arange(len(counts)), counts)  # [num_tokens]
+        first = np.array(self.seq_lens, dtype=np.int64) - counts  # first query position
+        starts = np.array(self.query_start_loc[:-1], dtype=np.int64)
+        return torch.from_numpy(first[seq] + np.arange(self.query_start_loc[-1]) - starts[seq])
 
     @classmethod
     def build(
@@ -54,27 +56,27 @@ class AttentionMetadata:
         """From per-sequence counts and `block_ids[group][seq]` (block id per table position;
         0 = null block for positions a window no longer reads). A group given as None holds no
         attention (a Mamba state group): an empty table, and no slot is written."""
-        loc = [0]
-        for n in num_scheduled_tokens:
-            loc.append(loc[-1] + n)
-        seq_lens = tuple(
-            c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens, strict=True)
-        )
-        counts = torch.tensor(list(num_scheduled_tokens), dtype=torch.int64)  # [num_seqs]
-        seq = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)  # [num_tokens]
-        offset = torch.arange(loc[-1]) - torch.tensor(loc[:-1], dtype=torch.int64)[seq]
-        p = torch.tensor(list(num_computed_tokens), dtype=torch.int64)[seq] + offset  # positions
+        # numpy, not torch: a few dozen small ops per step, each ~1 µs instead of ~5–10 µs
+        counts = np.fromiter(num_scheduled_tokens, dtype=np.int64, count=len(num_scheduled_tokens))
+        computed = np.fromiter(num_computed_tokens, dtype=np.int64, count=len(counts))
+        ends = np.cumsum(counts)
+        loc = (0, *ends.tolist())
+        seq_lens = tuple((computed + counts).tolist())
+        seq = np.repeat(np.arange(len(counts)), counts)  # [num_tokens] sequence of each token
+        p = computed[seq] + np.arange(loc[-1]) - (ends - counts)[seq]  # positions
         tables, slots = [], []
         for group in block_ids:
             if group is None:
                 tables.append(torch.zeros(len(seq_lens), 0, dtype=torch.int64))
                 slots.append(torch.full((loc[-1],), -1, dtype=torch.int64))
                 continue
-            width = max([len(ids) for ids in group] + [1])
-            padded = [list(ids) + [0] * (width - len(ids)) for ids in group]
-            table = torch.tensor(padded, dtype=torch.int64).reshape(len(group), width)
-            tables.append(table)  # [num_seqs, max_blocks]
-            slots.append(table[seq, p // block_size] * block_size + p % block_size)  # [num_tokens]
+            lens = np.fromiter(map(len, group), dtype=np.int64, count=len(group))
+            width = max(int(lens.max()) if len(group) else 0, 1)
+            table = np.zeros((len(group), width), dtype=np.int64)
+            table[np.arange(width) < lens[:, None]] = list(itertools.chain.from_iterable(group))
+            tables.append(torch.from_numpy(table))  # [num_seqs, max_blocks]
+            slot = table[seq, p // block_size] * block_size + p % block_size  # [num_tokens]
+            slots.append(torch.from_numpy(slot))
         return cls(tuple(loc), seq_lens, tuple(tables), tuple(slots), block_size)
 
 

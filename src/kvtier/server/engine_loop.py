@@ -76,8 +76,23 @@ class Sink:
     index: int = 0
 
     def put(self, event: Event) -> None:
+        put_all([(self, event)])
+
+
+def put_all(events: list[tuple[Sink, Event]]) -> None:
+    """Hand events to their sinks with one wake-up of each HTTP loop (not one per event: each
+    `call_soon_threadsafe` writes the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Event]]] = {}
+    for sink, event in events:
+        by_loop.setdefault(sink.loop, []).append((sink, event))
+    for loop, batch in by_loop.items():
         with contextlib.suppress(RuntimeError):  # a closed HTTP loop (shutdown): nobody listens
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
+            loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[Sink, Event]]) -> None:
+    for sink, event in batch:
+        sink.queue.put_nowait((sink.index, event))
 
 
 @dataclass(slots=True)
@@ -99,6 +114,9 @@ class _Live:
     num_prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
+
+
+METRICS_INTERVAL_S = 0.05  # the Prometheus gauges' staleness bound while requests run
 
 
 class EngineLoop:
@@ -130,6 +148,7 @@ class EngineLoop:
         self._failure_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kvtier-engine", daemon=True)
         self._live: dict[str, _Live] = {}
+        self._metrics_due = 0.0  # monotonic time of the next metrics snapshot under load
 
     # ---- called from other threads ---------------------------------------------------------------
 
@@ -231,12 +250,19 @@ class EngineLoop:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
+            finished = False
             if engine.has_unfinished_requests():
                 self.num_steps += 1
                 if self.num_steps == self.fail_at_step:
                     raise RuntimeError(f"injected fault at engine step {self.num_steps}")
-                self._dispatch(engine, engine.step())
-            self.metrics.update(engine.stats())
+                finished = self._dispatch(engine, engine.step())
+            now = time.monotonic()
+            # A snapshot walks every pool: under load, one per METRICS_INTERVAL_S, and at once
+            # when a request finished or the engine went idle (so a scrape after a response
+            # sees it counted).
+            if finished or now >= self._metrics_due or not engine.has_unfinished_requests():
+                self.metrics.update(engine.stats())
+                self._metrics_due = now + METRICS_INTERVAL_S
 
     def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -293,9 +319,13 @@ class EngineLoop:
         free = engine.args.scheduler.max_num_seqs - stats.num_running
         return stats.num_waiting + stats.num_loading - free
 
-    def _dispatch(self, engine: EngineCore, outs: list[StepOutput]) -> None:
+    def _dispatch(self, engine: EngineCore, outs: list[StepOutput]) -> bool:
+        """Send each output to its request's sink (one wake-up of the HTTP loop per step);
+        True if a request finished."""
         now = time.monotonic()
         decode = engine.tokenizer.decode
+        events: list[tuple[Sink, Event]] = []
+        finished = False
         for out in outs:
             live = self._live.get(out.req_id)
             if live is None:
@@ -322,7 +352,10 @@ class EngineLoop:
                 delta.usage = Usage(
                     live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
-            live.sub.sink.put(delta)
+                finished = True
+            events.append((live.sub.sink, delta))
+        put_all(events)
+        return finished
 
 
 def _engine_failed(exc: BaseException) -> APIError:

@@ -4,7 +4,9 @@ and each device stream's worker need a core of their own, so kernels get the res
 whose weights reach `ALL_CORES_WEIGHT_BYTES` gets every core instead: its matmuls are long enough
 that a second thread pays for its start-up and for sharing a core with the host thread (README,
 kvtier beside vLLM: the 0.5B shape's offline tok/s +40 % with two threads on two cores, the
-embedded model's −20 %)."""
+embedded model's −20 %). The native kernels (`kvtier.model.native`) get every usable core unless
+threads were requested: they release the GIL, decode attention is memory-bound, and a call starts
+threads only when its work pays for them."""
 
 from __future__ import annotations
 

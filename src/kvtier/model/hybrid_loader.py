@@ -12,7 +12,7 @@ import torch
 from kvtier.config import ModelConfig
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_arch import HybridSpec, hybrid_spec
-from kvtier.model.loader import model_folder, read_safetensors, resolve_dtype
+from kvtier.model.loader import empty_weights, model_folder, read_safetensors, resolve_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "mamba.mup_vector")  # recomputed from config.json
 _RENAMES = (  # (HF name part, ours), applied in order to each weight name
@@ -36,7 +36,7 @@ def load_hybrid(path: str | Path, dtype: str | torch.dtype | None = None) -> Hyb
     config = ModelConfig.from_pretrained(folder)
     spec = hybrid_spec(config)
     torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
-    with torch.device("meta"):
+    with empty_weights():
         model = HybridLM(config, spec)
     state = hybrid_state(read_safetensors(folder), config, spec)
     state = {k: v.to(torch_dtype) for k, v in state.items()}

@@ -468,6 +468,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024  # backlog beyond free running slots; more get HTTP 429
     max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     log_level: str = "info"
+    engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -485,6 +486,10 @@ class ServerConfig:
 
 # Help text for the flags the CLI derives from these dataclasses (`kvtier.cli_args`).
 FLAG_HELP = {
+    "engine_process": (
+        "run the engine in a process of its own, beside the HTTP server's (default); "
+        "--no-engine-process runs it on a thread of the server's process"
+    ),
     "block_size": "tokens per KV block",
     "num_device_blocks": "device KV blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",

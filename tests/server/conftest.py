@@ -1,5 +1,6 @@
 """A real kvtier server on 127.0.0.1 (free port): uvicorn in a background thread, the engine on its
-own thread with one torch thread. `ServerHandle.engine` lets tests run checks on the engine thread."""
+own thread with one torch thread (or, with `engine_process=True`, in a process of its own as
+`kvtier serve` runs it). `ServerHandle.engine` lets tests run checks on the engine thread."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.engine.params import EngineArgs
 from kvtier.server import EngineLoop, build_app
 from kvtier.server.cli import make_server
+from kvtier.server.engine_loop import EngineClient
+from kvtier.server.engine_process import EngineProcess
 
 MODEL = "kvtier-default"
 
 
 @dataclass
 class ServerHandle:
-    engine: EngineLoop
+    engine: EngineClient
     app: FastAPI
     server: uvicorn.Server
     thread: threading.Thread
@@ -62,11 +65,18 @@ class ServerHandle:
 
 
 def start_server(
-    max_waiting_requests: int = 64, fail_at_step: int | None = None, **engine_kwargs: Any
+    max_waiting_requests: int = 64,
+    fail_at_step: int | None = None,
+    engine_process: bool = False,
+    **engine_kwargs: Any,
 ) -> ServerHandle:
     kwargs = {"max_model_len": 512, "torch_threads": 1} | engine_kwargs
     args = EngineArgs.from_kwargs(None, **kwargs)
-    engine = EngineLoop(args, max_waiting_requests, fail_at_step=fail_at_step)
+    engine: EngineClient
+    if engine_process:
+        engine = EngineProcess(args, max_waiting_requests, fail_at_step, "warning")
+    else:
+        engine = EngineLoop(args, max_waiting_requests, fail_at_step=fail_at_step)
     engine.start()
     app = build_app(engine, MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,5 +1,6 @@
 """FastAPI routes of the OpenAI-compatible server. Handlers validate, hand requests to the
-`EngineLoop` and shape its events into OpenAI responses; they never touch the engine."""
+`EngineClient` (the engine on a thread, or in a process of its own) and shape its events into
+OpenAI responses; they never touch the engine."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 import kvtier
 from kvtier.engine.params import SamplingParams
 from kvtier.server.body_limit import BodyLimit
-from kvtier.server.engine_loop import Delta, EngineLoop, TokenLogprob
+from kvtier.server.engine_loop import Delta, EngineClient, TokenLogprob
 from kvtier.server.generation import ClientDisconnected, Generation, collect, stream
 from kvtier.server.prompts import Prompt, PromptTokens, encode, resolve_max_tokens
 from kvtier.server.protocol import (
@@ -40,9 +41,9 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 def build_app(
-    engine: EngineLoop, served_model_name: str, max_request_body_bytes: int = 4 << 20
+    engine: EngineClient, served_model_name: str, max_request_body_bytes: int = 4 << 20
 ) -> FastAPI:
-    """The HTTP app over a started `EngineLoop`; `served_model_name` is the only model id, bodies
+    """The HTTP app over a started `EngineClient`; `served_model_name` is the only model id, bodies
     over `max_request_body_bytes` get a 413."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.engine = engine
@@ -88,8 +89,8 @@ def build_app(
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def metrics() -> Response:  # a plain def: an engine in another process answers over a pipe
+        return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     card = {
         "id": served_model_name,

@@ -1,5 +1,6 @@
-"""`kvtier serve`: the OpenAI-compatible server over one engine (engine flags as `generate`).
-The process exits 1 when the engine thread fails, after answering the requests in flight."""
+"""`kvtier serve`: the OpenAI-compatible server over one engine (engine flags as `generate`), the
+engine in a process of its own by default. The server exits 1 when the engine fails (or its
+process dies), after answering the requests in flight."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from kvtier.server.engine_loop import EngineLoop
+    from kvtier.server.engine_loop import EngineClient
 
 log = logging.getLogger("kvtier.server")
 DEFAULT_MODEL_NAME = "kvtier-default"
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def make_server(engine: EngineLoop, app: FastAPI, config: uvicorn.Config) -> uvicorn.Server:
+def make_server(engine: EngineClient, app: FastAPI, config: uvicorn.Config) -> uvicorn.Server:
     """A uvicorn server that shuts down when the engine thread fails (as vLLM's API server does):
     open responses end with their error, new connections are refused, `run()` returns."""
     import uvicorn
@@ -63,10 +64,16 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.server.app import build_app
     from kvtier.server.engine_loop import EngineLoop
+    from kvtier.server.engine_process import EngineProcess
 
     cfg = dataclass_from_args(ServerConfig, args)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    loop = EngineLoop(engine_args(args), cfg.max_waiting_requests, _fail_at_step())
+    loop: EngineClient
+    eargs, fail_at = engine_args(args), _fail_at_step()
+    if cfg.engine_process:
+        loop = EngineProcess(eargs, cfg.max_waiting_requests, fail_at, cfg.log_level)
+    else:
+        loop = EngineLoop(eargs, cfg.max_waiting_requests, fail_at)
     loop.start()
     log.info(loop.layout_summary)
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME

@@ -12,7 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from prometheus_client import generate_latest
 
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs, SamplingParams
@@ -67,32 +69,56 @@ class Failed:
 Event = Started | Delta | Failed
 
 
-@dataclass(slots=True)
-class Sink:
-    """Where one sub-request's events go: (index, event) on an asyncio queue of the HTTP loop."""
+class Outlet(Protocol):
+    """Where a step's events leave the engine thread: one `deliver` per outlet per step."""
+
+    def deliver(self, batch: list[tuple[Any, Event]]) -> None:
+        """Hand over (sink key, event) pairs; called on the engine thread, must not block."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopOutlet:
+    """An HTTP loop in this process: events go onto asyncio queues with one wake-up of the loop
+    per step (each `call_soon_threadsafe` writes the loop's self-pipe). Outlets of one loop are
+    equal, so a step's events for every request on it travel together."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[tuple[int, Event]]
-    index: int = 0
+
+    def deliver(self, batch: list[tuple[Any, Event]]) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed HTTP loop (shutdown): nobody listens
+            self.loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[tuple[asyncio.Queue[tuple[int, Event]], int], Event]]) -> None:
+    for (queue_, index), event in batch:
+        queue_.put_nowait((index, event))
+
+
+@dataclass(slots=True)
+class Sink:
+    """Where one sub-request's events go: `key` names the destination within its outlet (for a
+    `LoopOutlet`, an asyncio queue and the sub-request's index in it)."""
+
+    outlet: Outlet
+    key: Any
+
+    @classmethod
+    def on_loop(
+        cls, loop: asyncio.AbstractEventLoop, queue_: asyncio.Queue[tuple[int, Event]], index: int
+    ) -> Sink:
+        return cls(LoopOutlet(loop), (queue_, index))
 
     def put(self, event: Event) -> None:
         put_all([(self, event)])
 
 
 def put_all(events: list[tuple[Sink, Event]]) -> None:
-    """Hand events to their sinks with one wake-up of each HTTP loop (not one per event: each
-    `call_soon_threadsafe` writes the loop's self-pipe)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Event]]] = {}
+    """Hand events to their sinks, one `deliver` per outlet."""
+    by_outlet: dict[Outlet, list[tuple[Any, Event]]] = {}
     for sink, event in events:
-        by_loop.setdefault(sink.loop, []).append((sink, event))
-    for loop, batch in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # a closed HTTP loop (shutdown): nobody listens
-            loop.call_soon_threadsafe(_deliver, batch)
-
-
-def _deliver(batch: list[tuple[Sink, Event]]) -> None:
-    for sink, event in batch:
-        sink.queue.put_nowait((sink.index, event))
+        by_outlet.setdefault(sink.outlet, []).append((sink.key, event))
+    for outlet, batch in by_outlet.items():
+        outlet.deliver(batch)
 
 
 @dataclass(slots=True)
@@ -114,6 +140,34 @@ class _Live:
     num_prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
+
+
+class EngineClient(Protocol):
+    """What the HTTP app needs of an engine: `EngineLoop` (the engine on a thread of this
+    process) and `EngineProcess` (the engine in a process of its own) both provide it."""
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer | None
+    layout_summary: str
+    error: BaseException | None
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+    def on_failure(self, fn: Callable[[BaseException], None]) -> None: ...
+
+    def submit(self, sub: Submission) -> None: ...
+
+    def abort(self, req_id: str) -> None: ...
+
+    def call(self, fn: Callable[[EngineCore], T], timeout: float = 30.0) -> T: ...
+
+    def metrics_text(self) -> bytes: ...
 
 
 METRICS_INTERVAL_S = 0.05  # the Prometheus gauges' staleness bound while requests run
@@ -180,16 +234,28 @@ class EngineLoop:
             if self.error is None:
                 self._commands.put(("submit", sub))
                 return
-        sub.sink.put(Failed(_engine_failed(self.error)))
+        sub.sink.put(Failed(engine_failed(self.error)))
 
     def abort(self, req_id: str) -> None:
         self._commands.put(("abort", req_id))
 
     def call(self, fn: Callable[[EngineCore], T], timeout: float = 30.0) -> T:
         """Run `fn(engine)` on the engine thread between steps (tests, debugging)."""
+        return self.call_soon(fn).result(timeout)
+
+    def call_soon(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """`call` without waiting: the future completes on the engine thread."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put(("call", (fn, fut)))
-        return fut.result(timeout)
+        with self._failure_lock:
+            if self.error is None:
+                self._commands.put(("call", (fn, fut)))
+                return fut
+        fut.set_exception(self.error)
+        return fut
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of this engine's metrics (safe from any thread)."""
+        return generate_latest(self.metrics.registry)
 
     # ---- the engine thread -----------------------------------------------------------------------
 
@@ -215,7 +281,7 @@ class EngineLoop:
                 self.error = exc
                 callbacks, self._on_failure = self._on_failure, []
             for live in self._live.values():
-                live.sub.sink.put(Failed(_engine_failed(exc)))
+                live.sub.sink.put(Failed(engine_failed(exc)))
             self._live.clear()
             self._fail_pending(exc)
             for fn in callbacks:
@@ -231,7 +297,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if kind == "submit":
-                arg.sink.put(Failed(_engine_failed(exc)))
+                arg.sink.put(Failed(engine_failed(exc)))
             elif kind == "call":
                 arg[1].set_exception(exc)
 
@@ -358,7 +424,7 @@ class EngineLoop:
         return finished
 
 
-def _engine_failed(exc: BaseException) -> APIError:
+def engine_failed(exc: BaseException) -> APIError:
     return APIError(f"engine failed: {exc}", 500, kind="server_error")
 
 

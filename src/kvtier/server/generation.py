@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from kvtier.engine.params import SamplingParams
 from kvtier.server.engine_loop import (
     Delta,
-    EngineLoop,
+    EngineClient,
     Event,
     Failed,
     Sink,
@@ -32,7 +32,7 @@ class Generation:
     prompt, choice `prompt_index * n + i` (OpenAI's indexing)."""
 
     def __init__(
-        self, engine: EngineLoop, prefix: str, prompt_texts: list[str], n: int = 1
+        self, engine: EngineClient, prefix: str, prompt_texts: list[str], n: int = 1
     ) -> None:
         num = len(prompt_texts) * n
         self.engine = engine
@@ -64,7 +64,7 @@ class Generation:
         admitted, or raise the first refusal (aborting the others)."""
         loop = asyncio.get_running_loop()
         for i, (rid, (token_ids, params)) in enumerate(zip(self.req_ids, requests, strict=True)):
-            sink = Sink(loop, self.queue, i)
+            sink = Sink.on_loop(loop, self.queue, i)
             self.engine.submit(Submission(rid, token_ids, params, sink, priority))
         started = 0
         while started < len(requests):

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.engine.params import EngineArgs
 from kvtier.server import EngineLoop, build_app
 from kvtier.server.cli import make_server
-from kvtier.server.engine_loop import EngineClient
 from kvtier.server.engine_process import EngineProcess
+from kvtier.server.events import EngineClient
 
 MODEL = "kvtier-default"
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvtier.server.app import chat_logprobs, completion_logprobs
-from kvtier.server.engine_loop import TokenLogprob
+from kvtier.server.events import TokenLogprob
 from kvtier.server.protocol import dumps
 from tests.server.conftest import MODEL, ServerHandle
 

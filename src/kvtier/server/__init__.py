@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) with Prometheus metrics: `build_app` over an
-`EngineLoop`, the one thread that owns the `EngineCore`. Start it with `kvtier serve`. Nothing is
+`EngineClient` — an `EngineLoop` (the one thread that owns the `EngineCore`) or an `EngineProcess`
+(that loop in a process of its own, `kvtier serve`'s default). Start it with `kvtier serve`. Nothing is
 imported eagerly, so parsing `kvtier` flags stays free of torch and FastAPI."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 import kvtier
 from kvtier.engine.params import SamplingParams
 from kvtier.server.body_limit import BodyLimit
-from kvtier.server.engine_loop import Delta, EngineClient, TokenLogprob
+from kvtier.server.events import Delta, EngineClient, TokenLogprob
 from kvtier.server.generation import ClientDisconnected, Generation, collect, stream
 from kvtier.server.prompts import Prompt, PromptTokens, encode, resolve_max_tokens
 from kvtier.server.protocol import (

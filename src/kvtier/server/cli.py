@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from kvtier.server.engine_loop import EngineClient
+    from kvtier.server.events import EngineClient
 
 log = logging.getLogger("kvtier.server")
 DEFAULT_MODEL_NAME = "kvtier-default"

@@ -28,16 +28,8 @@ from typing import Any, TypeVar
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.server.engine_loop import (
-    Delta,
-    EngineLoop,
-    Event,
-    Failed,
-    Sink,
-    Submission,
-    engine_failed,
-    put_all,
-)
+from kvtier.server.engine_loop import EngineLoop
+from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_failed, put_all
 from kvtier.server.protocol import APIError
 
 log = logging.getLogger("kvtier.server")

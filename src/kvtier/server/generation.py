@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kvtier.engine.params import SamplingParams
-from kvtier.server.engine_loop import (
+from kvtier.server.events import (
     Delta,
     EngineClient,
     Event,

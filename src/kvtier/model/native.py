@@ -226,7 +226,7 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
 def _library(
     compiler: str, version: str, source: Path, flags: tuple[str, ...]
 ) -> tuple[ctypes.CDLL, Path] | None:
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
     key = hashlib.sha256(
         b"\0".join([text, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]

@@ -6,9 +6,10 @@
  * kvtier/model/native.py; plain C, no Python or torch headers. dtype: 0 float32, 1 bfloat16.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 
 /* Rows move through float32 buffers of at most BUF elements: loops the compiler vectorizes. */
 #define BUF 2048
@@ -100,38 +101,11 @@ static inline float tanh_approx(float x) {
     return z < 0.625f ? small : (x < 0.0f ? -big : big);
 }
 
-/* Rows [begin, end) of a kernel, run on up to num_threads threads (rows split evenly). */
-typedef void (*RowFn)(const void *args, int64_t begin, int64_t end);
-
-typedef struct {
-    RowFn fn;
-    const void *args;
-    int64_t begin, end;
-} Slice;
-
-static void *run_slice(void *p) {
-    const Slice *s = (const Slice *)p;
-    s->fn(s->args, s->begin, s->end);
-    return NULL;
-}
-
-static void parallel_rows(RowFn fn, const void *args, int64_t rows, int64_t work, int threads) {
-    if (threads > rows) threads = (int)rows;
-    if (threads < 2 || work < (1 << 19)) { /* thread start-up would cost more than it saves */
-        fn(args, 0, rows);
-        return;
-    }
-    Slice slices[threads];
-    pthread_t ids[threads];
-    int started[threads];
-    for (int t = 0; t < threads; t++) {
-        slices[t] = (Slice){fn, args, rows * t / threads, rows * (t + 1) / threads};
-        started[t] = t > 0 && pthread_create(&ids[t], NULL, run_slice, &slices[t]) == 0;
-        if (t > 0 && !started[t]) run_slice(&slices[t]);
-    }
-    run_slice(&slices[0]);
-    for (int t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
+/* Rows [begin, end) of a kernel, run on up to `threads` threads (pool.h: chunks of rows claimed
+ * as threads come, so a busy core delays nothing). */
+static void parallel_rows(ChunkFn fn, const void *args, int64_t rows, int64_t work, int threads) {
+    if (work < (1 << 19)) threads = 1; /* waking a helper would cost more than it saves */
+    pool_run(fn, args, rows, rows / (4 * (threads > 0 ? threads : 1)), threads);
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------ */

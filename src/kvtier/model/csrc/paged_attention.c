@@ -10,10 +10,12 @@
  * one range per query). Element type: 0 float32, 1 bfloat16 (round to nearest even on output).
  */
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 typedef struct {
     const void *q;
@@ -488,9 +490,18 @@ static void run(Args *a) {
     free(buf);
 }
 
-static void *run_thread(void *arg) {
-    run((Args *)arg);
-    return NULL;
+typedef struct {
+    Args base;
+    _Atomic int status;
+} Job;
+
+static void run_chunk(const void *ctx, int64_t begin, int64_t end) { /* sequences [begin, end) */
+    Job *job = (Job *)ctx;
+    Args a = job->base;
+    a.begin = begin;
+    a.end = end;
+    run(&a);
+    if (a.status) atomic_store(&job->status, a.status);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
@@ -504,31 +515,14 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
     int64_t keys = 0; /* the work: keys read, summed over sequences */
     for (int64_t i = 0; i < num_seqs; i++)
         if (seq_qlen[i] > 0) keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
-    if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* a thread's start costs more */
+    if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* waking a helper costs more */
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
-    Args base = {q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
-                 seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
-                 block_size, scale,  softcap, dtype,      0,          items,        0};
-    if (num_threads == 1) {
-        run(&base);
-        return base.status;
-    }
-    Args args[num_threads];
-    pthread_t threads[num_threads];
-    int started[num_threads];
-    for (int t = 0; t < num_threads; t++) {
-        args[t] = base;
-        args[t].begin = items * t / num_threads;
-        args[t].end = items * (t + 1) / num_threads;
-        started[t] = t > 0 && pthread_create(&threads[t], NULL, run_thread, &args[t]) == 0;
-        if (t > 0 && !started[t]) run(&args[t]);
-    }
-    run(&args[0]);
-    for (int t = 1; t < num_threads; t++)
-        if (started[t]) pthread_join(threads[t], NULL);
-    int status = 0;
-    for (int t = 0; t < num_threads; t++)
-        if (args[t].status) status = args[t].status;
-    return status;
+    Job job = {{q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
+                seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
+                block_size, scale,  softcap, dtype,      0,          items,        0},
+               0};
+    /* chunks of a quarter of a thread's share: sequences differ in length */
+    pool_run(run_chunk, &job, items, items / (4 * num_threads), num_threads);
+    return atomic_load(&job.status);
 }

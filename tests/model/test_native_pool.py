@@ -1,0 +1,115 @@
+"""The native kernels' thread pool (csrc/pool.h): a call's items are claimed in chunks by the
+caller and whichever helpers are running, so the output is the same bits on any number of
+threads, calls reuse the helpers, concurrent callers and forked children still get every item."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+
+from kvtier.model import native
+from kvtier.model.attention import LayerKind
+from kvtier.model.paged import paged_attention, plan_group
+from tests.model.test_attention_paths import HEADS, KV_HEADS, make_case
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
+
+# 37 decodes of 200-560 keys at head dim 64: ~2M key elements, past the kernel's threshold for
+# helpers (128k), in uneven sequences
+BATCH = [(200 + 10 * i, 1) for i in range(37)]
+
+
+def _attention(threads: int) -> torch.Tensor:
+    meta, q, k, v, cache = make_case(BATCH, 16, torch.bfloat16, seed=5, dim=64)
+    plan = plan_group(meta, 0, LayerKind(), KV_HEADS, HEADS // KV_HEADS, native=True)
+    native.set_threads(threads)
+    try:
+        return paged_attention(q, k, v, cache, plan, 0.125, None)
+    finally:
+        native.set_threads(None)
+
+
+def _norm(threads: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1500, 512, generator=gen).bfloat16()  # 768k elements: past 512k
+    residual = torch.randn(1500, 512, generator=gen).bfloat16()
+    weight = torch.randn(512, generator=gen).bfloat16()
+    kernels = native.kernels()
+    assert kernels is not None
+    native.set_threads(threads)
+    try:
+        out = kernels.rms_norm(x, weight, 1e-6, False, residual)
+    finally:
+        native.set_threads(None)
+    return torch.cat([out, residual])  # the residual is summed in place
+
+
+@pytest.mark.parametrize("run", [_attention, _norm], ids=["attention", "rms_norm"])
+def test_same_bits_on_any_number_of_threads(run) -> None:
+    one = run(1)
+    assert not one.isnan().any()
+    for threads in (2, 3, 8, 2, 64):  # helpers reused, added, more than there are chunks
+        assert torch.equal(run(threads), one), threads
+
+
+def test_concurrent_callers_each_get_every_item() -> None:
+    """A second caller while a job runs computes its own items alone; both are complete."""
+    want = _attention(1)
+    got: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            for _ in range(5):
+                got.append(_attention(2))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 15
+    assert all(torch.equal(g, want) for g in got)
+
+
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _child(conn, q, cache, out, index) -> None:  # type: ignore[no-untyped-def]
+    """Only the kernel call (no torch op: torch's own thread pools are not fork-safe)."""
+    kernels = native.kernels()
+    assert kernels is not None
+    before = _tasks()
+    native.set_threads(4)
+    kernels.paged_attention(q, cache, out, index, 0.125, None)
+    conn.send((out.view(torch.int16).numpy().tobytes(), before, _tasks()))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_forked_child_runs_the_kernels_alone() -> None:
+    """After fork the child's pool names helpers it does not have (and its locks may have been
+    held): the child computes every item on the calling thread and starts no helper."""
+    want = _attention(2)  # the parent's helpers exist before the fork
+    meta, q, k, v, cache = make_case(BATCH, 16, torch.bfloat16, seed=5, dim=64)
+    plan = plan_group(meta, 0, LayerKind(), KV_HEADS, HEADS // KV_HEADS, native=True)
+    paged_attention(q, k, v, cache, plan, 0.125, None)  # writes this step's keys into the cache
+    assert plan.native is not None
+    index, out = plan.native.index(), torch.empty_like(want)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(child_end, q, cache, out, index))
+    child.start()
+    assert parent_end.poll(120), "the child's kernel call did not return"
+    data, before, after = parent_end.recv()
+    child.join(30)
+    assert child.exitcode == 0
+    got = torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
+    assert torch.equal(got.view(want.shape), want)
+    assert after == before, "the child started pool helpers"

@@ -25,3 +25,10 @@ def pid(engine: EngineCore) -> int:
     import os
 
     return os.getpid()
+
+
+def stall(engine: EngineCore) -> None:
+    """Hold the engine thread for a minute (a hung step)."""
+    import time
+
+    time.sleep(60)

@@ -177,6 +177,25 @@ def test_stop_ends_the_engine_process_without_an_error() -> None:
         os.kill(pid, 0)
 
 
+def test_stop_kills_an_engine_process_that_does_not_stop() -> None:
+    """A hung engine thread keeps its process from exiting on "stop"; it ignores SIGTERM, so
+    `stop` kills it once its timeout passes."""
+    engine = EngineProcess(
+        EngineArgs.from_kwargs(None, max_model_len=128, torch_threads=1), 8, None, "warning"
+    )
+    engine.start()
+    pid = engine.call(probes.pid)
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(engine.call, probes.stall, 120.0)
+        wait_until(lambda: stalled.running(), 10)
+        engine.stop(timeout=1.0)
+        with pytest.raises(RuntimeError, match="has stopped"):
+            stalled.result(10)  # the reader answers calls left open
+    assert not engine.is_alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def test_a_start_failure_is_raised_in_the_http_process() -> None:
     args = EngineArgs.from_kwargs(None, max_model_len=128, torch_threads=1, num_device_blocks=2)
     engine = EngineProcess(args, 8, None, "warning")

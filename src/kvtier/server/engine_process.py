@@ -107,9 +107,9 @@ class EngineProcess:
             with contextlib.suppress(OSError):
                 self._send(("stop",))
         self._proc.join(timeout)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-            self._proc.terminate()
+        if self._proc.is_alive():  # it ignores SIGTERM (see `_child_main`): kill it
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
             self._proc.join(5)
         if self._reader.is_alive():
             self._reader.join(5)

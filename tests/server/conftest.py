@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -97,6 +98,23 @@ def stop_server(handle: ServerHandle) -> None:
     handle.server.should_exit = True
     handle.thread.join(10)
     handle.engine.stop()
+
+
+def free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def serve_command(port: int, max_model_len: int, num_device_blocks: int) -> list[str]:
+    """`kvtier serve` of the embedded model on `port`, one torch thread."""
+    return [
+        sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port),
+        "--max-model-len", str(max_model_len), "--num-device-blocks", str(num_device_blocks),
+        "--torch-threads", "1",
+    ]  # fmt: skip
 
 
 def _health(port: int) -> int:

@@ -7,16 +7,22 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
 
-from tests.server.conftest import MODEL, _health, start_server, stop_server, wait_until
+from tests.server.conftest import (
+    MODEL,
+    _health,
+    free_port,
+    serve_command,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 LONG = {"model": MODEL, "prompt": "The for", "max_tokens": 400, "ignore_eos": True}
 
@@ -63,13 +69,9 @@ def test_engine_failure_answers_requests_in_flight_and_stops_the_server() -> Non
 
 
 def test_kvtier_serve_exits_1_with_the_cause_logged(tmp_path: Path) -> None:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w+")
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--max-model-len"]
-    cmd += ["128", "--num-device-blocks", "32", "--torch-threads", "1"]
+    cmd = serve_command(port, 128, 32)
     env = os.environ | {"KVTIER_DEBUG_FAIL_AT_STEP": "2"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -8,9 +8,7 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +24,8 @@ from tests.server.conftest import (
     MODEL,
     ServerHandle,
     _health,
+    free_port,
+    serve_command,
     start_server,
     stop_server,
     wait_until,
@@ -207,13 +207,9 @@ def test_a_start_failure_is_raised_in_the_http_process() -> None:
 def test_ctrl_c_to_the_process_group_shuts_down_cleanly(tmp_path: Path) -> None:
     """Ctrl-C reaches every process of the group: the engine process leaves shutdown to the
     server, which drains, stops the engine (its tiers close) and exits 0."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w+")
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--max-model-len"]
-    cmd += ["128", "--num-device-blocks", "64", "--torch-threads", "1"]
+    cmd = serve_command(port, 128, 64)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.engine import EngineCore
-from tests.server.conftest import MODEL, ServerHandle, _health, wait_until
+from tests.server.conftest import MODEL, ServerHandle, _health, free_port, serve_command, wait_until
 
 
 def _idle(server: ServerHandle) -> bool:
@@ -134,13 +133,9 @@ def test_serve_cli_lists_the_vllm_style_flags() -> None:
 
 
 def test_kvtier_serve_starts_logs_the_kv_layout_and_answers(tmp_path: Path) -> None:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w+")
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--max-model-len"]
-    cmd += ["256", "--num-device-blocks", "64", "--torch-threads", "1"]
+    cmd = serve_command(port, 256, 64)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 60)

@@ -42,16 +42,23 @@ _SIGNATURES = {
     "kvtier_rope": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT],
     "kvtier_act_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT, _INT],
     "kvtier_argmax": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+    "kvtier_linear_available": [],
+    "kvtier_linear_pack": [_PTR, _I64, _I64, _PTR],
+    "kvtier_linear": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
 }  # fmt: skip
+_RETURNS_INT = {"kvtier_paged_attention", "kvtier_linear_available", "kvtier_linear"}
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded libraries (attention, fused elementwise) and where they came from."""
+    """The loaded libraries (attention, fused elementwise, linear) and where they came from;
+    `amx_linear`: the linear kernel runs here (AMX tiles, granted by the OS)."""
 
     attention: ctypes.CDLL
     fused: ctypes.CDLL
+    linear: ctypes.CDLL
     paths: tuple[Path, ...]
+    amx_linear: bool = False
 
     def paged_attention(
         self,
@@ -127,6 +134,31 @@ class Kernels:
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, ACTIVATIONS[activation],
             DTYPES[gate_up.dtype], threads(),
         )  # fmt: skip
+        return out
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [n, k] in the linear kernel's tile layout (needs `amx_linear`)."""
+        n, k = weight.shape
+        assert self.amx_linear and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        packed = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.bfloat16)
+        self.linear.kvtier_linear_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear_bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [m, k] (rows contiguous) times the packed weight [n, k]ᵀ (+ bias) → [m, n], the
+        bits of oneDNN's bfloat16 linear."""
+        m, k = x.shape
+        assert x.dtype == packed.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        status = self.linear.kvtier_linear(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("kvtier_linear: no scratch memory")
         return out
 
 
@@ -220,7 +252,11 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
     fused = _library(compiler, version, CSRC / "fused.c", (*flags, "-ffp-contract=off"))
     if attention is None or fused is None:
         return None
-    return Kernels(attention[0], fused[0], (attention[1], fused[1]))
+    linear = _library(compiler, version, CSRC / "linear.c", flags)
+    if linear is None:
+        return None
+    amx = bool(linear[0].kvtier_linear_available())
+    return Kernels(attention[0], fused[0], linear[0], (attention[1], fused[1], linear[1]), amx)
 
 
 def _library(
@@ -241,7 +277,7 @@ def _library(
     for name, argtypes in _SIGNATURES.items():
         if hasattr(library, name):
             fn = getattr(library, name)
-            fn.restype = ctypes.c_int if name == "kvtier_paged_attention" else None
+            fn.restype = ctypes.c_int if name in _RETURNS_INT else None
             fn.argtypes = argtypes
     return library, path
 

@@ -1,0 +1,155 @@
+/* bfloat16 linear layers for few rows on AMX tiles: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias),
+ * float32 accumulation, rounded to bfloat16 once (round to nearest even), as oneDNN's bf16 matmul.
+ * oneDNN's call costs 20–40 µs before it multiplies anything at the small models' shapes (its
+ * primitive set-up per call); these tiles need 4–12 µs for the same products there. Built and
+ * loaded by kvtier/model/native.py; plain C, no Python or torch headers.
+ *
+ * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
+ * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
+ * Output columns are split in groups of four tiles among the pool's threads (pool.h): each
+ * element is computed by one thread in one order, so results do not depend on the thread count.
+ * Without AMX (or where the kernel may not use it) `kvtier_linear_available` returns 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux grants a process the AMX tile state on request (once for all its threads). */
+int kvtier_linear_available(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint16_t *tile = packed + (nb * kbs + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;
+                        tile[(r * 16 + c) * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
+                    }
+        }
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0–3: accumulators (rows × 16 float32); 4: x rows × 32 bf16; 5, 6: weight tiles */
+static void configure(int rows) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.rows[t] = (uint8_t)rows;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[5] = cfg.rows[6] = 16;
+    cfg.colsb[5] = cfg.colsb[6] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+typedef struct {
+    const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
+    uint16_t *out;
+    int64_t m, n, k, x_stride;
+} Job;
+
+static void store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
+    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (a->bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b));
+        _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask, h);
+    }
+}
+
+/* output column groups [g0, g1): four 16-column tiles each, every row block of 16 */
+static void run_groups(const void *ctx, int64_t g0, int64_t g1) {
+    const Job *a = (const Job *)ctx;
+    const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32, full = a->k / 32;
+    float acc[4][256] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t nb0 = g * 4;
+        const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
+        const uint16_t *w = a->packed + nb0 * kbs * 512;
+        for (int64_t m0 = 0; m0 < a->m; m0 += 16) {
+            const int rows = a->m - m0 < 16 ? (int)(a->m - m0) : 16;
+            if (rows != configured) {
+                configure(rows);
+                configured = rows;
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kbs; kb++) {
+                if (kb < full)
+                    _tile_loadd(4, a->x + m0 * a->x_stride + kb * 32, a->x_stride * 2);
+                else
+                    _tile_loadd(4, a->tail + m0 * 32, 64);
+                const uint16_t *b = w + kb * 512;
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (tiles > 1) {
+                    _tile_loadd(6, b + kbs * 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(5, b + 2 * kbs * 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(6, b + 3 * kbs * 512, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                }
+            }
+            _tile_stored(0, acc[0], 64);
+            if (tiles > 1) _tile_stored(1, acc[1], 64);
+            if (tiles > 2) _tile_stored(2, acc[2], 64);
+            if (tiles > 3) _tile_stored(3, acc[3], 64);
+            for (int t = 0; t < tiles; t++) store(a, acc[t], m0, rows, (nb0 + t) * 16);
+        }
+    }
+    if (configured) _tile_release();
+}
+
+/* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
+ * Returns 0, or -1 when the scratch for x's last partial k block could not be allocated. */
+int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                  int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
+    uint16_t *tail = NULL;
+    if (k % 32) {
+        tail = calloc((size_t)(m * 32), sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t r = 0; r < m; r++)
+            memcpy(tail + r * 32, x + r * x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
+    }
+    const Job job = {x, packed, bias, tail, out, m, n, k, x_stride};
+    const int64_t groups = ((n + 15) / 16 + 3) / 4;
+    const int64_t work = m * n * k; /* multiply-adds: below ~2M a helper's wake costs more */
+    pool_run(run_groups, &job, groups, groups / (4 * threads), work < (1 << 21) ? 1 : threads);
+    free(tail);
+    return 0;
+}
+#else
+int kvtier_linear_available(void) { return 0; }
+#endif

@@ -1,0 +1,77 @@
+"""The AMX linear kernel (csrc/linear.c) gives oneDNN's bits: bfloat16 products summed in float32
+and rounded once, at every row count it takes, with partial k blocks and output tiles, bias or
+none, strided rows, and any number of threads; `Linear` picks it for few rows and oneDNN above."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier.model import native
+from kvtier.model.layers import PACK_BF16, Linear, takes_tiles
+
+kernels = native.kernels()
+pytestmark = pytest.mark.skipif(
+    kernels is None or not kernels.amx_linear or not PACK_BF16, reason="no AMX linear here"
+)
+
+# (k, n): whole tiles, a partial last k block (k % 32), a partial last output tile (n % 16), a
+# single output column, and the small models' shapes
+SHAPES = [(64, 96), (100, 77), (33, 1), (256, 1376), (688, 256), (128, 4096), (896, 1152)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = kernels.pack_linear(w)
+    for m in (1, 2, 15, 16, 17, 32, 40, 64):
+        if not takes_tiles(m, k, n * k):  # oneDNN's own bits differ there (see takes_tiles)
+            continue
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        want = F.linear(x, w, b)
+        for threads in (1, 2):
+            native.set_threads(threads)
+            try:
+                got = kernels.linear_bf16(x, packed, n, b)
+            finally:
+                native.set_threads(None)
+            assert torch.equal(got, want), (m, threads)
+
+
+def test_strided_rows() -> None:
+    """Rows read `x.stride(0)` apart (a view of a wider tensor), the partial k block too."""
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(9, 150, generator=gen).bfloat16()
+    x = wide[:, 10:110]  # k = 100: three whole blocks and a partial one
+    w = torch.randn(48, 100, generator=gen).bfloat16()
+    got = kernels.linear_bf16(x, kernels.pack_linear(w), 48, None)
+    assert torch.equal(got, F.linear(x.contiguous(), w))
+
+
+def test_a_row_gets_the_same_bits_in_any_batch() -> None:
+    """Unlike oneDNN above 32 rows, the tiles compute a row the same way whatever its batch."""
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 896, generator=gen).bfloat16()
+    x = torch.randn(64, 896, generator=gen).bfloat16()
+    packed = kernels.pack_linear(w)
+    whole = kernels.linear_bf16(x, packed, 300, None)
+    for i in (0, 17, 63):
+        assert torch.equal(kernels.linear_bf16(x[i : i + 1], packed, 300, None)[0], whole[i])
+
+
+def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
+    gen = torch.Generator().manual_seed(2)
+    small = Linear(256, 512, bias=True).to(torch.bfloat16)  # 128k elements: tiles up to 64 rows
+    big = Linear(2048, 1100, bias=False).to(torch.bfloat16)  # 2.25M elements: tiles up to 16
+    for layer, rows in [(small, 1), (small, 64), (small, 65), (big, 16), (big, 17)]:
+        x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), rows
+    assert small._tiles is not None and small._packed is not None  # both paths ran
+    assert big._tiles is not None and big._packed is not None

@@ -67,11 +67,13 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 
 
 def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
+    """The choice (`takes_tiles`), and `Linear` gives F.linear's bits on either side of it."""
+    assert takes_tiles(64, 256, 256 * 512) and not takes_tiles(65, 256, 256 * 512)
+    assert takes_tiles(32, 688, 688 * 256) and not takes_tiles(33, 688, 688 * 256)
+    assert takes_tiles(16, 2048, 2048 * 1100) and not takes_tiles(17, 2048, 2048 * 1100)
     gen = torch.Generator().manual_seed(2)
-    small = Linear(256, 512, bias=True).to(torch.bfloat16)  # 128k elements: tiles up to 64 rows
-    big = Linear(2048, 1100, bias=False).to(torch.bfloat16)  # 2.25M elements: tiles up to 16
+    small = Linear(256, 512, bias=True).to(torch.bfloat16)
+    big = Linear(2048, 1100, bias=False).to(torch.bfloat16)
     for layer, rows in [(small, 1), (small, 64), (small, 65), (big, 16), (big, 17)]:
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), rows
-    assert small._tiles is not None and small._packed is not None  # both paths ran
-    assert big._tiles is not None and big._packed is not None

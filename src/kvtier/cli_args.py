@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -62,3 +63,8 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
         if getattr(args, f.name, None) is not None
     }
     return cls(**given)
+
+
+def configure_logging(level: str) -> None:
+    """Log lines of the long-running commands (`serve` and its engine process, `router`)."""
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")

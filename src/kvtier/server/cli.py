@@ -10,7 +10,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from kvtier.cli_args import add_dataclass_args, dataclass_from_args
+from kvtier.cli_args import add_dataclass_args, configure_logging, dataclass_from_args
 from kvtier.config import ServerConfig
 from kvtier.engine.cli import add_engine_arguments, engine_args
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.engine_process import EngineProcess
 
     cfg = dataclass_from_args(ServerConfig, args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level)
     loop: EngineClient
     eargs, fail_at = engine_args(args), _fail_at_step()
     if cfg.engine_process:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from kvtier.cli_args import configure_logging
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs
 from kvtier.model.tokenizer import Tokenizer
@@ -288,7 +289,7 @@ def _child_main(
     # stops this one with "stop" after uvicorn has drained (the tiers then finish their writes).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     send_lock = threading.Lock()
 
     def send(msg: tuple[Any, ...]) -> None:
@@ -315,9 +316,9 @@ def _child_main(
 
     def reply(call_id: int, fut: concurrent.futures.Future[Any]) -> None:
         exc = fut.exception()
-        msg = ("reply", call_id, True, fut.result()) if exc is None else None
+        ok = exc is None
         try:
-            send(msg or ("reply", call_id, False, _picklable(exc or RuntimeError())))
+            send(("reply", call_id, ok, fut.result() if exc is None else _picklable(exc)))
         except OSError:  # the HTTP process is gone
             pass
         except Exception as err:  # the result does not pickle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvtier.cli_args import parse_bytes
+from kvtier.cli_args import configure_logging, parse_bytes
 from kvtier.config import RouterConfig
 
 log = logging.getLogger("kvtier.router")
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.router import build_router_app
 
     cfg = config_from_args(args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request otherwise
     log.info("routing http://%s:%d to %s", cfg.host, cfg.port, ", ".join(cfg.replicas))
     server = uvicorn.Server(

@@ -54,14 +54,11 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
             return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w.dtype)
         kernels = native_kernels.kernels()
         tiles = kernels is not None and kernels.amx_linear and x.dim() == 2 and x.stride(1) == 1
         if kernels is not None and tiles and takes_tiles(x.shape[0], x.shape[1], w.numel()):
-            if self._tiles is None or self._tiles_of != key:
-                self._tiles = kernels.pack_linear(w.detach().contiguous())
-                self._tiles_of = key
-            return kernels.linear_bf16(x, self._tiles, w.shape[0], self.bias)
+            return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
+        key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._packed_of = key
@@ -69,6 +66,16 @@ class Linear(nn.Linear):
             x, self._packed, self.bias, "none", [], ""
         )
         return out
+
+    def tiles(self, kernels: native_kernels.Kernels) -> torch.Tensor:
+        """The weight in the AMX linear's tile layout (needs `kernels.amx_linear` and a bfloat16
+        weight), packed on first use and again whenever the weight tensor is another one."""
+        w = self.weight
+        key = (w.data_ptr(), w.dtype)
+        if self._tiles is None or self._tiles_of != key:
+            self._tiles = kernels.pack_linear(w.detach().contiguous())
+            self._tiles_of = key
+        return self._tiles
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

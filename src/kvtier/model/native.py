@@ -7,7 +7,9 @@ model keeps its torch paths.
 
 `paged_attention.c`: attention of few queries per sequence straight from the paged cache.
 `fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
-without FMA contraction so float32 rounds as torch's separate ops do."""
+without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
+linears for few rows on AMX tiles. `layer.c`: a decoder layer's step as one call into the others
+(`model/fused_layer.py`)."""
 
 from __future__ import annotations
 
@@ -45,18 +47,23 @@ _SIGNATURES = {
     "kvtier_linear_available": [],
     "kvtier_linear_pack": [_PTR, _I64, _I64, _PTR],
     "kvtier_linear": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
+    "kvtier_layer_work": [_PTR],
+    "kvtier_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
 }  # fmt: skip
-_RETURNS_INT = {"kvtier_paged_attention", "kvtier_linear_available", "kvtier_linear"}
+_RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": ctypes.c_int,
+            "kvtier_linear": ctypes.c_int, "kvtier_layer": ctypes.c_int,
+            "kvtier_layer_work": ctypes.c_int64}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded libraries (attention, fused elementwise, linear) and where they came from;
-    `amx_linear`: the linear kernel runs here (AMX tiles, granted by the OS)."""
+    """The loaded libraries (attention, fused elementwise, linear, layer) and where they came
+    from; `amx_linear`: the linear kernel runs here (AMX tiles, granted by the OS)."""
 
     attention: ctypes.CDLL
     fused: ctypes.CDLL
     linear: ctypes.CDLL
+    layer: ctypes.CDLL
     paths: tuple[Path, ...]
     amx_linear: bool = False
 
@@ -135,6 +142,15 @@ class Kernels:
             DTYPES[gate_up.dtype], threads(),
         )  # fmt: skip
         return out
+
+    def address(self, name: str) -> int:
+        """The address of an exported kernel function (for `layer.c`, which calls them)."""
+        for library in (self.attention, self.fused, self.linear):
+            if hasattr(library, name):
+                address = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+                assert address is not None
+                return address
+        raise KeyError(name)
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """A bfloat16 weight [n, k] in the linear kernel's tile layout (needs `amx_linear`)."""
@@ -253,10 +269,12 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
     if attention is None or fused is None:
         return None
     linear = _library(compiler, version, CSRC / "linear.c", flags)
-    if linear is None:
+    layer = _library(compiler, version, CSRC / "layer.c", flags)
+    if linear is None or layer is None:
         return None
     amx = bool(linear[0].kvtier_linear_available())
-    return Kernels(attention[0], fused[0], linear[0], (attention[1], fused[1], linear[1]), amx)
+    paths = (attention[1], fused[1], linear[1], layer[1])
+    return Kernels(attention[0], fused[0], linear[0], layer[0], paths, amx)
 
 
 def _library(
@@ -277,7 +295,7 @@ def _library(
     for name, argtypes in _SIGNATURES.items():
         if hasattr(library, name):
             fn = getattr(library, name)
-            fn.restype = ctypes.c_int if name in _RETURNS_INT else None
+            fn.restype = _RETURNS.get(name)
             fn.argtypes = argtypes
     return library, path
 

@@ -14,6 +14,7 @@ from kvtier.kv.plan import KVGroup, group_layers
 from kvtier.model import native
 from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
+from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.layers import GatedMLP, Linear, RMSNorm, apply_rope, inv_freq, rope_tables
 from kvtier.model.paged import GroupPlan, paged_attention, plan_group
 
@@ -140,6 +141,8 @@ class CausalLM(nn.Module):
         for r, rope in enumerate(ropes):  # float32 tables, kept float32 by `rope_tables`
             self.register_buffer(f"inv_freq_{r}", inv_freq(rope, config.head_dim), persistent=False)
         self.num_ropes = len(ropes)
+        # decode steps' layers as one native call each where they serve; None: always Python
+        self.fused: FusedLayers | None = FusedLayers() if native else None
 
     def layer_slots(self) -> list[int]:
         """KV pool slot of each layer: layer `group.layer_indices[s]` uses slot s."""
@@ -189,8 +192,17 @@ class CausalLM(nn.Module):
             rope_tables(getattr(self, f"inv_freq_{r}").float(), positions, h.dtype)
             for r in range(self.num_ropes)
         ]
+        layers = list(self.model.layers)
+        done = None
+        if use_native and self.fused is not None:
+            done = self.fused.run(
+                layers, h, ropes, self.layer_rope, kv_caches, plans, self.layer_group
+            )
+        if done is not None:
+            hidden, _ = self.model.norm.forward_add(*done)
+            return hidden
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(layers):
             rope = ropes[self.layer_rope[i]]
             h, residual = layer(h, residual, rope, kv_caches[i], plans[self.layer_group[i]])
         if residual is None:

@@ -1,0 +1,211 @@
+"""The decoder layers of a bfloat16 decode step as one native call each (`csrc/layer.c`).
+
+A layer's Python path makes ~11 kernel calls (norms, the AMX linears, rope, the KV write, the
+paged attention kernel), each with its own ctypes call, output allocation and Python; on a small
+model that is most of a decode step's time, and every call releases and retakes the GIL. Where
+the whole batch is served by those kernels — bfloat16 on a CPU with the AMX linear, every linear
+taking the tiles at this row count (`takes_tiles`), every query on the attention kernel (no
+prefill chunk or gathered sequence in any KV group) — `FusedLayers` runs each layer as one call
+that makes the same kernel calls in C, on the same inputs: the same bits as the Python path
+(tests/model/test_fused_layer.py). Other batches take the Python path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.model import native
+from kvtier.model.layers import PACK_BF16, RMSNorm, takes_tiles
+from kvtier.model.paged import GroupPlan
+
+# transformer.DecoderLayer, which this module cannot import (transformer.py imports it)
+DecoderLayer = Any
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Layer(ctypes.Structure):  # csrc/layer.c `Layer`
+    _fields_ = [
+        *((name, _P) for name in ("rms_norm", "rope", "act_mul", "linear", "attention")),
+        *((name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")),
+        *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
+        *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
+        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
+        *((name, _F) for name in ("eps", "scale", "softcap")),
+        *((name, _INT) for name in ("gemma", "qk_gemma", "act")),
+    ]
+
+
+class _Step(ctypes.Structure):  # csrc/layer.c `Step`
+    _fields_ = [
+        ("tables", _P),
+        ("table_stride", _I64),
+        *((name, _P) for name in ("seq_token", "seq_qlen", "seq_row", "lo", "hi")),
+        ("num_seqs", _I64),
+        ("write_rows", _P),
+        ("write_tokens", _P),
+        ("num_written", _I64),
+        ("block_size", _I64),
+    ]
+
+
+_KERNELS = {
+    "rms_norm": "kvtier_rms_norm",
+    "rope": "kvtier_rope",
+    "act_mul": "kvtier_act_mul",
+    "linear": "kvtier_linear",
+    "attention": "kvtier_paged_attention",
+}
+
+
+class _Built:
+    """One layer's `Layer` struct, what it points into, and the weights it was built from."""
+
+    def __init__(self, layer: DecoderLayer, kernels: native.Kernels) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.tensors: list[torch.Tensor] = list(layer.parameters())  # the struct points here
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.shapes = [(lin.in_features, lin.weight.numel()) for lin in linears]
+        tiles = [lin.tiles(kernels) for lin in linears]
+        self.tensors += tiles
+        s = _Layer()
+        for field, name in _KERNELS.items():
+            setattr(s, field, kernels.address(name))
+        s.input_norm = layer.input_layernorm.weight.data_ptr()
+        s.post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
+        if layer.sandwich:
+            s.pre_ff_norm = layer.pre_feedforward_layernorm.weight.data_ptr()
+            s.post_ff_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+        if attn.q_norm is not None and attn.k_norm is not None:
+            s.q_norm, s.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+            s.qk_gemma = int(attn.q_norm.gemma)
+        for name, lin, packed in zip(("qkv", "o", "gate_up", "down"), linears, tiles, strict=True):
+            setattr(s, name, packed.data_ptr())
+            if lin.bias is not None:
+                setattr(s, f"{name}_bias", lin.bias.data_ptr())
+        s.hidden, s.heads, s.kv_heads = attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads
+        s.head_dim, s.inter = attn.head_dim, mlp.down_proj.in_features
+        s.eps, s.scale, s.softcap = layer.input_layernorm.eps, attn.scale, attn.softcap or 0.0
+        s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
+        self.struct = s
+        self.address = ctypes.addressof(s)
+        self.work = int(kernels.layer.kvtier_layer_work(self.address))  # bytes per token
+        self.hidden = s.hidden
+
+
+def _weight(module: torch.nn.Module, name: str) -> int:
+    weight = module._parameters[name]
+    return 0 if weight is None else weight.data_ptr()
+
+
+def servable(layer: DecoderLayer) -> bool:
+    """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU, every
+    norm, the rope and the MLP's activation on the native kernels, no float32 leftovers."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms: list[RMSNorm | None] = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if attn.q_norm is not None or attn.k_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    if not all(n is not None and n.native for n in norms) or not (attn.native and mlp.native):
+        return False
+    if attn.head_dim > native.MAX_HEAD_DIM or mlp.activation not in native.ACTIVATIONS:
+        return False
+    return all(
+        p.dtype == torch.bfloat16 and p.device == native.CPU and p.is_contiguous()
+        for p in layer.parameters()
+    )
+
+
+class FusedLayers:
+    """The layers of one model as native calls; `run` declines (None) batches it does not serve.
+    Structs are built on first use and rebuilt when a weight tensor is another one."""
+
+    def __init__(self) -> None:
+        self._built: list[_Built] | None = None  # None: not servable
+        self._of: tuple[int, ...] | None = None  # the weights `_built` was decided for
+        self._rows: dict[int, bool] = {}  # row count → every linear takes the tiles
+        self._slots: list[tuple[torch.nn.Module, str]] = []
+
+    def run(
+        self,
+        layers: Sequence[DecoderLayer],
+        x: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_rope: list[int],
+        kv_caches: list[torch.Tensor],
+        plans: list[GroupPlan],
+        layer_group: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after every layer for input x [rows, hidden], or None where some
+        layer or query is not served (the caller runs the Python path)."""
+        kernels = native.kernels()
+        if kernels is None or not kernels.amx_linear or not PACK_BF16 or x.dtype != torch.bfloat16:
+            return None
+        if any(p.native is None or p.gathers or p.owns for p in plans):
+            return None
+        built = self._layers(layers, kernels)
+        if built is None:
+            return None
+        rows = x.shape[0]
+        fits = self._rows.get(rows)
+        if fits is None:
+            shapes = {shape for b in built for shape in b.shapes}
+            fits = self._rows[rows] = all(takes_tiles(rows, k, n) for k, n in shapes)
+        if not fits or not all(c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches):
+            return None
+        steps = [_step(p) for p in plans]
+        step_addresses = [ctypes.addressof(s) for s in steps]
+        hidden = built[0].hidden
+        work = torch.empty(rows * max(b.work for b in built) // 2, dtype=torch.bfloat16)
+        outs = torch.empty(2, rows, hidden, dtype=torch.bfloat16)
+        fn, threads = kernels.layer.kvtier_layer, native.threads()
+        residual, h = x, x
+        tables = [(cos.data_ptr(), sin.data_ptr()) for cos, sin in ropes]
+        for i, b in enumerate(built):
+            out = outs[i % 2]
+            cos, sin = tables[layer_rope[i]]
+            status = fn(
+                b.address, step_addresses[layer_group[i]], cos, sin,
+                kv_caches[i].data_ptr(), h.data_ptr(), residual.data_ptr(), out.data_ptr(),
+                work.data_ptr(), rows, int(i == 0), threads,
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("kvtier_layer: a kernel found no scratch memory")
+            h = out
+        return h, residual
+
+    def _layers(self, layers: Sequence[DecoderLayer], kernels: native.Kernels) -> list[_Built] | None:
+        if not self._slots:  # where each weight lives, found once (a lookup per step, not a walk)
+            self._slots = [
+                (module, name)
+                for layer in layers
+                for module in layer.modules()
+                for name in module._parameters
+            ]
+        of = tuple(_weight(module, name) for module, name in self._slots)
+        if of != self._of:
+            servable_all = all(servable(layer) for layer in layers)
+            self._built = [_Built(layer, kernels) for layer in layers] if servable_all else None
+            self._of = of
+            self._rows.clear()
+        return self._built
+
+
+def _step(plan: GroupPlan) -> _Step:
+    nat = plan.native
+    assert nat is not None
+    s = _Step()
+    s.tables, s.table_stride = nat.tables.data_ptr(), nat.tables.stride(0)
+    s.seq_token, s.seq_qlen = nat.seq_token.data_ptr(), nat.seq_qlen.data_ptr()
+    s.seq_row, s.lo, s.hi = nat.seq_row.data_ptr(), nat.lo.data_ptr(), nat.hi.data_ptr()
+    s.num_seqs = nat.seq_token.shape[0]
+    s.write_rows, s.num_written = plan.write_rows.data_ptr(), plan.write_rows.shape[0]
+    if plan.write_tokens is not None:
+        s.write_tokens = plan.write_tokens.data_ptr()
+    s.block_size = plan.block_size
+    return s

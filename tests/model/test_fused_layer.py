@@ -1,0 +1,93 @@
+"""A decode step's layers as one native call each (model/fused_layer.py, csrc/layer.c) give the
+bits of the layers' Python path, on every architecture's layer shape; batches they do not serve
+(prefill chunks, too many rows for the tiles, float32, the torch-only model) take the Python path;
+a weight replaced after the first step is used, not the one the call was first built on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.model import native
+from kvtier.model.fused_layer import FusedLayers
+from kvtier.model.layers import PACK_BF16
+from kvtier.model.loader import load_model
+from kvtier.model.testing import ARCHITECTURES
+from tests.model.paged import PagedKV
+
+kernels = native.kernels()
+pytestmark = pytest.mark.skipif(
+    kernels is None or not kernels.amx_linear or not PACK_BF16, reason="no AMX linear here"
+)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each forward's layers ran fused (FusedLayers.run did not decline)."""
+    taken: list[bool] = []
+    run = FusedLayers.run
+
+    def recording(self: FusedLayers, *args: object, **kwargs: object) -> object:
+        done = run(self, *args, **kwargs)  # type: ignore[arg-type]
+        taken.append(done is not None)
+        return done
+
+    monkeypatch.setattr(FusedLayers, "run", recording)
+    return taken
+
+
+def decode(model, steps: int, seqs: int = 5, block_size: int = 8) -> list[torch.Tensor]:
+    """Logits of a prefill of `seqs` prompts, then `steps` decode steps; every fifth step one
+    sequence brings three tokens (a draft verification: a short multi-query)."""
+    kv = PagedKV(model, num_blocks=40 * seqs + 100, block_size=block_size)
+    prompts = {f"s{i}": list(range(3 + i, 20 + 3 * i)) for i in range(seqs)}
+    out = kv.step(list(prompts.items()))
+    for t in range(steps):
+        batch = [
+            (s, [5 + t + j] if j != t % 5 else [5 + t, 6 + t, 7]) for j, s in enumerate(prompts)
+        ]
+        out += kv.step(batch)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch):
+    model = load_model(tiny_model_dir(arch), dtype="bfloat16")
+    fused = decode(model, steps=30)  # past the sliding windows (mistral, gemma2/3)
+    assert served[0] is False and all(served[1:]), served
+    model.fused = None
+    python = decode(model, steps=30)
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served):
+    model = load_model(tiny_model_dir("llama", intermediate_size=1024), dtype="bfloat16")
+    decode(model, steps=1, seqs=40)  # 40 rows: the down projection (k = 1024) exceeds 32 rows
+    assert served == [False, False]
+    served.clear()
+    decode(model, steps=1, seqs=4)
+    assert served == [False, True]  # the prefill (first chunks on their own keys), the decode
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_and_the_torch_only_model_never_fuse(tiny_model_dir, served, dtype):
+    native_model = dtype == "float32"
+    model = load_model(tiny_model_dir("llama"), dtype=dtype, native=native_model)
+    decode(model, steps=2)
+    assert not any(served)
+
+
+def test_a_replaced_weight_is_used(tiny_model_dir, served):
+    model = load_model(tiny_model_dir("gemma3"), dtype="bfloat16")
+    decode(model, steps=2)
+    mlp = model.model.layers[1].mlp.down_proj
+    mlp.weight.data = mlp.weight.detach() * 2  # another tensor, as loading or `.to()` gives
+    norm = model.model.layers[0].self_attn.k_norm
+    assert norm is not None
+    norm.weight.data = norm.weight.detach() + 1
+    fused = decode(model, steps=3)
+    assert all(served[-3:])
+    model.fused = None
+    for a, b in zip(fused, decode(model, steps=3), strict=True):
+        assert torch.equal(a, b)

@@ -179,7 +179,9 @@ class FusedLayers:
             h = out
         return h, residual
 
-    def _layers(self, layers: Sequence[DecoderLayer], kernels: native.Kernels) -> list[_Built] | None:
+    def _layers(
+        self, layers: Sequence[DecoderLayer], kernels: native.Kernels
+    ) -> list[_Built] | None:
         if not self._slots:  # where each weight lives, found once (a lookup per step, not a walk)
             self._slots = [
                 (module, name)

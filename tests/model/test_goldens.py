@@ -60,12 +60,14 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_model_dir, arch, dtype
 @pytest.mark.parametrize("config", [{}, {"hidden_size": 256}], ids=["head16", "head64"])
 def test_bfloat16_is_as_accurate_as_transformers_bfloat16(tiny_model_dir, arch, config):
     """bf16 rounds differently from HF's eager path (SDPA keeps float32 accumulators), so compare
-    both against float64 truth: our error must be no worse than HF's, and argmax mostly agrees.
+    both against float64 truth: our error must be no worse than HF's, and argmax agrees with the
+    truth in 90 % of positions or as often as HF's bfloat16 does.
     Head size 64 takes the native kernel's bfloat16 pairs path (head sizes a multiple of 32)."""
     folder = tiny_model_dir(arch, **config)
     tokens = prompt(seed=2) + list(range(40, 72))
     truth = hf_logits(hf_model(folder, torch.float64), tokens)
-    hf_err = (hf_logits(hf_model(folder, torch.bfloat16), tokens).double() - truth).abs().mean()
+    hf = hf_logits(hf_model(folder, torch.bfloat16), tokens).double()
+    hf_err = (hf - truth).abs().mean()
     kv = PagedKV(load_model(folder, dtype="bfloat16"), num_blocks=64, block_size=4)
     ours = torch.cat(
         [kv.step([("s", tokens[:PROMPT_LEN])])[0]]
@@ -74,7 +76,8 @@ def test_bfloat16_is_as_accurate_as_transformers_bfloat16(tiny_model_dir, arch, 
     assert ours.dtype == torch.float64 and kv.kv_caches[0].dtype == torch.bfloat16
     assert (ours - truth).abs().mean() <= 1.1 * hf_err + 1e-3
     agree = (ours.argmax(-1) == truth.argmax(-1)).float().mean()
-    assert agree >= 0.9
+    # 90 %, or as often as HF's own bfloat16 (46 of 52 positions on the head-64 Gemma2)
+    assert agree >= min(0.9, (hf.argmax(-1) == truth.argmax(-1)).float().mean())
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 /* Paged attention for few queries per sequence (decodes, draft verification) straight from the KV
  * cache: no gather copy, each key and value block read once per (sequence, KV head), float32
- * accumulation with an online softmax. Built and loaded by kvtier/model/native.py (plain C, no
+ * accumulation with an online softmax (per chunk of keys; per segment of up to SEG chunks in the
+ * bfloat16 pairs path, see attend_pairs). Built and loaded by kvtier/model/native.py (plain C, no
  * Python or torch headers); called through ctypes, which releases the GIL.
  *
  * Cache layout [num_blocks, 2, block_size, kv_heads, head_dim] (K then V per block), contiguous.
@@ -61,6 +62,21 @@ static void load_row(const void *base, int64_t offset, int64_t n, int dtype, flo
 }
 
 #define CHUNK 16 /* keys scored together: one AVX-512 register of float32 scores */
+
+/* Keys c0.. of the chunk starting at c0 (at most CHUNK, within one block) */
+static int64_t chunk_len(int64_t c0, int64_t kmax, int64_t bs) {
+    const int64_t off = c0 % bs;
+    int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
+    return cn < CHUNK ? cn : CHUNK;
+}
+
+static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(k + value + b);
+    }
+}
+
 
 /* The three steps on a chunk of up to CHUNK consecutive keys of one block and KV head:
  *   keys_t:  keys transposed to kt [D, CHUNK] float32 (key j in lane j) and values to
@@ -199,7 +215,8 @@ static void softmax(int64_t rows, const float *qr, const float *kt, const float 
  * kp [D/2, CHUNK] (lane j: k_j[2p], k_j[2p + 1]); values pairs of consecutive keys interleaved by
  * dimension, vp [CHUNK/2, D/32, 2, 16] (lane: v_j[d], v_j+1[d]), which leaves each row's
  * accumulator in a permuted order ([D/32, 2, 16], see unpermute); the probabilities are rounded
- * to bfloat16 before they weigh the values, as transformers' eager attention does. */
+ * to bfloat16 before they weigh the values, as transformers' eager attention does. Its accuracy
+ * against float64 matches transformers' bfloat16 (tests/model/test_goldens.py). */
 static void keys_pairs(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kp) {
     for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
         __m512 r[16];
@@ -232,11 +249,23 @@ static inline int64_t unpermute(int64_t d) {
     return b * 32 + (k < 4 ? 4 * lane + k : 16 + 4 * lane + k - 4);
 }
 
-static inline __attribute__((always_inline)) void softmax_rows_bf16(
-    const int R, const uint16_t *const *q, const uint32_t *kp, const uint32_t *vp, int64_t D,
-    int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l, float *acc) {
-    __m512 sc[4], s2[4]; /* two accumulators per row: half the dependency chain */
-    uint32_t pp[4][CHUNK / 2];
+#define SEG 32 /* chunks per segment of the two-pass softmax (attend_pairs) */
+
+typedef struct { /* attend_pairs' buffers, one per work item's thread */
+    uint32_t *kp;     /* [D / 2, CHUNK] one chunk's keys as transposed pairs */
+    uint32_t *vseg;   /* [SEG][8 D] the segment's values as pairs (values_pairs) */
+    float *scores;    /* [rows][SEG][CHUNK] */
+    __mmask16 *valid; /* [rows][SEG] keys each row reads in each chunk */
+    uint32_t *pp;     /* [rows][SEG][CHUNK / 2] probabilities, bfloat16 pairs */
+    int64_t count[SEG]; /* keys of each chunk */
+} Scratch;
+
+/* Scores of R query rows (R ≤ 4 a constant after inlining) over one chunk: q · k * scale,
+ * soft-capped; sc[g] lane j is key j of the chunk. */
+static inline __attribute__((always_inline)) void scores_rows_bf16(
+    const int R, const uint16_t *const *q, const uint32_t *kp, int64_t D, float scale,
+    float softcap, __m512 *sc) {
+    __m512 s2[4]; /* two accumulators per row: half the dependency chain */
     for (int g = 0; g < R; g++) sc[g] = s2[g] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; p += 2) {
         const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + p * CHUNK);
@@ -248,57 +277,129 @@ static inline __attribute__((always_inline)) void softmax_rows_bf16(
             s2[g] = _mm512_dpbf16_ps(s2[g], k1, (__m512bh)_mm512_set1_epi32((int)pair[1]));
         }
     }
-    for (int g = 0; g < R; g++) sc[g] = _mm512_add_ps(sc[g], s2[g]);
-    const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
     for (int g = 0; g < R; g++) {
-        sc[g] = _mm512_mul_ps(sc[g], _mm512_set1_ps(scale));
+        sc[g] = _mm512_mul_ps(_mm512_add_ps(sc[g], s2[g]), _mm512_set1_ps(scale));
         if (softcap > 0.0f) {
             float tmp[CHUNK];
             _mm512_storeu_ps(tmp, sc[g]);
-            for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            for (int64_t j = 0; j < CHUNK; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
             sc[g] = _mm512_loadu_ps(tmp);
         }
-        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
-        const float mx = cmax > m[g] ? cmax : m[g];
-        if (mx > m[g]) {
-            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-            l[g] *= c;
-            float *ag = acc + g * D;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
-            m[g] = mx;
-        }
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
-        l[g] += _mm512_reduce_add_ps(e);
-        const __m256bh eb = _mm512_cvtneps_pbh(e);
-        memcpy(pp[g], &eb, sizeof(pp[g]));
     }
-    const int64_t blocks = D / 32, jp0 = lo / 2, jp1 = (hi + 1) / 2;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t half = 0; half < 2; half++) {
-            __m512 t[4];
-            for (int g = 0; g < R; g++) t[g] = _mm512_load_ps(acc + g * D + b * 32 + half * 16);
-            for (int64_t jp = jp0; jp < jp1; jp++) {
-                const __m512bh v = (__m512bh)_mm512_load_si512(vp + (jp * blocks + b) * 32 + half * 16);
-                for (int g = 0; g < R; g++)
-                    t[g] = _mm512_dpbf16_ps(t[g], v, (__m512bh)_mm512_set1_epi32((int)pp[g][jp]));
-            }
-            for (int g = 0; g < R; g++) _mm512_store_ps(acc + g * D + b * 32 + half * 16, t[g]);
-        }
 }
 
-static void softmax_bf16(int64_t rows, const uint16_t *const *q, const uint32_t *kp,
-                         const uint32_t *vp, int64_t D, int64_t lo, int64_t hi, float scale,
-                         float softcap, float *m, float *l, float *acc) {
-    int64_t g = 0;
-    for (; g + 4 <= rows; g += 4)
-        softmax_rows_bf16(4, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
-    if (rows - g == 3)
-        softmax_rows_bf16(3, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
-    else if (rows - g == 2)
-        softmax_rows_bf16(2, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
-    else if (rows - g == 1)
-        softmax_rows_bf16(1, q + g, kp, vp, D, lo, hi, scale, softcap, m + g, l + g, acc + g * D);
+/* acc rows += p · v over the segment's chunks, R rows (R ≤ 4) at once: each value vector loaded
+ * serves every row, and the R × 4 accumulators of 64 dimensions are independent chains (one
+ * chain per row waited on the multiply-add's latency). pp [rows][SEG][CHUNK / 2] probability
+ * pairs; vseg per chunk as values_pairs ([CHUNK / 2][D / 32][32] words). */
+static inline __attribute__((always_inline)) void values_rows_bf16(
+    const int R, const uint32_t *pp, const uint32_t *vseg, const int64_t *count, int64_t nc,
+    int64_t D, float *acc) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) { /* words d0 .. d0 + 63 of each row */
+        const int V = D - d0 < 64 ? (int)((D - d0) / 16) : 4; /* D is a multiple of 32 */
+        __m512 t[4][4];
+        for (int g = 0; g < R; g++)
+            for (int u = 0; u < V; u++) t[g][u] = _mm512_load_ps(acc + g * D + d0 + 16 * u);
+        for (int64_t c = 0; c < nc; c++) {
+            const uint32_t *vc = vseg + c * 8 * D + d0;
+            const uint32_t *pc = pp + c * (CHUNK / 2);
+            for (int64_t jp = 0; jp < (count[c] + 1) / 2; jp++) {
+                __m512bh v[4];
+                for (int u = 0; u < V; u++)
+                    v[u] = (__m512bh)_mm512_load_si512(vc + jp * D + 16 * u);
+                for (int g = 0; g < R; g++) {
+                    const __m512bh p =
+                        (__m512bh)_mm512_set1_epi32((int)pc[g * SEG * (CHUNK / 2) + jp]);
+                    for (int u = 0; u < V; u++) t[g][u] = _mm512_dpbf16_ps(t[g][u], v[u], p);
+                }
+            }
+        }
+        for (int g = 0; g < R; g++)
+            for (int u = 0; u < V; u++) _mm512_store_ps(acc + g * D + d0 + 16 * u, t[g][u]);
+    }
+}
+
+/* One KV head of one sequence over its keys [kmin, kmax), in segments of up to SEG chunks: first
+ * every chunk's scores (and its values re-laid as pairs), then per row one max, one exponential
+ * pass and one sum over the segment (the running max and sum carried across segments, as an
+ * online softmax does per chunk), then the values. Per chunk the online form paid a max, a sum
+ * and maybe a rescale per row — reductions across lanes whose latency dominated decode. Rows are
+ * ordered (query, g); q[row] points at each row's query. */
+static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, int64_t G,
+                         int64_t row0, const int64_t *table, int64_t h, int64_t kmin, int64_t kmax,
+                         Scratch *s, float *m, float *l, float *acc) {
+    const int64_t D = a->head_dim, bs = a->block_size, row_size = a->kv_heads * D;
+    const int64_t rows = nq * G;
+    for (int64_t seg0 = kmin; seg0 < kmax;) {
+        int64_t nc = 0, c0 = seg0;
+        for (; c0 < kmax && nc < SEG; nc++) {
+            const int64_t cn = chunk_len(c0, kmax, bs);
+            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
+            /* no software prefetch: measured slower here than the hardware's, cache hot or not */
+            const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
+            keys_pairs(kh, row_size, cn, D, s->kp);
+            values_pairs(kh + bs * row_size, row_size, cn, D, s->vseg + nc * 8 * D);
+            s->count[nc] = cn;
+            for (int64_t qi = 0; qi < nq; qi++) {
+                const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+                const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+                const __mmask16 valid =
+                    lo < hi ? (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u)) : 0;
+                for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                    const int R = G - g0 < 4 ? (int)(G - g0) : 4;
+                    __m512 sc[4];
+                    const uint16_t *const *qr = q + qi * G + g0;
+                    if (R == 4) scores_rows_bf16(4, qr, s->kp, D, a->scale, a->softcap, sc);
+                    else if (R == 3) scores_rows_bf16(3, qr, s->kp, D, a->scale, a->softcap, sc);
+                    else if (R == 2) scores_rows_bf16(2, qr, s->kp, D, a->scale, a->softcap, sc);
+                    else scores_rows_bf16(1, qr, s->kp, D, a->scale, a->softcap, sc);
+                    for (int g = 0; g < R; g++) {
+                        const int64_t r = qi * G + g0 + g;
+                        _mm512_store_ps(s->scores + (r * SEG + nc) * CHUNK, sc[g]);
+                        s->valid[r * SEG + nc] = valid;
+                    }
+                }
+            }
+            c0 += cn;
+        }
+        for (int64_t r = 0; r < rows; r++) { /* max, exponentials and sum of the segment */
+            const float *sr = s->scores + r * SEG * CHUNK;
+            const __mmask16 *vr = s->valid + r * SEG;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int64_t c = 0; c < nc; c++)
+                vmax = _mm512_mask_max_ps(vmax, vr[c], vmax, _mm512_load_ps(sr + c * CHUNK));
+            const float smax = _mm512_reduce_max_ps(vmax);
+            if (smax > m[r]) {
+                const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - smax);
+                l[r] *= c;
+                float *ar = acc + r * D;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_store_ps(ar + d, _mm512_mul_ps(_mm512_load_ps(ar + d), _mm512_set1_ps(c)));
+                m[r] = smax;
+            }
+            const __m512 mx = _mm512_set1_ps(m[r]);
+            __m512 sum = _mm512_setzero_ps();
+            uint32_t *pr = s->pp + r * SEG * (CHUNK / 2);
+            for (int64_t c = 0; c < nc; c++) {
+                const __m512 e = _mm512_maskz_mov_ps(
+                    vr[c], exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sr + c * CHUNK), mx)));
+                sum = _mm512_add_ps(sum, e);
+                const __m256bh eb = _mm512_cvtneps_pbh(e);
+                memcpy(pr + c * (CHUNK / 2), &eb, sizeof(eb));
+            }
+            l[r] += _mm512_reduce_add_ps(sum);
+        }
+        int64_t g = 0;
+        for (; g + 4 <= rows; g += 4)
+            values_rows_bf16(4, s->pp + g * SEG * (CHUNK / 2), s->vseg, s->count, nc, D, acc + g * D);
+        if (rows - g == 3)
+            values_rows_bf16(3, s->pp + g * SEG * (CHUNK / 2), s->vseg, s->count, nc, D, acc + g * D);
+        else if (rows - g == 2)
+            values_rows_bf16(2, s->pp + g * SEG * (CHUNK / 2), s->vseg, s->count, nc, D, acc + g * D);
+        else if (rows - g == 1)
+            values_rows_bf16(1, s->pp + g * SEG * (CHUNK / 2), s->vseg, s->count, nc, D, acc + g * D);
+        seg0 = c0;
+    }
 }
 #endif
 #else
@@ -359,20 +460,6 @@ static void softmax(int64_t rows, const float *qr, const float *kt, const float 
 }
 #endif
 
-/* Keys c0.. of the chunk starting at c0 (at most CHUNK, within one block) */
-static int64_t chunk_len(int64_t c0, int64_t kmax, int64_t bs) {
-    const int64_t off = c0 % bs;
-    int64_t cn = bs - off < kmax - c0 ? bs - off : kmax - c0;
-    return cn < CHUNK ? cn : CHUNK;
-}
-
-static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
-    for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k + b);
-        __builtin_prefetch(k + value + b);
-    }
-}
-
 /* Work item w = one sequence, every KV head: its keys are read as whole contiguous rows
  * [kv_heads, head_dim] of each block, which the hardware prefetchers follow. */
 static void run(Args *a) {
@@ -385,19 +472,34 @@ static void run(Args *a) {
     }
     a->status = 0;
     if (max_rows == 0) return;
-    /* qf, acc: [kv_heads, queries, G, D]; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows] */
-    float *buf = NULL;
+#if defined(PAIRS_PATH)
+    const int pairs = a->dtype == 1 && D % 32 == 0;
+#else
+    const int pairs = 0;
+#endif
+    /* qf, acc: [kv_heads, queries, G, D]; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows]; the
+     * pairs path: its Scratch after them (head rows: max_rows / kvh) */
+    const int64_t head_rows = max_rows / kvh;
     const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
-    if (posix_memalign((void **)&buf, 64, sizeof(float) * floats) != 0) {
+    const size_t pair_words = pairs ? (size_t)(SEG * 8 * D + head_rows * SEG * (CHUNK + CHUNK / 2 + 1))
+                                    : 0;
+    float *buf = NULL;
+    if (posix_memalign((void **)&buf, 64, sizeof(float) * (floats + 16 + pair_words)) != 0) {
         a->status = -1;
         return;
     }
     float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
     float *m = vf + CHUNK * D, *l = m + max_rows;
 #if defined(PAIRS_PATH)
-    const int pairs = a->dtype == 1 && D % 32 == 0;
-#else
-    const int pairs = 0;
+    Scratch scratch = {0};
+    if (pairs) {
+        float *p = buf + ((floats + 15) / 16) * 16; /* 64-byte aligned */
+        scratch.kp = (uint32_t *)kt;
+        scratch.vseg = (uint32_t *)p;
+        scratch.scores = p + SEG * 8 * D;
+        scratch.pp = (uint32_t *)(scratch.scores + head_rows * SEG * CHUNK);
+        scratch.valid = (__mmask16 *)(scratch.pp + head_rows * SEG * (CHUNK / 2));
+    }
 #endif
     for (int64_t seq = a->begin; seq < a->end; seq++) {
         const int64_t nq = a->seq_qlen[seq], tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
@@ -422,7 +524,18 @@ static void run(Args *a) {
         }
         const int64_t *table = a->tables + seq * a->table_stride;
         const int64_t row_size = kvh * D; /* elements of one key (every head) */
-        for (int64_t c0 = kmin; c0 < kmax;) { /* chunks of consecutive keys within one block */
+#if defined(PAIRS_PATH)
+        for (int64_t h = 0; h < kvh && pairs; h++) {
+            const uint16_t *qrows[rows];
+            for (int64_t j = 0; j < nq; j++)
+                for (int64_t g = 0; g < G; g++)
+                    qrows[j * G + g] =
+                        (const uint16_t *)a->q + (tok0 + j) * a->q_stride + (h * G + g) * D;
+            attend_pairs(a, qrows, nq, G, row0, table, h, kmin, kmax, &scratch, m + h * rows,
+                         l + h * rows, acc + h * rows * D);
+        }
+#endif
+        for (int64_t c0 = kmin; c0 < kmax && !pairs;) { /* chunks of keys within one block */
             const int64_t cn = chunk_len(c0, kmax, bs);
             const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
             if (c0 + cn < kmax) { /* the next chunk's lines, while this one computes */
@@ -432,32 +545,13 @@ static void run(Args *a) {
                                bs * row_size * size);
             }
             for (int64_t h = 0; h < kvh; h++) {
-#if defined(PAIRS_PATH)
-                if (pairs) {
-                    const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
-                    keys_pairs(kh, row_size, cn, D, (uint32_t *)kt);
-                    values_pairs(kh + bs * row_size, row_size, cn, D, (uint32_t *)vf);
-                }
-#endif
-                if (!pairs)
-                    keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn,
-                           D, a->dtype, kt, vf);
+                keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
+                       a->dtype, kt, vf);
                 for (int64_t qi = 0; qi < nq; qi++) {
                     const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
                     const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
                     if (lo >= hi) continue;
                     const int64_t r = (h * nq + qi) * G; /* the query's G rows of head h */
-#if defined(PAIRS_PATH)
-                    if (pairs) {
-                        const uint16_t *qrows[G];
-                        for (int64_t g = 0; g < G; g++)
-                            qrows[g] = (const uint16_t *)a->q + (tok0 + qi) * a->q_stride +
-                                       (h * G + g) * D;
-                        softmax_bf16(G, qrows, (const uint32_t *)kt, (const uint32_t *)vf, D, lo,
-                                     hi, a->scale, a->softcap, m + r, l + r, acc + r * D);
-                        continue;
-                    }
-#endif
                     softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r,
                             acc + r * D);
                 }

@@ -62,8 +62,8 @@ def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch):
 
 
 def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served):
-    model = load_model(tiny_model_dir("llama", intermediate_size=1024), dtype="bfloat16")
-    decode(model, steps=1, seqs=40)  # 40 rows: the down projection (k = 1024) exceeds 32 rows
+    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
+    decode(model, steps=1, seqs=65)  # 65 rows: more than the tiles take (`takes_tiles`)
     assert served == [False, False]
     served.clear()
     decode(model, steps=1, seqs=4)

@@ -1,6 +1,7 @@
 """The AMX linear kernel (csrc/linear.c) gives oneDNN's bits: bfloat16 products summed in float32
-and rounded once, at every row count it takes, with partial k blocks and output tiles, bias or
-none, strided rows, and any number of threads; `Linear` picks it for few rows and oneDNN above."""
+and rounded once — a row gets what oneDNN gives it in a batch of up to 32 rows, at every row count
+the kernel takes — with partial k blocks and output tiles, bias or none, strided rows, and any
+number of threads; `Linear` picks it for few rows and oneDNN above."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(64, 96), (100, 77), (33, 1), (256, 1376), (688, 256), (128, 4096), (896, 1152)]
 
 
+def batches_of_32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x's rows in batches of up to 32 (above, oneDNN changes its order for k ≥ 512:
+    see `takes_tiles`)."""
+    return torch.cat([F.linear(x[i : i + 32], w, b) for i in range(0, x.shape[0], 32)])
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
@@ -33,7 +40,7 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
         if not takes_tiles(m, k, n * k):  # oneDNN's own bits differ there (see takes_tiles)
             continue
         x = torch.randn(m, k, generator=gen).bfloat16()
-        want = F.linear(x, w, b)
+        want = batches_of_32(x, w, b)
         for threads in (1, 2):
             native.set_threads(threads)
             try:
@@ -67,13 +74,17 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 
 
 def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
-    """The choice (`takes_tiles`), and `Linear` gives F.linear's bits on either side of it."""
+    """The choice (`takes_tiles`), and `Linear` gives F.linear's bits on either side of it (in
+    batches of up to 32 rows where it takes the tiles)."""
     assert takes_tiles(64, 256, 256 * 512) and not takes_tiles(65, 256, 256 * 512)
-    assert takes_tiles(32, 688, 688 * 256) and not takes_tiles(33, 688, 688 * 256)
+    assert takes_tiles(64, 688, 688 * 256) and not takes_tiles(65, 688, 688 * 256)
     assert takes_tiles(16, 2048, 2048 * 1100) and not takes_tiles(17, 2048, 2048 * 1100)
     gen = torch.Generator().manual_seed(2)
     small = Linear(256, 512, bias=True).to(torch.bfloat16)
+    down = Linear(1024, 256, bias=False).to(torch.bfloat16)
     big = Linear(2048, 1100, bias=False).to(torch.bfloat16)
-    for layer, rows in [(small, 1), (small, 64), (small, 65), (big, 16), (big, 17)]:
+    for layer, rows in [(small, 1), (small, 64), (small, 65), (down, 48), (big, 16), (big, 17)]:
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), rows
+        tiles = takes_tiles(rows, layer.in_features, layer.weight.numel())
+        want = batches_of_32 if tiles else F.linear
+        assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows

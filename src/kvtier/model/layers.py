@@ -25,14 +25,15 @@ PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emu
 
 
 def takes_tiles(rows: int, k: int, numel: int) -> bool:
-    """Whether the AMX linear serves `rows` rows of a weight of `numel` elements, `k` inputs: where
-    it is faster than oneDNN and gives its bits. Faster: at the small models' shapes 3-6x for
-    1-64 rows; at the 0.5B shape's 896 x 9728 only up to 16 rows (oneDNN's blocking wins from 32).
-    Same bits: up to 32 rows; above, oneDNN sums k ≥ 512 in another order (1-6 outputs in 10^4
-    differ by one bf16 ulp), while ours give a row the same bits whatever the batch."""
+    """Whether the AMX linear serves `rows` rows of a weight of `numel` elements, `k` inputs:
+    where it is faster than oneDNN — at the small models' shapes 1.5-6x for 1-64 rows; at the
+    0.5B shape's 896 x 9728 only up to 16 rows (oneDNN's blocking wins from 32). Bits: a row gets
+    the bits oneDNN gives it in a batch of up to 32 rows, whatever its batch; oneDNN itself, above
+    32 rows, sums k ≥ 512 in another order (1-6 outputs in 10^4 one bf16 ulp apart), so there the
+    tiles keep a row's result independent of the batch where oneDNN would not."""
     if rows <= 16:
         return True
-    return numel <= (2 << 20) and (rows <= 32 or (rows <= 64 and k < 512))
+    return numel <= (2 << 20) and rows <= 64
 
 
 class Linear(nn.Linear):
@@ -41,7 +42,8 @@ class Linear(nn.Linear):
     µs per call on set-up at small shapes, the tiles 4-12 µs on the whole product); otherwise
     oneDNN's blocked layout (`F.linear` reorders the weight on every call, 1.3-2.4x slower at
     decode sizes). Copies derive from the weight, not state: rebuilt whenever the weight tensor
-    is another one (loading, `.to()`). Results are the same bits as `F.linear`."""
+    is another one (loading, `.to()`). Results are the bits of `F.linear` on batches of up to 32
+    rows (see `takes_tiles`)."""
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, torch.dtype] | None = None

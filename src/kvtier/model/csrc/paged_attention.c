@@ -481,8 +481,13 @@ static void run(Args *a) {
      * pairs path: its Scratch after them (head rows: max_rows / kvh) */
     const int64_t head_rows = max_rows / kvh;
     const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
-    const size_t pair_words = pairs ? (size_t)(SEG * 8 * D + head_rows * SEG * (CHUNK + CHUNK / 2 + 1))
-                                    : 0;
+#if defined(PAIRS_PATH)
+    const size_t pair_words =
+        pairs ? (size_t)(SEG * 8 * D + head_rows * SEG * (CHUNK + CHUNK / 2 + 1)) : 0;
+#else
+    const size_t pair_words = 0;
+    (void)head_rows;
+#endif
     float *buf = NULL;
     if (posix_memalign((void **)&buf, 64, sizeof(float) * (floats + 16 + pair_words)) != 0) {
         a->status = -1;

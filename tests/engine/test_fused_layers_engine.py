@@ -15,6 +15,7 @@ from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.layers import PACK_BF16
 from kvtier.model.testing import write_tiny_model
 from tests.engine.workloads import check_clean, mixed_prompts, rounds
+from tests.model.paged import record_fused_runs
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
@@ -43,15 +44,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_same_tokens_with_and_without_the_one_call_layers(
     mode: str, model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    served: list[bool] = []
-    run = FusedLayers.run
-
-    def recording(self: FusedLayers, *args: object, **kwargs: object) -> object:
-        done = run(self, *args, **kwargs)  # type: ignore[arg-type]
-        served.append(done is not None)
-        return done
-
-    monkeypatch.setattr(FusedLayers, "run", recording)
+    served = record_fused_runs(monkeypatch)
     llm = LLM(str(model), **{**BASE, **CHECKED, **MODES[mode]})
     fused = rounds(llm, mixed_prompts(), GREEDY, 2)
     check_clean(llm)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.transformer import CausalLM
 
 
@@ -75,3 +77,18 @@ class PagedKV:
             for cache in self.kv_caches:
                 cache[block] = float("nan")
         self.free.append(block)
+
+
+def record_fused_runs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each forward's layers ran as one native call each (`FusedLayers.run` did not
+    decline), appended per forward from now on."""
+    served: list[bool] = []
+    run = FusedLayers.run
+
+    def recording(self: FusedLayers, *args: object, **kwargs: object) -> object:
+        done = run(self, *args, **kwargs)  # type: ignore[arg-type]
+        served.append(done is not None)
+        return done
+
+    monkeypatch.setattr(FusedLayers, "run", recording)
+    return served

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from kvtier.model import native
-from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.layers import PACK_BF16
 from kvtier.model.loader import load_model
 from kvtier.model.testing import ARCHITECTURES
-from tests.model.paged import PagedKV
+from tests.model.paged import PagedKV, record_fused_runs
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
@@ -23,17 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each forward's layers ran fused (FusedLayers.run did not decline)."""
-    taken: list[bool] = []
-    run = FusedLayers.run
-
-    def recording(self: FusedLayers, *args: object, **kwargs: object) -> object:
-        done = run(self, *args, **kwargs)  # type: ignore[arg-type]
-        taken.append(done is not None)
-        return done
-
-    monkeypatch.setattr(FusedLayers, "run", recording)
-    return taken
+    return record_fused_runs(monkeypatch)
 
 
 def decode(model, steps: int, seqs: int = 5, block_size: int = 8) -> list[torch.Tensor]:

@@ -151,6 +151,18 @@ static inline __m512 exp_nonpositive(__m512 x) { /* about 2 ulp; 0 below -87 */
     return _mm512_scalef_ps(p, n);
 }
 
+/* A row's running max m becomes max(m, new_max); its sum l and accumulator acc [D] are rescaled
+ * to it. Returns the max. */
+static inline float raise_max(float new_max, int64_t D, float *m, float *l, float *acc) {
+    if (!(new_max > *m)) return *m; /* NaN included: as before, no rescale */
+    const float c = *m == -INFINITY ? 0.0f : expf(*m - new_max);
+    *l *= c;
+    for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(c)));
+    *m = new_max;
+    return new_max;
+}
+
 /* R query rows at once (R a constant after inlining: 4, 2 or 1), so each key and value vector
  * loaded serves R rows. Row g is qr + g * D, its state m[g], l[g], acc + g * D. */
 static inline __attribute__((always_inline)) void softmax_rows(
@@ -170,16 +182,8 @@ static inline __attribute__((always_inline)) void softmax_rows(
             for (int64_t j = lo; j < hi; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
             sc[g] = _mm512_loadu_ps(tmp);
         }
-        const float cmax = _mm512_mask_reduce_max_ps(valid, sc[g]);
-        const float mx = cmax > m[g] ? cmax : m[g];
-        if (mx > m[g]) {
-            const float c = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-            l[g] *= c;
-            float *ag = acc + g * D;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_store_ps(ag + d, _mm512_mul_ps(_mm512_load_ps(ag + d), _mm512_set1_ps(c)));
-            m[g] = mx;
-        }
+        const float mx = raise_max(_mm512_mask_reduce_max_ps(valid, sc[g]), D, m + g, l + g,
+                                   acc + g * D);
         p[g] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sc[g], _mm512_set1_ps(mx))));
         l[g] += _mm512_reduce_add_ps(p[g]);
     }
@@ -368,16 +372,8 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
             __m512 vmax = _mm512_set1_ps(-INFINITY);
             for (int64_t c = 0; c < nc; c++)
                 vmax = _mm512_mask_max_ps(vmax, vr[c], vmax, _mm512_load_ps(sr + c * CHUNK));
-            const float smax = _mm512_reduce_max_ps(vmax);
-            if (smax > m[r]) {
-                const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - smax);
-                l[r] *= c;
-                float *ar = acc + r * D;
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_store_ps(ar + d, _mm512_mul_ps(_mm512_load_ps(ar + d), _mm512_set1_ps(c)));
-                m[r] = smax;
-            }
-            const __m512 mx = _mm512_set1_ps(m[r]);
+            const __m512 mx =
+                _mm512_set1_ps(raise_max(_mm512_reduce_max_ps(vmax), D, m + r, l + r, acc + r * D));
             __m512 sum = _mm512_setzero_ps();
             uint32_t *pr = s->pp + r * SEG * (CHUNK / 2);
             for (int64_t c = 0; c < nc; c++) {

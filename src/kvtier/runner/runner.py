@@ -27,7 +27,7 @@ from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.served import ServedModel
 from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.logprobs import LogprobRows
-from kvtier.runner.state import DeviceRequest, DeviceState
+from kvtier.runner.state import DeviceRequest, DeviceState, host_index, on_device
 from kvtier.runner.transfers import TransferEngine
 from kvtier.sampling import DrawParams
 from kvtier.sched.ngram import NgramProposer
@@ -319,7 +319,7 @@ class ModelRunner:
         if not plan:
             return
         if draft_ids:
-            state.tokens.index_put_(self._index(draft_rows, draft_pos), self._index(draft_ids)[0])
+            state.scatter(draft_rows, draft_pos, self._index(draft_ids)[0])
         starts = [p.start for p in plan]
         counts = [p.num_real + len(p.drafts) for p in plan]
         tables = [[p.state.tables[g] for p in plan] for g in range(self.num_groups)]
@@ -338,7 +338,7 @@ class ModelRunner:
                     token_slots[g][i] = slots
             state_meta = StateMetadata.build(starts, counts, state_tables, sizes, token_slots)
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
-        positions = meta.query_positions().to(self.torch_device, non_blocking=True)
+        positions = on_device(meta.query_positions(), self.torch_device)
         hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
         sampled_rows = self._sample(plan, meta, hidden, results)
@@ -361,10 +361,7 @@ class ModelRunner:
 
     def _index(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """Host-built int64 index tensors on the device (no wait: the host knows them)."""
-        return tuple(
-            torch.tensor(v, dtype=torch.int64).to(self.torch_device, non_blocking=True)
-            for v in lists
-        )
+        return tuple(host_index(v, self.torch_device) for v in lists)
 
     def _prompt_logprob_rows(
         self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
@@ -425,13 +422,13 @@ class ModelRunner:
             counts = self._accept_drafts(sampling, out.token_ids, results)
         else:  # one token per sampling request, left on the device
             counts = [1] * len(sampling)
-            out_rows, buf_rows, buf_pos = self._index(
-                [i for _, _, i in sampling],
+            (out_rows,) = self._index([i for _, _, i in sampling])
+            self.sampled[:, 0].index_copy_(0, out_rows, out.token_ids)
+            self.state.scatter(
                 [p.state.row for p, _, _ in sampling],
                 [p.state.num_tokens for p, _, _ in sampling],
+                out.token_ids,
             )
-            self.sampled[:, 0].index_copy_(0, out_rows, out.token_ids)
-            self.state.tokens.index_put_((buf_rows, buf_pos), out.token_ids)
             for p, _, _ in sampling:
                 p.state.num_tokens += 1
                 p.state.position = p.state.num_tokens - 1
@@ -476,14 +473,13 @@ class ModelRunner:
             new_rows.append(i)
             new_ids.append(new + [-1] * (self.sampled.shape[1] - len(new)))
         (out_rows,) = self._index(new_rows)
-        values = torch.tensor(new_ids, dtype=torch.int64).to(self.torch_device, non_blocking=True)
+        values = on_device(torch.tensor(new_ids, dtype=torch.int64), self.torch_device)
         self.sampled.index_copy_(0, out_rows, values)
         buf = [(p.state.row, p.state.num_tokens - n, n) for (p, _, _), n in zip(sampling, counts)]
         rows = [r for r, _, n in buf for _ in range(n)]
         pos = [q for _, q0, n in buf for q in range(q0, q0 + n)]
         flat = [t for seq, (_, _, n) in zip(new_ids, buf, strict=True) for t in seq[:n]]
-        where = self._index(rows, pos)
-        self.state.tokens.index_put_(where, self._index(flat)[0])
+        self.state.scatter(rows, pos, self._index(flat)[0])
         return counts
 
 

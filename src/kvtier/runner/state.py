@@ -94,16 +94,32 @@ class DeviceState:
         flat = [t for seq in ids for t in seq]
         row_idx = [r for r, seq in zip(rows, ids, strict=True) for _ in seq]
         pos_idx = [p for seq in ids for p in range(len(seq))]
-        where = _index(self.device, row_idx, pos_idx)
-        self.tokens.index_put_(where, _index(self.device, flat)[0])
+        self.scatter(row_idx, pos_idx, host_index(flat, self.device))
 
     def gather(self, row_idx: list[int], pos_idx: list[int]) -> torch.Tensor:
         """[n] int64 token ids at (row, position) pairs, on the device."""
-        return self.tokens[_index(self.device, row_idx, pos_idx)]
+        return self.tokens.view(-1).index_select(0, self._flat(row_idx, pos_idx))
+
+    def scatter(self, row_idx: list[int], pos_idx: list[int], values: torch.Tensor) -> None:
+        """Write values [n] (int64, on the device) at (row, position) pairs."""
+        self.tokens.view(-1).index_copy_(0, self._flat(row_idx, pos_idx), values)
+
+    def _flat(self, row_idx: list[int], pos_idx: list[int]) -> torch.Tensor:
+        """Element indices of (row, position) pairs in the flat buffer: one index tensor, where a
+        two-tensor index would cost four more torch calls a step (each one a GIL hand-off)."""
+        width = self.tokens.shape[1]
+        return host_index(
+            [r * width + p for r, p in zip(row_idx, pos_idx, strict=True)], self.device
+        )
 
 
-def _index(device: torch.device, *lists: list[int]) -> tuple[torch.Tensor, ...]:
-    """Host-built int64 index tensors, copied to `device` (no wait: the host knows them)."""
-    return tuple(
-        torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True) for values in lists
-    )
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host-built int64 tensor on `device` (`on_device`)."""
+    return on_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`, queued without a wait (the host knows it). On the host CPU
+    itself no call is made: each torch call releases and retakes the GIL, which in a server
+    means waiting on the engine loop."""
+    return t if device.type == "cpu" and device.index is None else t.to(device, non_blocking=True)

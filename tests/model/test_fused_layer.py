@@ -80,3 +80,23 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served):
     model.fused = None
     for a, b in zip(fused, decode(model, steps=3), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, monkeypatch):
+    """`layer.c` is optional: if it does not build, the other kernels still load and the layers
+    take their Python path (the same tokens)."""
+    library = native._library
+
+    def no_layer(compiler, version, source, flags):  # type: ignore[no-untyped-def]
+        return None if source.name == "layer.c" else library(compiler, version, source, flags)
+
+    monkeypatch.setattr(native, "_library", no_layer)
+    built = native.build(native.FLAGS)
+    assert built is not None and built.layer is None and built.amx_linear
+    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
+    with_layers = decode(model, steps=2)
+    monkeypatch.setattr(native, "kernels", lambda: built)
+    served.clear()
+    for a, b in zip(with_layers, decode(model, steps=2), strict=True):
+        assert torch.equal(a, b)
+    assert served and not any(served)

@@ -93,6 +93,7 @@ class _Built:
         s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
         self.struct = s
         self.address = ctypes.addressof(s)
+        assert kernels.layer is not None
         self.work = int(kernels.layer.kvtier_layer_work(self.address))  # bytes per token
         self.hidden = s.hidden
 
@@ -144,7 +145,9 @@ class FusedLayers:
         """(hidden, residual) after every layer for input x [rows, hidden], or None where some
         layer or query is not served (the caller runs the Python path)."""
         kernels = native.kernels()
-        if kernels is None or not kernels.amx_linear or not PACK_BF16 or x.dtype != torch.bfloat16:
+        if kernels is None or kernels.layer is None or not kernels.amx_linear or not PACK_BF16:
+            return None
+        if x.dtype != torch.bfloat16:
             return None
         if any(p.native is None or p.gathers or p.owns for p in plans):
             return None

@@ -63,7 +63,7 @@ class Kernels:
     attention: ctypes.CDLL
     fused: ctypes.CDLL
     linear: ctypes.CDLL
-    layer: ctypes.CDLL
+    layer: ctypes.CDLL | None  # None: it did not build (the layers keep their Python path)
     paths: tuple[Path, ...]
     amx_linear: bool = False
 
@@ -269,12 +269,14 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
     if attention is None or fused is None:
         return None
     linear = _library(compiler, version, CSRC / "linear.c", flags)
-    layer = _library(compiler, version, CSRC / "layer.c", flags)
-    if linear is None or layer is None:
+    if linear is None:
         return None
     amx = bool(linear[0].kvtier_linear_available())
-    paths = (attention[1], fused[1], linear[1], layer[1])
-    return Kernels(attention[0], fused[0], linear[0], layer[0], paths, amx)
+    layer = _library(compiler, version, CSRC / "layer.c", flags)  # optional: the layers' Python
+    paths = (attention[1], fused[1], linear[1], *(() if layer is None else (layer[1],)))
+    return Kernels(
+        attention[0], fused[0], linear[0], None if layer is None else layer[0], paths, amx
+    )
 
 
 def _library(

@@ -75,6 +75,8 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served):
     norm = model.model.layers[0].self_attn.k_norm
     assert norm is not None
     norm.weight.data = norm.weight.detach() + 1
+    post = model.model.layers[2].post_attention_layernorm  # assigned, as load_state_dict(assign)
+    post.weight = torch.nn.Parameter(post.weight.detach() * 3, requires_grad=False)
     fused = decode(model, steps=3)
     assert all(served[-3:])
     model.fused = None

@@ -99,8 +99,8 @@ class _Built:
 
 
 def _weight(module: torch.nn.Module, name: str) -> int:
-    weight = module._parameters[name]
-    return 0 if weight is None else weight.data_ptr()
+    weight = getattr(module, name)  # the module's parameter now (loading may assign another)
+    return 0 if weight is None else int(weight.data_ptr())
 
 
 def servable(layer: DecoderLayer) -> bool:
@@ -190,7 +190,7 @@ class FusedLayers:
                 (module, name)
                 for layer in layers
                 for module in layer.modules()
-                for name in module._parameters
+                for name, _ in module.named_parameters(recurse=False)
             ]
         of = tuple(_weight(module, name) for module, name in self._slots)
         if of != self._of:

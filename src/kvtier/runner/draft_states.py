@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.runner.state import host_index
+
 
 class DraftStates:
     """The draft pages of one runner: `k` per (draft sequence of a step, state group)."""
@@ -104,7 +106,6 @@ class DraftStates:
                 dst.append(tables[g][(start + j) // self.block_sizes[g]])
         if not src:
             return
-        src_t = torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True)
-        dst_t = torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True)
+        src_t, dst_t = host_index(src, device), host_index(dst, device)
         for slot in pool:  # a block id's page in every layer slot belongs to its group
             slot.index_copy_(0, dst_t, slot.index_select(0, src_t))

@@ -6,6 +6,10 @@ order of a sum)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,6 +101,58 @@ def test_act_mul_matches_torch(dtype, activation):
     torch_mlp.load_state_dict(mlp.state_dict())
     tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(mlp(x), torch_mlp(x), rtol=tol, atol=tol)
+
+
+SPECIAL = [float("nan"), float("inf"), float("-inf"), 100.0, -100.0, 88.0, -88.0, 89.0, -90.0,
+           1e-30, -1e-30, 0.0, -0.0, 3.0, -3.0, 10.0, -10.0, -4.5, -5.0]  # fmt: skip
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_mul_special_values_are_torch_s(activation):
+    """NaN, infinities, overflow and underflow of the exponential, signed zeros, the region where
+    1 + tanh cancels: the same bfloat16 as torch's ops."""
+    gate = torch.tensor(SPECIAL * 2, dtype=torch.bfloat16)  # 38: two vectors and a tail
+    up = torch.linspace(-2, 2, gate.numel()).to(torch.bfloat16)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    kernels = native.kernels()
+    assert kernels is not None
+    ours = kernels.act_mul(torch.cat([gate, up])[None], activation)[0]
+    torch.testing.assert_close(ours, act * up, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
+def test_portable_build_of_the_elementwise_kernels_agrees():
+    """fused.c built without AVX-512 (its loops through float32 buffers) gives what the vector
+    build gives — both within a bfloat16 ulp of torch — for act * up and the norms."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+    portable = native.build(("-O2", "-march=x86-64", "-fPIC", "-shared"))
+    vector = native.kernels()
+    assert portable is not None, "the portable build failed (its log says why)"
+    assert vector is not None
+    gate_up = (torch.randn(7, 2 * 600, generator=gen(11)) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    for activation, act in (
+        ("silu", F.silu(gate)),
+        ("gelu_tanh", F.gelu(gate, approximate="tanh")),
+    ):
+        ours = [k.act_mul(gate_up, activation) for k in (portable, vector)]
+        assert (ours[0] == ours[1]).float().mean() >= 0.99
+        for out in ours:
+            assert_matches(out, act * up, 0.99)
+    x = (torch.randn(37, 200, generator=gen(12)) * 3).to(torch.bfloat16)
+    weight = (torch.randn(200, generator=gen(13)) * 0.3).to(torch.bfloat16)
+    for gemma in (False, True):
+        ref = RMSNorm(200, 1e-6, gemma, native=False).to(torch.bfloat16)
+        ref.weight.data.copy_(weight)
+        residual = torch.randn(37, 200, generator=gen(14)).to(torch.bfloat16)
+        ref_normed, ref_summed = ref.forward_add(x, residual.clone())
+        for k in (portable, vector):
+            summed = residual.clone()
+            normed = k.rms_norm(x, weight, 1e-6, gemma, summed)
+            assert torch.equal(summed, ref_summed)
+            assert_matches(normed, ref_normed, 0.97)
+            assert_matches(k.rms_norm(x, weight, 1e-6, gemma), ref(x), 0.97)
 
 
 def test_kernels_stay_off_where_they_cannot_serve():

@@ -69,7 +69,6 @@ class _Built:
         attn, mlp = layer.self_attn, layer.mlp
         self.tensors: list[torch.Tensor] = list(layer.parameters())  # the struct points here
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        self.shapes = [(lin.in_features, lin.weight.numel()) for lin in linears]
         tiles = [lin.tiles(kernels) for lin in linears]
         self.tensors += tiles
         s = _Layer()
@@ -129,7 +128,6 @@ class FusedLayers:
     def __init__(self) -> None:
         self._built: list[_Built] | None = None  # None: not servable
         self._of: tuple[int, ...] | None = None  # the weights `_built` was decided for
-        self._rows: dict[int, bool] = {}  # row count → every linear takes the tiles
         self._slots: list[tuple[torch.nn.Module, str]] = []
 
     def run(
@@ -155,11 +153,9 @@ class FusedLayers:
         if built is None:
             return None
         rows = x.shape[0]
-        fits = self._rows.get(rows)
-        if fits is None:
-            shapes = {shape for b in built for shape in b.shapes}
-            fits = self._rows[rows] = all(takes_tiles(rows, k, n) for k, n in shapes)
-        if not fits or not all(c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches):
+        if not takes_tiles(rows) or not all(
+            c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches
+        ):
             return None
         steps = [_step(p) for p in plans]
         step_addresses = [ctypes.addressof(s) for s in steps]
@@ -197,7 +193,6 @@ class FusedLayers:
             servable_all = all(servable(layer) for layer in layers)
             self._built = [_Built(layer, kernels) for layer in layers] if servable_all else None
             self._of = of
-            self._rows.clear()
         return self._built
 
 

@@ -24,16 +24,18 @@ def _can_pack_bf16() -> bool:
 PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emulated)
 
 
-def takes_tiles(rows: int, k: int, numel: int) -> bool:
-    """Whether the AMX linear serves `rows` rows of a weight of `numel` elements, `k` inputs:
-    where it is faster than oneDNN — at the small models' shapes 1.5-6x for 1-64 rows; at the
-    0.5B shape's 896 x 9728 only up to 16 rows (oneDNN's blocking wins from 32). Bits: a row gets
-    the bits oneDNN gives it in a batch of up to 32 rows, whatever its batch; oneDNN itself, above
-    32 rows, sums k ≥ 512 in another order (1-6 outputs in 10^4 one bf16 ulp apart), so there the
+MAX_TILE_ROWS = 64
+
+
+def takes_tiles(rows: int) -> bool:
+    """Whether the AMX linear serves `rows` rows (any weight): up to 64 rows it is faster than
+    oneDNN — at the small models' shapes 1.5-6x; at the 0.5B shape, weights streamed from memory
+    as in a model that does not fit the cache, 1.1-1.7x at 32-64 rows (oneDNN wins only on
+    cache-resident large weights there, and from ~143 rows on every shape). Bits: a row gets the
+    bits oneDNN gives it in a batch of up to 32 rows, whatever its batch; oneDNN itself, above 32
+    rows, sums k ≥ 512 in another order (1-6 outputs in 10^4 one bfloat16 ulp apart), so there the
     tiles keep a row's result independent of the batch where oneDNN would not."""
-    if rows <= 16:
-        return True
-    return numel <= (2 << 20) and rows <= 64
+    return rows <= MAX_TILE_ROWS
 
 
 class Linear(nn.Linear):
@@ -58,7 +60,7 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         kernels = native_kernels.kernels()
         tiles = kernels is not None and kernels.amx_linear and x.dim() == 2 and x.stride(1) == 1
-        if kernels is not None and tiles and takes_tiles(x.shape[0], x.shape[1], w.numel()):
+        if kernels is not None and tiles and takes_tiles(x.shape[0]):
             return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:

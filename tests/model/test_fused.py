@@ -70,17 +70,19 @@ def test_rms_norm_of_strided_head_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_rope_in_place_is_bit_for_bit(dtype):
-    qkv = torch.randn(11, 8 * 64, generator=gen(6)).to(dtype)
-    angles = torch.randn(11, 1, 32, generator=gen(7)) * 5
+@pytest.mark.parametrize("dim", [64, 32, 40])  # 40: half a head is no whole 16-lane vector
+def test_rope_in_place_is_bit_for_bit(dtype, dim):
+    qkv = torch.randn(11, 8 * dim, generator=gen(6)).to(dtype)
+    angles = torch.randn(11, 1, dim // 2, generator=gen(7)) * 5
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    qk = qkv[:, : 6 * 64].view(11, 6, 64)  # q and k heads of a fused projection
+    v_before = qkv[:, 6 * dim :].clone()
+    qk = qkv[:, : 6 * dim].view(11, 6, dim)  # q and k heads of a fused projection
     expected = apply_rope(qk, cos, sin, native=False)
     out = apply_rope(qk, cos, sin)
     assert out.data_ptr() == qkv.data_ptr()  # rotated where it lies
     assert torch.equal(out, expected)
-    assert torch.equal(qkv[:, 6 * 64 :], qkv.clone()[:, 6 * 64 :])  # v untouched
+    assert torch.equal(qkv[:, 6 * dim :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -123,7 +125,8 @@ def test_act_mul_special_values_are_torch_s(activation):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
 def test_portable_build_of_the_elementwise_kernels_agrees():
     """fused.c built without AVX-512 (its loops through float32 buffers) gives what the vector
-    build gives — both within a bfloat16 ulp of torch — for act * up and the norms."""
+    build gives — both within a bfloat16 ulp of torch — for act * up and the norms, and rope's
+    bits."""
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")
     portable = native.build(("-O2", "-march=x86-64", "-fPIC", "-shared"))
@@ -153,6 +156,13 @@ def test_portable_build_of_the_elementwise_kernels_agrees():
             assert torch.equal(summed, ref_summed)
             assert_matches(normed, ref_normed, 0.97)
             assert_matches(k.rms_norm(x, weight, 1e-6, gemma), ref(x), 0.97)
+    angles = torch.randn(5, 1, 16, generator=gen(15)) * 5
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    heads = (torch.randn(5, 3, 32, generator=gen(16)) * 2).to(torch.bfloat16)
+    expected = apply_rope(heads, cos, sin, native=False)
+    for k in (portable, vector):
+        assert torch.equal(k.rope_(heads.clone(), cos, sin), expected)
 
 
 def test_kernels_stay_off_where_they_cannot_serve():

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtier.model.sampler import SamplingBatch, processed_logits, sample
+from kvtier.model.sampler import SamplingBatch, _inverse_cdf, processed_logits, sample
 from kvtier.sampling import DrawParams
 
 VOCAB = 16
@@ -216,3 +216,12 @@ def test_top_k_at_or_beyond_the_vocabulary_is_clamped_to_no_filter():
     assert batch.top_k is not None and batch.top_k.tolist() == [VOCAB, 3]
     alone = SamplingBatch.from_params([DrawParams(top_k=2**62)], [0], VOCAB)
     assert alone.top_k is None  # no row filters: no tensor at all
+
+
+def test_the_draw_never_lands_on_a_filtered_token_at_the_uniform_s_extremes():
+    """One uniform in (0, 1] per row against the cumulative probabilities: the first entry that
+    reaches it, so zero-probability tokens (filtered, banned) before, between and after the kept
+    ones are never drawn, at u = 1 and at the smallest u too."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([1.0, torch.finfo(torch.float32).tiny, 0.25, 0.2500001, 0.9999999])
+    assert _inverse_cdf(probs, u).tolist() == [3, 1, 1, 3, 3]

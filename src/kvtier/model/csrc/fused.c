@@ -275,10 +275,39 @@ typedef struct {
     int dtype;
 } RopeArgs;
 
+#if defined(VEC_BF16)
+/* bfloat16 with half the head a whole number of vectors: each product rounded as torch's ops */
+static void rope_rows_bf16(const RopeArgs *a, int64_t begin, int64_t end) {
+    const int64_t D = a->dim, half = D / 2;
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t r = begin; r < end; r++) {
+        const int64_t t = r / a->heads, h = r % a->heads;
+        uint16_t *x = (uint16_t *)a->x + t * a->token_stride + h * D;
+        const uint16_t *c = (const uint16_t *)a->cos + t * D, *s = (const uint16_t *)a->sin + t * D;
+        for (int64_t d = 0; d < half; d += 16) {
+            const __m512 lo = bf16_load(x + d, 0xffff), hi = bf16_load(x + d + half, 0xffff);
+            const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
+            const __m512 o_lo = _mm512_add_ps(bf16_round16(_mm512_mul_ps(lo, bf16_load(c + d, 0xffff))),
+                                              bf16_round16(_mm512_mul_ps(neg_hi, bf16_load(s + d, 0xffff))));
+            const __m512 o_hi = _mm512_add_ps(bf16_round16(_mm512_mul_ps(hi, bf16_load(c + d + half, 0xffff))),
+                                              bf16_round16(_mm512_mul_ps(lo, bf16_load(s + d + half, 0xffff))));
+            bf16_store(x + d, 0xffff, o_lo);
+            bf16_store(x + d + half, 0xffff, o_hi);
+        }
+    }
+}
+#endif
+
 static void rope_rows(const void *p, int64_t begin, int64_t end) {
     const RopeArgs *a = (const RopeArgs *)p;
     const int64_t D = a->dim, half = D / 2, size = a->dtype == 1 ? 2 : 4;
     const int dt = a->dtype;
+#if defined(VEC_BF16)
+    if (dt == 1 && half % 16 == 0) {
+        rope_rows_bf16(a, begin, end);
+        return;
+    }
+#endif
     float v[4096], c[4096], s[4096], o[4096];
     int64_t loaded = -1;
     for (int64_t r = begin; r < end; r++) {

@@ -8,7 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtier.model.sampler import SamplingBatch, _inverse_cdf, processed_logits, sample
+from kvtier.model.sampler import (
+    CANDIDATES,
+    SamplingBatch,
+    _inverse_cdf,
+    _sorted_filter,
+    processed_logits,
+    sample,
+)
 from kvtier.sampling import DrawParams
 
 VOCAB = 16
@@ -225,3 +232,26 @@ def test_the_draw_never_lands_on_a_filtered_token_at_the_uniform_s_extremes():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
     u = torch.tensor([1.0, torch.finfo(torch.float32).tiny, 0.25, 0.2500001, 0.9999999])
     assert _inverse_cdf(probs, u).tolist() == [3, 1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked rows, and near-uniform ones (sorted whole)
+def test_top_k_top_p_on_candidates_keep_the_sets_of_a_full_sort(scale):
+    """Top-k / top-p decide a row on its best CANDIDATES tokens where they can (the top-k set, or
+    a nucleus, within them) and sort the others whole: the kept logits are those of sorting every
+    row, for every mix of filters, a vocabulary well past the candidates."""
+    vocab, n = 4 * CANDIDATES, 48
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=gen) * scale
+    logits[3, 100:] = float("-inf")  # banned tokens
+    ks = [0, 1, 5, CANDIDATES, CANDIDATES + 1, vocab - 1]
+    ps = [1.0, 0.5, 0.9, 0.999]
+    params = [
+        DrawParams(temperature=0.8, top_k=ks[i % 6], top_p=ps[(i // 6) % 4]) for i in range(n)
+    ]
+    batch = SamplingBatch.from_params(params, [0] * n, vocab)
+    ours = processed_logits(logits, batch)
+    x = logits / batch.temperature[:, None]
+    want = _sorted_filter(x, batch.top_k, batch.top_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(want))
+    assert torch.equal(ours[torch.isfinite(ours)], want[torch.isfinite(want)])
+    assert torch.isfinite(ours).sum(-1).min() >= 1

@@ -1,14 +1,16 @@
-"""A decode step's layers as one native call each (model/fused_layer.py, csrc/layer.c) give the
-bits of the layers' Python path, on every architecture's layer shape; batches they do not serve
-(prefill chunks, too many rows for the tiles, float32, the torch-only model) take the Python path;
-a weight replaced after the first step is used, not the one the call was first built on."""
+"""A step's layers as one native call each (model/fused_layer.py, csrc/layer.c) give the bits of
+the layers' Python path on the same plans, on every architecture's layer shape, for decodes,
+drafts and prompts' chunks (planned for the attention kernel when the step runs fused); batches
+they do not serve (too many rows for the tiles, float32, the torch-only model) take the Python
+path; a weight replaced after the first step is used, not the one the call was first built on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtier.model import native
+from kvtier.model import layers, native
+from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.layers import PACK_BF16
 from kvtier.model.loader import load_model
 from kvtier.model.testing import ARCHITECTURES
@@ -23,6 +25,12 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return record_fused_runs(monkeypatch)
+
+
+def python_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer on its Python path from now on, over the plans the fused steps had (a step
+    that can run fused plans its prompts' chunks for the attention kernel)."""
+    monkeypatch.setattr(FusedLayers, "run", lambda self, *args, **kwargs: None)
 
 
 def decode(model, steps: int, seqs: int = 5, block_size: int = 8) -> list[torch.Tensor]:
@@ -40,23 +48,24 @@ def decode(model, steps: int, seqs: int = 5, block_size: int = 8) -> list[torch.
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch):
+def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch, monkeypatch):
     model = load_model(tiny_model_dir(arch), dtype="bfloat16")
     fused = decode(model, steps=30)  # past the sliding windows (mistral, gemma2/3)
-    assert served[0] is False and all(served[1:]), served
-    model.fused = None
+    assert all(served), served  # the prompts' chunks too
+    python_layers(monkeypatch)
     python = decode(model, steps=30)
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
 
 
-def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served):
+def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served, monkeypatch):
     model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
+    monkeypatch.setattr(layers, "MAX_SMALL_TILE_ROWS", 64)  # as for weights above 2M elements
     decode(model, steps=1, seqs=65)  # 65 rows: more than the tiles take (`takes_tiles`)
     assert served == [False, False]
     served.clear()
-    decode(model, steps=1, seqs=4)
-    assert served == [False, True]  # the prefill (first chunks on their own keys), the decode
+    decode(model, steps=1, seqs=4)  # a prefill of 4 prompts: more than 64 rows
+    assert served == [False, True]  # its first chunks on their own keys (SDPA), the decode
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -67,7 +76,7 @@ def test_float32_and_the_torch_only_model_never_fuse(tiny_model_dir, served, dty
     assert not any(served)
 
 
-def test_a_replaced_weight_is_used(tiny_model_dir, served):
+def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
     model = load_model(tiny_model_dir("gemma3"), dtype="bfloat16")
     decode(model, steps=2)
     mlp = model.model.layers[1].mlp.down_proj
@@ -78,15 +87,15 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served):
     post = model.model.layers[2].post_attention_layernorm  # assigned, as load_state_dict(assign)
     post.weight = torch.nn.Parameter(post.weight.detach() * 3, requires_grad=False)
     fused = decode(model, steps=3)
-    assert all(served[-3:])
-    model.fused = None
+    assert all(served[-4:])
+    python_layers(monkeypatch)
     for a, b in zip(fused, decode(model, steps=3), strict=True):
         assert torch.equal(a, b)
 
 
 def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, monkeypatch):
     """`layer.c` is optional: if it does not build, the other kernels still load and the layers
-    take their Python path (the same tokens)."""
+    take their Python path: the bits of the model with the one-call layers turned off."""
     library = native._library
 
     def no_layer(compiler, version, source, flags):  # type: ignore[no-untyped-def]
@@ -96,9 +105,11 @@ def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, mo
     built = native.build(native.FLAGS)
     assert built is not None and built.layer is None and built.amx_linear
     model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
-    with_layers = decode(model, steps=2)
+    model.fused = None
+    python = decode(model, steps=2)
+    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
     monkeypatch.setattr(native, "kernels", lambda: built)
     served.clear()
-    for a, b in zip(with_layers, decode(model, steps=2), strict=True):
+    for a, b in zip(python, decode(model, steps=2), strict=True):
         assert torch.equal(a, b)
     assert served and not any(served)

@@ -69,6 +69,7 @@ class _Built:
         attn, mlp = layer.self_attn, layer.mlp
         self.tensors: list[torch.Tensor] = list(layer.parameters())  # the struct points here
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.numels = [lin.weight.numel() for lin in linears]
         tiles = [lin.tiles(kernels) for lin in linears]
         self.tensors += tiles
         s = _Layer()
@@ -130,6 +131,16 @@ class FusedLayers:
         self._of: tuple[int, ...] | None = None  # the weights `_built` was decided for
         self._slots: list[tuple[torch.nn.Module, str]] = []
 
+    def takes(self, layers: Sequence[DecoderLayer], rows: int) -> bool:
+        """Whether a batch of `rows` rows can run fused: every layer servable here and every
+        linear taking the tiles at this row count (the caller then plans a prompt's chunks for
+        the attention kernel, which the one-call layer needs)."""
+        kernels = native.kernels()
+        if kernels is None or kernels.layer is None or not kernels.amx_linear or not PACK_BF16:
+            return False
+        built = self._layers(layers, kernels)
+        return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
+
     def run(
         self,
         layers: Sequence[DecoderLayer],
@@ -153,7 +164,7 @@ class FusedLayers:
         if built is None:
             return None
         rows = x.shape[0]
-        if not takes_tiles(rows) or not all(
+        if not self.takes(layers, rows) or not all(
             c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches
         ):
             return None

@@ -24,18 +24,22 @@ def _can_pack_bf16() -> bool:
 PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emulated)
 
 
-MAX_TILE_ROWS = 64
+MAX_TILE_ROWS = 64  # any weight
+MAX_SMALL_TILE_ROWS, SMALL_WEIGHT = 256, 2 << 20  # weights of at most 2M elements
 
 
-def takes_tiles(rows: int) -> bool:
-    """Whether the AMX linear serves `rows` rows (any weight): up to 64 rows it is faster than
-    oneDNN — at the small models' shapes 1.5-6x; at the 0.5B shape, weights streamed from memory
-    as in a model that does not fit the cache, 1.1-1.7x at 32-64 rows (oneDNN wins only on
-    cache-resident large weights there, and from ~143 rows on every shape). Bits: a row gets the
-    bits oneDNN gives it in a batch of up to 32 rows, whatever its batch; oneDNN itself, above 32
-    rows, sums k ≥ 512 in another order (1-6 outputs in 10^4 one bfloat16 ulp apart), so there the
-    tiles keep a row's result independent of the batch where oneDNN would not."""
-    return rows <= MAX_TILE_ROWS
+def takes_tiles(rows: int, numel: int) -> bool:
+    """Whether the AMX linear serves `rows` rows of a weight of `numel` elements. Up to 64 rows on
+    any weight it is faster than oneDNN — at the small models' shapes 1.5-6x; at the 0.5B shape,
+    weights streamed from memory as in a model that does not fit the cache, 1.1-1.7x at 32-64
+    rows. Up to 256 rows on weights of at most 2M elements (the small models'), where it is
+    within 0.9-2x of oneDNN and lets a prompt's chunk with the step's decodes run as one call
+    per layer (`fused_layer.py`: 1.4-2x a step); above, and on large weights above 64 rows,
+    oneDNN's blocking wins (2x at 1,920 rows). Bits: a row gets the bits oneDNN gives it in a
+    batch of up to 32 rows, whatever its batch; oneDNN itself, above 32 rows, sums k ≥ 512 in
+    another order (1-6 outputs in 10^4 one bfloat16 ulp apart), so there the tiles keep a row's
+    result independent of the batch where oneDNN would not."""
+    return rows <= MAX_TILE_ROWS or (rows <= MAX_SMALL_TILE_ROWS and numel <= SMALL_WEIGHT)
 
 
 class Linear(nn.Linear):
@@ -60,7 +64,7 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         kernels = native_kernels.kernels()
         tiles = kernels is not None and kernels.amx_linear and x.dim() == 2 and x.stride(1) == 1
-        if kernels is not None and tiles and takes_tiles(x.shape[0]):
+        if kernels is not None and tiles and takes_tiles(x.shape[0], w.numel()):
             return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:

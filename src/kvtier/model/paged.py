@@ -117,12 +117,15 @@ def plan_group(
     *,
     own_keys: bool = True,
     native: bool = False,
+    native_chunks: bool = False,
 ) -> GroupPlan:
     """Precompute the writes and reads of KV group `group` for this forward (on the host).
 
     `own_keys=False` sends first chunks through the gather path too (tests comparing the
     paths); `native=True` gives sequences with few queries to the native kernel (the caller
-    checks `native.usable`)."""
+    checks `native.usable`), and with `native_chunks` longer chunks too (the kernel splits
+    them in blocks of queries; the caller sets it where the step runs as one call per layer,
+    which needs every query on the kernel — elsewhere SDPA is faster on a long chunk)."""
     bs = meta.block_size
     table, slots = meta.block_tables[group].cpu(), meta.slot_mappings[group].cpu()
     write_tokens = None
@@ -137,10 +140,10 @@ def plan_group(
     for i, q in enumerate(qlens):
         if q == 0:
             continue
-        if own_keys and q > MAX_BATCHED_QUERY and seq_lens[i] == q:
-            owned.setdefault(q, []).append(i)
-        elif q <= MAX_BATCHED_QUERY:
+        if q <= MAX_BATCHED_QUERY or (native and native_chunks):
             short.append(i)
+        elif own_keys and seq_lens[i] == q:
+            owned.setdefault(q, []).append(i)
         else:
             gathered.setdefault(q, []).append(i)
     native_plan = _plan_native(meta, short, table, kind) if short and native else None

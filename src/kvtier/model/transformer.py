@@ -16,7 +16,7 @@ from kvtier.model.arch import ArchSpec, arch_spec
 from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.fused_layer import FusedLayers
 from kvtier.model.layers import GatedMLP, Linear, RMSNorm, apply_rope, inv_freq, rope_tables
-from kvtier.model.paged import GroupPlan, paged_attention, plan_group
+from kvtier.model.paged import MAX_BATCHED_QUERY, GroupPlan, paged_attention, plan_group
 
 
 class Attention(nn.Module):
@@ -179,10 +179,17 @@ class CausalLM(nn.Module):
         group_size = self.config.num_heads // kvh
         weight = self.model.embed_tokens.weight  # of the queries' dtype and device
         use_native = self.native and native.attention_usable(weight, kv_caches[0])
+        layers = list(self.model.layers)
+        chunks = (  # a prompt's chunk in a step that can run as one call per layer
+            use_native
+            and self.fused is not None
+            and max(attn_metadata.query_lens, default=0) > MAX_BATCHED_QUERY
+            and self.fused.takes(layers, input_ids.shape[0])
+        )
         plans = [
-            plan_group(attn_metadata, g, kind, kvh, group_size, native=use_native).to(
-                input_ids.device
-            )
+            plan_group(
+                attn_metadata, g, kind, kvh, group_size, native=use_native, native_chunks=chunks
+            ).to(input_ids.device)
             for g, kind in enumerate(self.group_kinds)
         ]
         h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -192,7 +199,6 @@ class CausalLM(nn.Module):
             rope_tables(getattr(self, f"inv_freq_{r}").float(), positions, h.dtype)
             for r in range(self.num_ropes)
         ]
-        layers = list(self.model.layers)
         done = None
         if use_native and self.fused is not None:
             done = self.fused.run(

@@ -32,9 +32,15 @@ typedef struct {
     int64_t num_heads, kv_heads, head_dim, block_size;
     float scale, softcap;
     int dtype;
-    int64_t begin, end; /* the sequences of this thread */
-    int status;         /* 0, or -1: out of memory (its rows of out are not written) */
+    const int64_t *items; /* [n][3]: sequence, KV head, first query of a block of ≤ QBLOCK */
+    int64_t begin, end;   /* the items of this thread */
+    int status;           /* 0, or -1: out of memory (its rows of out are not written) */
 } Args;
+
+/* Queries of one sequence and KV head attended together (one work item): decodes and drafts are
+ * one block; a prompt's chunk is split so both threads share it and a block reads only the keys
+ * up to its own last query. */
+#define QBLOCK 32
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -458,12 +464,17 @@ static void softmax(int64_t rows, const float *qr, const float *kt, const float 
 
 /* Work item w = one sequence, every KV head: its keys are read as whole contiguous rows
  * [kv_heads, head_dim] of each block, which the hardware prefetchers follow. */
+static int64_t block_queries(const Args *a, const int64_t *item) {
+    const int64_t left = a->seq_qlen[item[0]] - item[2];
+    return left < QBLOCK ? left : QBLOCK;
+}
+
 static void run(Args *a) {
     const int64_t D = a->head_dim, bs = a->block_size, kvh = a->kv_heads;
     const int64_t G = a->num_heads / kvh, size = a->dtype == 1 ? 2 : 4;
     int64_t max_rows = 0;
     for (int64_t w = a->begin; w < a->end; w++) {
-        int64_t rows = a->seq_qlen[w] * G * kvh;
+        const int64_t rows = block_queries(a, a->items + 3 * w) * G;
         if (rows > max_rows) max_rows = rows;
     }
     a->status = 0;
@@ -473,16 +484,14 @@ static void run(Args *a) {
 #else
     const int pairs = 0;
 #endif
-    /* qf, acc: [kv_heads, queries, G, D]; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows]; the
-     * pairs path: its Scratch after them (head rows: max_rows / kvh) */
-    const int64_t head_rows = max_rows / kvh;
+    /* qf, acc: [queries, G, D] of one KV head; kt: [D, CHUNK]; vf: [CHUNK, D]; m, l: [rows];
+     * the pairs path: its Scratch after them */
     const size_t floats = (size_t)(2 * max_rows * D + 2 * CHUNK * D + 2 * max_rows);
 #if defined(PAIRS_PATH)
     const size_t pair_words =
-        pairs ? (size_t)(SEG * 8 * D + head_rows * SEG * (CHUNK + CHUNK / 2 + 1)) : 0;
+        pairs ? (size_t)(SEG * 8 * D + max_rows * SEG * (CHUNK + CHUNK / 2 + 1)) : 0;
 #else
     const size_t pair_words = 0;
-    (void)head_rows;
 #endif
     float *buf = NULL;
     if (posix_memalign((void **)&buf, 64, sizeof(float) * (floats + 16 + pair_words)) != 0) {
@@ -498,42 +507,42 @@ static void run(Args *a) {
         scratch.kp = (uint32_t *)kt;
         scratch.vseg = (uint32_t *)p;
         scratch.scores = p + SEG * 8 * D;
-        scratch.pp = (uint32_t *)(scratch.scores + head_rows * SEG * CHUNK);
-        scratch.valid = (__mmask16 *)(scratch.pp + head_rows * SEG * (CHUNK / 2));
+        scratch.pp = (uint32_t *)(scratch.scores + max_rows * SEG * CHUNK);
+        scratch.valid = (__mmask16 *)(scratch.pp + max_rows * SEG * (CHUNK / 2));
     }
 #endif
-    for (int64_t seq = a->begin; seq < a->end; seq++) {
-        const int64_t nq = a->seq_qlen[seq], tok0 = a->seq_token[seq], row0 = a->seq_row[seq];
-        const int64_t rows = nq * G; /* per KV head, ordered (query, g) */
-        if (nq == 0) continue;
+    for (int64_t w = a->begin; w < a->end; w++) {
+        const int64_t *item = a->items + 3 * w;
+        const int64_t seq = item[0], h = item[1], q0 = item[2];
+        const int64_t nq = block_queries(a, item);
+        const int64_t tok0 = a->seq_token[seq] + q0, row0 = a->seq_row[seq] + q0;
+        const int64_t rows = nq * G; /* ordered (query, g) */
         int64_t kmin = INT64_MAX, kmax = 0;
         for (int64_t j = 0; j < nq; j++) {
             if (a->lo[row0 + j] < kmin) kmin = a->lo[row0 + j];
             if (a->hi[row0 + j] > kmax) kmax = a->hi[row0 + j];
         }
-        for (int64_t h = 0; h < kvh && !pairs; h++) /* the pairs path reads q where it is */
-            for (int64_t j = 0; j < nq; j++)
-                for (int64_t g = 0; g < G; g++) {
-                    float *qr = qf + ((h * nq + j) * G + g) * D;
-                    load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
-                    for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
-                }
-        memset(acc, 0, sizeof(float) * (size_t)(kvh * rows * D));
-        for (int64_t r = 0; r < kvh * rows; r++) {
+        for (int64_t j = 0; j < nq && !pairs; j++) /* the pairs path reads q where it is */
+            for (int64_t g = 0; g < G; g++) {
+                float *qr = qf + (j * G + g) * D;
+                load_row(a->q, (tok0 + j) * a->q_stride + (h * G + g) * D, D, a->dtype, qr);
+                for (int64_t d = 0; d < D; d++) qr[d] *= a->scale;
+            }
+        memset(acc, 0, sizeof(float) * (size_t)(rows * D));
+        for (int64_t r = 0; r < rows; r++) {
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
         const int64_t *table = a->tables + seq * a->table_stride;
         const int64_t row_size = kvh * D; /* elements of one key (every head) */
 #if defined(PAIRS_PATH)
-        for (int64_t h = 0; h < kvh && pairs; h++) {
+        if (pairs) {
             const uint16_t *qrows[rows];
             for (int64_t j = 0; j < nq; j++)
                 for (int64_t g = 0; g < G; g++)
                     qrows[j * G + g] =
                         (const uint16_t *)a->q + (tok0 + j) * a->q_stride + (h * G + g) * D;
-            attend_pairs(a, qrows, nq, G, row0, table, h, kmin, kmax, &scratch, m + h * rows,
-                         l + h * rows, acc + h * rows * D);
+            attend_pairs(a, qrows, nq, G, row0, table, h, kmin, kmax, &scratch, m, l, acc);
         }
 #endif
         for (int64_t c0 = kmin; c0 < kmax && !pairs;) { /* chunks of keys within one block */
@@ -545,42 +554,38 @@ static void run(Args *a) {
                 prefetch_chunk((const char *)a->cache + k1 * size, cn1 * row_size * size,
                                bs * row_size * size);
             }
-            for (int64_t h = 0; h < kvh; h++) {
-                keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
-                       a->dtype, kt, vf);
-                for (int64_t qi = 0; qi < nq; qi++) {
-                    const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
-                    const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
-                    if (lo >= hi) continue;
-                    const int64_t r = (h * nq + qi) * G; /* the query's G rows of head h */
-                    softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r,
-                            acc + r * D);
-                }
+            keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
+                   a->dtype, kt, vf);
+            for (int64_t qi = 0; qi < nq; qi++) {
+                const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+                const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+                if (lo >= hi) continue;
+                const int64_t r = qi * G; /* the query's G rows */
+                softmax(G, qf + r * D, kt, vf, D, lo, hi, a->softcap, m + r, l + r, acc + r * D);
             }
             c0 += cn;
         }
-        for (int64_t h = 0; h < kvh; h++)
-            for (int64_t qi = 0; qi < nq; qi++)
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t r = (h * nq + qi) * G + g;
-                    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-                    const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+        for (int64_t qi = 0; qi < nq; qi++)
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = qi * G + g;
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
 #if defined(PAIRS_PATH)
-                    if (pairs) {
-                        uint16_t *dst = (uint16_t *)a->out + o;
-                        for (int64_t d = 0; d < D; d++)
-                            dst[d] = f32_to_bf16(acc[r * D + unpermute(d)] * inv);
-                        continue;
-                    }
-#endif
-                    if (a->dtype == 1) {
-                        uint16_t *dst = (uint16_t *)a->out + o;
-                        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
-                    } else {
-                        float *dst = (float *)a->out + o;
-                        for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
-                    }
+                if (pairs) {
+                    uint16_t *dst = (uint16_t *)a->out + o;
+                    for (int64_t d = 0; d < D; d++)
+                        dst[d] = f32_to_bf16(acc[r * D + unpermute(d)] * inv);
+                    continue;
                 }
+#endif
+                if (a->dtype == 1) {
+                    uint16_t *dst = (uint16_t *)a->out + o;
+                    for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[r * D + d] * inv);
+                } else {
+                    float *dst = (float *)a->out + o;
+                    for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+                }
+            }
     }
     free(buf);
 }
@@ -590,7 +595,7 @@ typedef struct {
     _Atomic int status;
 } Job;
 
-static void run_chunk(const void *ctx, int64_t begin, int64_t end) { /* sequences [begin, end) */
+static void run_chunk(const void *ctx, int64_t begin, int64_t end) { /* items [begin, end) */
     Job *job = (Job *)ctx;
     Args a = job->base;
     a.begin = begin;
@@ -606,18 +611,34 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
                            const int64_t *hi, int64_t num_seqs, int64_t num_heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                            float softcap, int dtype, int num_threads) {
-    const int64_t items = num_seqs;
-    int64_t keys = 0; /* the work: keys read, summed over sequences */
+    int64_t items = 0, keys = 0; /* work items; the work: keys read, summed over sequences */
     for (int64_t i = 0; i < num_seqs; i++)
-        if (seq_qlen[i] > 0) keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
+        if (seq_qlen[i] > 0) {
+            items += kv_heads * ((seq_qlen[i] + QBLOCK - 1) / QBLOCK);
+            keys += hi[seq_row[i] + seq_qlen[i] - 1] - lo[seq_row[i]];
+        }
+    if (items == 0) return 0;
+    int64_t *table = malloc(sizeof(int64_t) * 3 * (size_t)items);
+    if (!table) return -1;
+    int64_t w = 0;
+    for (int64_t i = 0; i < num_seqs; i++) /* sequence-major: a thread's items share its keys */
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t q0 = 0; q0 < seq_qlen[i]; q0 += QBLOCK) {
+                table[3 * w] = i;
+                table[3 * w + 1] = h;
+                table[3 * w + 2] = q0;
+                w++;
+            }
     if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* waking a helper costs more */
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = (int)(items > 0 ? items : 1);
+    if (num_threads > items) num_threads = (int)items;
     Job job = {{q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
                 seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
-                block_size, scale,  softcap, dtype,      0,          items,        0},
+                block_size, scale,  softcap, dtype,      table,      0,            items,
+                0},
                0};
     /* chunks of a quarter of a thread's share: sequences differ in length */
     pool_run(run_chunk, &job, items, items / (4 * num_threads), num_threads);
+    free(table);
     return atomic_load(&job.status);
 }

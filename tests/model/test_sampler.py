@@ -234,24 +234,28 @@ def test_the_draw_never_lands_on_a_filtered_token_at_the_uniform_s_extremes():
     assert _inverse_cdf(probs, u).tolist() == [3, 1, 1, 3, 3]
 
 
-@pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked rows, and near-uniform ones (sorted whole)
-def test_top_k_top_p_on_candidates_keep_the_sets_of_a_full_sort(scale):
-    """Top-k / top-p decide a row on its best CANDIDATES tokens where they can (the top-k set, or
-    a nucleus, within them) and sort the others whole: the kept logits are those of sorting every
-    row, for every mix of filters, a vocabulary well past the candidates."""
+@pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked rows, and near-uniform ones
+@pytest.mark.parametrize("whole", [False, True], ids=["candidates", "sorted-whole"])
+def test_top_k_top_p_keep_the_sets_of_a_full_sort(scale, whole):
+    """Batches whose filtered rows all have their top-k set within CANDIDATES tokens take them
+    with `topk` (no sort of the vocabulary), others sort whole: either way the kept logits are
+    those of sorting every row, for every mix of top-k and top-p, banned tokens included."""
     vocab, n = 4 * CANDIDATES, 48
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(n, vocab, generator=gen) * scale
     logits[3, 100:] = float("-inf")  # banned tokens
-    ks = [0, 1, 5, CANDIDATES, CANDIDATES + 1, vocab - 1]
     ps = [1.0, 0.5, 0.9, 0.999]
-    params = [
-        DrawParams(temperature=0.8, top_k=ks[i % 6], top_p=ps[(i // 6) % 4]) for i in range(n)
+    ks = [0, 5, CANDIDATES + 1, vocab - 1] if whole else [0, 1, 5, CANDIDATES]
+    params = [  # without `whole`, rows without top-k have no top-p either (nothing to sort)
+        DrawParams(
+            temperature=0.8, top_k=ks[i % 4], top_p=ps[(i // 4) % 4] if whole or ks[i % 4] else 1.0
+        )
+        for i in range(n)
     ]
     batch = SamplingBatch.from_params(params, [0] * n, vocab)
+    assert batch.sorts_whole == whole
     ours = processed_logits(logits, batch)
-    x = logits / batch.temperature[:, None]
-    want = _sorted_filter(x, batch.top_k, batch.top_p)
+    want = _sorted_filter(logits / batch.temperature[:, None], batch.top_k, batch.top_p)
     assert torch.equal(torch.isfinite(ours), torch.isfinite(want))
     assert torch.equal(ours[torch.isfinite(ours)], want[torch.isfinite(want)])
     assert torch.isfinite(ours).sum(-1).min() >= 1

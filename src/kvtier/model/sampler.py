@@ -16,6 +16,7 @@ from kvtier.model import native
 from kvtier.sampling import LOGPROBS_MODES, DrawParams
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
+CANDIDATES = 256  # rows whose top-k lies within: filtered on their best tokens, not a full sort
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SamplingBatch:
     positions: tuple[int, ...]  # position of each row's sampled token (seeds the draw)
     num_logprobs: tuple[int | None, ...]
     all_greedy: bool
+    sorts_whole: bool  # a filtered row's top-k set may reach past CANDIDATES (host-known)
 
     @classmethod
     def from_params(
@@ -61,6 +63,7 @@ class SamplingBatch:
             positions=tuple(positions),
             num_logprobs=tuple(p.logprobs for p in params),
             all_greedy=all(greedy),
+            sorts_whole=any(k > CANDIDATES and (k < vocab_size or p < 1.0) for k, p in zip(ks, ps)),
         )
 
 
@@ -131,14 +134,14 @@ def gather_logprobs(
     return chosen, top.values, top.indices
 
 
-CANDIDATES = 256  # top-k / top-p sort this many tokens a row (all: ~9 ms at 64 × 4,096)
-
-
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf)."""
     x = logits / batch.temperature[:, None]  # greedy rows carry temperature 1.0
     if batch.top_k is not None or batch.top_p is not None:
-        x = _top_k_top_p(x, batch.top_k, batch.top_p)
+        if batch.sorts_whole or x.shape[-1] <= CANDIDATES:
+            x = _sorted_filter(x, batch.top_k, batch.top_p)
+        else:
+            x = _top_k_top_p(x, batch.top_k, batch.top_p)
     if batch.min_p is not None:
         probs = torch.softmax(x, dim=-1)
         floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -149,41 +152,25 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def _top_k_top_p(
     x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """The filters on each row's best `CANDIDATES` tokens (`topk`, not a sort of the vocabulary):
-    a row is decided there when its top-k set lies within them, or, without top-k, its nucleus
-    ends within them; the other rows (a flat distribution under top-p, a top_k above the
-    candidates) are sorted whole (`_sorted_filter`). The same kept sets as sorting every row."""
+    """Top-k and top-p where every filtered row's top-k set lies within its best `CANDIDATES`
+    tokens (the caller knows from the parameters): those are taken with `topk`, not a sort of
+    the vocabulary (torch sorts 64 × 4,096 in ~9 ms), and the nucleus is cut within them, on the
+    probabilities of the top-k set as `_sorted_filter` has them. The same kept sets. Rows with
+    neither filter keep every token. No value is read on the host."""
     n, vocab = x.shape
-    cand = min(vocab, CANDIDATES)
-    if cand == vocab:
-        return _sorted_filter(x, top_k, top_p)
     ks = top_k if top_k is not None else torch.full((n,), vocab, device=x.device)
     ps = top_p if top_p is not None else torch.ones(n, device=x.device)
-    sorted_x, order = x.topk(cand, dim=-1)  # [n, cand], descending
-    drop = torch.arange(cand, device=x.device)[None, :] >= ks[:, None]
-    within = ks <= cand  # the top-k set (and so the nucleus) lies in the candidates
-    top = sorted_x[:, :1]
-    e = torch.exp(sorted_x - top).masked_fill(drop, 0.0)
-    total = torch.where(within, e.sum(dim=-1), torch.exp(x - top).sum(dim=-1))  # softmax's sum
-    probs = e / total[:, None]
-    cum = probs.cumsum(dim=-1)
-    cut = ps[:, None] < 1.0  # rows at 1.0 keep all (rounding-safe)
-    drop |= (cum - probs >= ps[:, None]) & cut  # mass of strictly better tokens
+    sorted_x, order = x.topk(CANDIDATES, dim=-1)  # [n, CANDIDATES], descending
+    drop = torch.arange(CANDIDATES, device=x.device)[None, :] >= ks[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop |= (before >= ps[:, None]) & (ps[:, None] < 1.0)  # rows at 1.0 keep all
     drop[:, 0] = False
-    # decided: the top-k set lies in the candidates, or (no top-k: `total` is the whole row's)
-    # their mass reaches top_p, so every later token has that much before it and is dropped
-    decided = within | ((ks >= vocab) & (ps < 1.0) & (cum[:, -1] >= ps))
-    unfiltered = (ks >= vocab) & (ps >= 1.0)
     kept = torch.full_like(x, float("-inf")).scatter(
         1, order, sorted_x.masked_fill(drop, float("-inf"))
     )
-    out = torch.where(unfiltered[:, None], x, kept)
-    rest = torch.nonzero(~(decided | unfiltered)).flatten()
-    if rest.numel():
-        out[rest] = _sorted_filter(
-            x[rest], None if top_k is None else top_k[rest], None if top_p is None else top_p[rest]
-        )
-    return out
+    unfiltered = (ks >= vocab) & (ps >= 1.0)
+    return torch.where(unfiltered[:, None], x, kept)
 
 
 def _sorted_filter(

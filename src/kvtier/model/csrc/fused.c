@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vexp.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -133,24 +134,10 @@ static inline __mmask16 lanes(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
 }
 
-/* exp_approx's reduction and polynomial on 16 lanes, 2^n by vscalefps (0 far below, +inf far
- * above, NaN stays NaN) */
+/* e^x on 16 lanes (vexp.h): 0 far below, +inf far above, NaN stays NaN */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return exp_clamped(_mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)));
 }
-
 #endif
 
 /* Rows [begin, end) of a kernel, run on up to `threads` threads (pool.h: chunks of rows claimed

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "vexp.h"
 
 typedef struct {
     const void *q;
@@ -141,20 +142,8 @@ static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stri
             _mm512_store_ps(vf + j * D + d, load16(cache, vbase + j * stride + d, dtype));
 }
 
-static inline __m512 exp_nonpositive(__m512 x) { /* about 2 ulp; 0 below -87 */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+static inline __m512 exp_nonpositive(__m512 x) { /* vexp.h; about 2 ulp; e^-87 below -87 */
+    return exp_clamped(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
 }
 
 /* A row's running max m becomes max(m, new_max); its sum l and accumulator acc [D] are rescaled

@@ -138,7 +138,7 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf)."""
     x = logits / batch.temperature[:, None]  # greedy rows carry temperature 1.0
     if batch.top_k is not None or batch.top_p is not None:
-        if batch.sorts_whole or x.shape[-1] <= CANDIDATES:
+        if batch.top_k is None or batch.sorts_whole or x.shape[-1] <= CANDIDATES:
             x = _sorted_filter(x, batch.top_k, batch.top_p)
         else:
             x = _top_k_top_p(x, batch.top_k, batch.top_p)
@@ -149,28 +149,18 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return x
 
 
-def _top_k_top_p(
-    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
     """Top-k and top-p where every filtered row's top-k set lies within its best `CANDIDATES`
     tokens (the caller knows from the parameters): those are taken with `topk`, not a sort of
-    the vocabulary (torch sorts 64 × 4,096 in ~9 ms), and the nucleus is cut within them, on the
-    probabilities of the top-k set as `_sorted_filter` has them. The same kept sets. Rows with
-    neither filter keep every token. No value is read on the host."""
-    n, vocab = x.shape
-    ks = top_k if top_k is not None else torch.full((n,), vocab, device=x.device)
-    ps = top_p if top_p is not None else torch.ones(n, device=x.device)
+    the vocabulary (torch sorts 64 × 4,096 in ~9 ms), and cut as `_sorted_filter` cuts. The
+    same kept sets. Rows without top-k (and so without top-p) keep every token. No value is read
+    on the host."""
     sorted_x, order = x.topk(CANDIDATES, dim=-1)  # [n, CANDIDATES], descending
-    drop = torch.arange(CANDIDATES, device=x.device)[None, :] >= ks[:, None]
-    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    drop |= (before >= ps[:, None]) & (ps[:, None] < 1.0)  # rows at 1.0 keep all
-    drop[:, 0] = False
+    drop = _cut(sorted_x, top_k, top_p)
     kept = torch.full_like(x, float("-inf")).scatter(
         1, order, sorted_x.masked_fill(drop, float("-inf"))
     )
-    unfiltered = (ks >= vocab) & (ps >= 1.0)
-    return torch.where(unfiltered[:, None], x, kept)
+    return torch.where((top_k >= x.shape[-1])[:, None], x, kept)
 
 
 def _sorted_filter(
@@ -178,16 +168,24 @@ def _sorted_filter(
 ) -> torch.Tensor:
     """Top-k and top-p over each row sorted whole."""
     sorted_x, order = x.sort(dim=-1, descending=True)  # [n, vocab]
+    drop = _cut(sorted_x, top_k, top_p)
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+def _cut(
+    sorted_x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Which of each row's best tokens (descending) top-k and top-p drop; never the first."""
     drop = torch.zeros_like(sorted_x, dtype=torch.bool)
     if top_k is not None:
-        rank = torch.arange(x.shape[-1], device=x.device)[None, :]
+        rank = torch.arange(sorted_x.shape[-1], device=sorted_x.device)[None, :]
         drop |= rank >= top_k[:, None]
     if top_p is not None:
         probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # rows at 1.0 keep all
     drop[:, 0] = False
-    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return drop
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,13 @@ torch headers: a build takes a few seconds (4 s for both libraries on a busy 2-c
 a compiler, a writable cache or a successful build, `kernels()` is None (logged once) and the
 model keeps its torch paths.
 
-`paged_attention.c`: attention of few queries per sequence straight from the paged cache.
+`paged_attention.c`: attention straight from the paged cache (decodes, drafts, and a prompt's
+chunk in a step the one-call layers run).
 `fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
 without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
 linears for few rows on AMX tiles. `layer.c`: a decoder layer's step as one call into the others
-(`model/fused_layer.py`)."""
+(`model/fused_layer.py`). Shared headers: `pool.h` (each library's helper threads), `vexp.h`
+(the AVX-512 exponential)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-/* Paged attention for few queries per sequence (decodes, draft verification) straight from the KV
- * cache: no gather copy, each key and value block read once per (sequence, KV head), float32
+/* Paged attention straight from the KV cache for decodes, draft verification and a prompt's chunk
+ * (in a step the one-call layers run): no gather copy; work items of (sequence, KV head, block of
+ * up to QBLOCK queries), each reading its keys once, up to its last query; float32
  * accumulation with an online softmax (per chunk of keys; per segment of up to SEG chunks in the
  * bfloat16 pairs path, see attend_pairs). Built and loaded by kvtier/model/native.py (plain C, no
  * Python or torch headers); called through ctypes, which releases the GIL.

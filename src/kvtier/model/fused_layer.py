@@ -139,8 +139,7 @@ class FusedLayers:
         kernels = native.kernels()
         if kernels is None or kernels.layer is None or not kernels.amx_linear or not PACK_BF16:
             return False
-        built = self._layers(layers, kernels)
-        return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
+        return _fits(self._layers(layers, kernels), rows)
 
     def run(
         self,
@@ -165,7 +164,7 @@ class FusedLayers:
         if built is None:
             return None
         rows = x.shape[0]
-        if not self.takes(layers, rows) or not all(
+        if not _fits(built, rows) or not all(
             c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches
         ):
             return None
@@ -206,6 +205,11 @@ class FusedLayers:
             self._built = [_Built(layer, kernels) for layer in layers] if servable_all else None
             self._of = of
         return self._built
+
+
+def _fits(built: list[_Built] | None, rows: int) -> bool:
+    """Every linear of the built layers takes the tiles at `rows` rows."""
+    return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
 
 
 def _step(plan: GroupPlan) -> _Step:

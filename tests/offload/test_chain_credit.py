@@ -6,8 +6,9 @@ So, summed over admissions, the lower tiers' hit tokens never exceed the host's 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kvtier.offload.fetch import FetchJob, LowerTier
 from kvtier.runner.host_io import HostBlockIO
 from kvtier.sched.connector import TierLookup
 from kvtier.sched.request import Request
-from kvtier.stores import DiskStore, StoreLayout
+from kvtier.stores import DiskStore, StoreKey, StoreLayout
 from tests.offload.factories import device, request, tier
 
 BS = 4
@@ -28,18 +29,33 @@ PREFIX = list(range(100, 116))  # four blocks
 NUM_HOST = 16
 
 
+class HeldDiskStore(DiskStore):
+    """A real disk store whose reads wait until the test opens `reads` (open at first), so a
+    test can look up while a read is surely still running."""
+
+    def __init__(self, root: Path, capacity_bytes: int) -> None:
+        super().__init__(root, capacity_bytes)
+        self.reads = threading.Event()
+        self.reads.set()
+
+    def get(self, keys: Sequence[StoreKey]) -> list[bytes | None]:
+        assert self.reads.wait(30), "the test never let the disk read go on"
+        return super().get(keys)
+
+
 @pytest.fixture
-def parts(tmp_path: Path) -> Iterator[tuple[TierChain, DiskStore]]:
+def parts(tmp_path: Path) -> Iterator[tuple[TierChain, HeldDiskStore]]:
     from kvtier.kv import FullAttention
 
     dev_kv = device(32, [FullAttention(BS)])
     host = tier(dev_kv, NUM_HOST, record_published=True)
     sim = make_device("sim", LAYOUT, 32, NUM_HOST, sanitize="raise")
-    disk = DiskStore(tmp_path / "disk", 1 << 20)
+    disk = HeldDiskStore(tmp_path / "disk", 1 << 20)
     chain = TierChain(
         host, [LowerTier("disk", disk, True)], HostBlockIO(sim), [STORE_LAYOUT], timeout_s=30
     )
     yield chain, disk
+    disk.reads.set()
     chain.close()
     sim.close()
 
@@ -68,7 +84,7 @@ def disk_hits(chain: TierChain) -> int:
 
 
 def test_tokens_the_device_serves_by_admission_are_not_credited_to_the_disk(
-    parts: tuple[TierChain, DiskStore],
+    parts: tuple[TierChain, HeldDiskStore],
 ) -> None:
     chain, disk = parts
     a = request(chain.host.device_kv, "a", [*PREFIX, 1, 2, 3])
@@ -84,15 +100,17 @@ def test_tokens_the_device_serves_by_admission_are_not_credited_to_the_disk(
 
 
 def test_a_request_served_by_another_requests_read_credits_the_disk(
-    parts: tuple[TierChain, DiskStore],
+    parts: tuple[TierChain, HeldDiskStore],
 ) -> None:
     chain, disk = parts
     a = request(chain.host.device_kv, "a", [*PREFIX, 1, 2, 3])
     b = request(chain.host.device_kv, "b", [*PREFIX, 4, 5, 6])
     put_prefix(chain, disk, a, chain.io.block_bytes)
+    disk.reads.clear()
     assert chain.lookup(a, 0).wait_for_load  # a's read starts
     assert chain.lookup(b, 0).wait_for_load  # b waits on a's read
     chain.finish_request(a)  # a is aborted; its read still stages the blocks
+    disk.reads.set()
     answer = settle(chain, b, 0)
     assert answer.num_tokens == len(PREFIX)
     chain.record_lookup(b)
@@ -107,7 +125,7 @@ def test_a_request_served_by_another_requests_read_credits_the_disk(
 
 
 def test_an_evicted_staged_block_forgets_where_it_came_from(
-    parts: tuple[TierChain, DiskStore],
+    parts: tuple[TierChain, HeldDiskStore],
 ) -> None:
     """A staged entry evicted before any admission loads it credits nobody, also when the same
     block is cached again later (stored from the device: a new entry)."""
@@ -127,7 +145,7 @@ def test_an_evicted_staged_block_forgets_where_it_came_from(
 
 
 def test_a_re_admission_after_preemption_is_counted_apart(
-    parts: tuple[TierChain, DiskStore],
+    parts: tuple[TierChain, HeldDiskStore],
 ) -> None:
     """As the device's prefix stats: hits of re-admissions after a preemption are their own
     counter, so the lower tiers' hit tokens stay within first admissions' external tokens."""

@@ -19,7 +19,7 @@ from tests.model.paged import record_fused_runs
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.amx_linear or not PACK_BF16, reason="no AMX linear here"
+    kernels is None or not kernels.tile_linear or not PACK_BF16, reason="no tile linear here"
 )
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -18,7 +18,7 @@ from tests.model.paged import PagedKV, record_fused_runs
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.amx_linear or not PACK_BF16, reason="no AMX linear here"
+    kernels is None or not kernels.tile_linear or not PACK_BF16, reason="no tile linear here"
 )
 
 
@@ -103,7 +103,7 @@ def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, mo
 
     monkeypatch.setattr(native, "_library", no_layer)
     built = native.build(native.FLAGS)
-    assert built is not None and built.layer is None and built.amx_linear
+    assert built is not None and built.layer is None and built.tile_linear
     model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
     model.fused = None
     python = decode(model, steps=2)

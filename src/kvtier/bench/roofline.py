@@ -3,7 +3,12 @@ read every weight once and each sequence's KV; at this machine's copy bandwidth 
 large tensor copy, bytes read + written per second) that takes `roofline_ms`. The engine's decode
 step time is timed on the engine's own steps once every prompt of the batch is prefilled (new
 prompts each round): elapsed time over decode steps. Reports the fraction of the
-roofline reached (roofline_ms / step_ms) per batch size; prints a table and saves JSON."""
+roofline reached (roofline_ms / step_ms) per batch size; prints a table and saves JSON.
+
+A large batch is bound by arithmetic, not memory: every weight multiplies every row. So it also
+reports `compute_ms`, the step's multiply-adds (weights × rows, plus attention's) at this
+machine's measured bfloat16 matmul rate (oneDNN's large linear: the best the CPU's matrix
+instructions give here), and the fraction of the higher of the two bounds (`fraction_of_bound`)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
+from kvtier.model.layers import Linear
 from kvtier.model.served import ServedDecoder
 
 
@@ -52,6 +58,33 @@ def copy_bandwidth(mib: int, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() / best
+
+
+def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Multiply-adds per second of the best of `repeats` large linears ([512, 4096] by a
+    [4096, 4096] weight, oneDNN's prepacked layout as `Linear` uses it): the rate no step's
+    matrix products can beat on this CPU."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4096, generator=gen).to(dtype)
+    w = torch.randn(4096, 4096, generator=gen).to(dtype)
+    layer = Linear(4096, 4096, bias=False).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer(x)  # pack the weight
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - t0)
+    return x.shape[0] * w.numel() / best
+
+
+def step_macs(model: Any, batch: int, weights: int, kv: float) -> float:
+    """Multiply-adds of one decode step: each row by every weight read, and each query head by
+    its KV head's keys and values over the context (from `kv_bytes`)."""
+    cfg = model.config
+    size = model.model.embed_tokens.weight.element_size()
+    return float(batch * weights / size + kv / size * cfg.num_heads / cfg.num_kv_heads)
 
 
 def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
@@ -111,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
         path = models.model_path(args.model, Path(tmp))
         threads = configure_torch_threads(args.threads, path)  # the engine's choice unless told
         bandwidth = copy_bandwidth(args.copy_mib)
-        print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s))")
+        rate = matmul_rate(getattr(torch, args.dtype))
+        print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
+              f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s")  # fmt: skip
         for batch in args.batch_sizes:
             llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
@@ -126,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             weights = weight_bytes(model, model.spec.tie_word_embeddings)
             kv = kv_bytes(model, batch, context)
             roofline = (weights + kv) / bandwidth
+            compute = step_macs(model, batch, weights, kv) / rate
             steps = [decode_step_s(llm, batch, args, vocab, args.seed + 100 * r)
                      for r in range(args.rounds)]  # fmt: skip
             step = statistics.median(steps)
@@ -137,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
                 "step_ms": step * 1e3,
                 "step_ms_rounds": [s * 1e3 for s in steps],
                 "fraction_of_roofline": roofline / step,
+                "compute_ms": compute * 1e3,
+                "fraction_of_bound": max(roofline, compute) / step,
                 "output_tok_s": batch / step,
                 "torch_threads": llm.engine.torch_threads,
             }
@@ -145,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                 f"batch {batch:3d}: {(weights + kv) / 1e6:7.1f} MB/step (KV {kv / 1e6:.1f}) → "
                 f"roofline {row['roofline_ms']:7.2f} ms, decode step {row['step_ms']:7.2f} ms "
                 f"→ {row['fraction_of_roofline']:.0%} of the roofline "
-                f"({row['output_tok_s']:.0f} tok/s)",
+                f"({row['output_tok_s']:.0f} tok/s); compute bound {row['compute_ms']:.2f} ms "
+                f"→ {row['fraction_of_bound']:.0%} of the higher bound",
                 flush=True,
             )
             del llm
@@ -154,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "config": config,
         "threads": threads,
         "copy_bandwidth_bytes_s": bandwidth,
+        "matmul_macs_s": rate,
         "rows": rows,
     }
     print(f"saved {save_json(payload, args.out)}")

@@ -1,10 +1,10 @@
 """The decoder layers of a bfloat16 step as one native call each (`csrc/layer.c`).
 
-A layer's Python path makes ~11 kernel calls (norms, the AMX linears, rope, the KV write, the
+A layer's Python path makes ~11 kernel calls (norms, the tile linears, rope, the KV write, the
 paged attention kernel), each with its own ctypes call, output allocation and Python; on a small
 model that is most of a step's time, and every call releases and retakes the GIL. Where the
-whole batch is served by those kernels — bfloat16 on a CPU with the AMX linear, every linear
-taking the tiles at this row count (`takes_tiles`), every query on the attention kernel (decodes,
+whole batch is served by those kernels — bfloat16 on a CPU with the tile linear (AMX or
+AVX512-BF16), every linear taking the tiles at this row count (`takes_tiles`), every query on the attention kernel (decodes,
 drafts, and a prompt's chunks, which `CausalLM.forward` plans for the kernel when `takes` says
 the step fits; no gathered sequence) — `FusedLayers` runs each layer as one call that makes the
 same kernel calls in C, on the same inputs: the same bits as the Python path on the same plans
@@ -137,7 +137,7 @@ class FusedLayers:
         linear taking the tiles at this row count (the caller then plans a prompt's chunks for
         the attention kernel, which the one-call layer needs)."""
         kernels = native.kernels()
-        if kernels is None or kernels.layer is None or not kernels.amx_linear or not PACK_BF16:
+        if kernels is None or kernels.layer is None or not kernels.tile_linear or not PACK_BF16:
             return False
         return _fits(self._layers(layers, kernels), rows)
 
@@ -154,7 +154,7 @@ class FusedLayers:
         """(hidden, residual) after every layer for input x [rows, hidden], or None where some
         layer or query is not served (the caller runs the Python path)."""
         kernels = native.kernels()
-        if kernels is None or kernels.layer is None or not kernels.amx_linear or not PACK_BF16:
+        if kernels is None or kernels.layer is None or not kernels.tile_linear or not PACK_BF16:
             return None
         if x.dtype != torch.bfloat16:
             return None

@@ -29,27 +29,39 @@ MAX_SMALL_TILE_ROWS, SMALL_WEIGHT = 256, 2 << 20  # weights of at most 2M elemen
 
 
 def takes_tiles(rows: int, numel: int) -> bool:
-    """Whether the AMX linear serves `rows` rows of a weight of `numel` elements. Up to 64 rows on
-    any weight it is faster than oneDNN — at the small models' shapes 1.5-6x; at the 0.5B shape,
-    weights streamed from memory as in a model that does not fit the cache, 1.1-1.7x at 32-64
-    rows. Up to 256 rows on weights of at most 2M elements (the small models'), where it is
-    within 0.9-2x of oneDNN and lets a prompt's chunk with the step's decodes run as one call
-    per layer (`fused_layer.py`: 1.4-2x a step); above, and on large weights above 64 rows,
-    oneDNN's blocking wins (2x at 1,920 rows). Bits: a row gets the bits oneDNN gives it in a
-    batch of up to 32 rows, whatever its batch; oneDNN itself, above 32 rows, sums k ≥ 512 in
-    another order (1-6 outputs in 10^4 one bfloat16 ulp apart), so there the tiles keep a row's
-    result independent of the batch where oneDNN would not."""
+    """Whether the tile linear (`Kernels.tile_linear`) serves `rows` rows of a weight of `numel`
+    elements: up to 64 rows on any weight, up to 256 on weights of at most 2M elements (the
+    small models'). Measured against oneDNN, one call alone, and end to end:
+
+    - AMX: up to 64 rows it is faster on any weight — at the small models' shapes 1.5-6x; at the
+      0.5B shape, weights streamed from memory, 1.1-1.7x at 32-64 rows. Up to 256 rows on small
+      weights it is within 0.9-2x of oneDNN and lets a prompt's chunk with the step's decodes run
+      as one call per layer (`fused_layer.py`: 1.4-2x a step); above, and on large weights above
+      64 rows, oneDNN's blocking wins (2x at 1,920 rows).
+    - AVX512-BF16 (AMD Zen 5): both run VDPBF16PS at its peak rate (~220 G multiply-adds/s a
+      core), so what the tiles save is oneDNN's ~10 µs set-up per call: at the small models'
+      shapes 2-5x faster up to 16 rows, 0.8-1.7x at 64, 0.7-1.4x at 256; on the 0.5B shape's
+      weights 0.8-1.3x at one row and 0.75-1.05x at 16-64. What decides it is the step: with
+      every linear on the tiles a layer runs as one call (`fused_layer.py`), and the 0.5B
+      shape's decode step took 21.5 ms at batch 1 (34.8 on oneDNN), 37.6-41.0 at batch 16
+      (45.4 with one row) and 91-101 ms at 64 (99-122 with 16 rows).
+
+    Bits: a row gets oneDNN's bits in a batch of up to 32 rows (AMX) and wherever oneDNN sums k
+    in order (AVX512-BF16: k ≤ 512; with k of 896 and more oneDNN's bits depend on the batch's
+    row count, 2-300 outputs in 10^5 one bfloat16 ulp apart) — the tiles give a row the same
+    bits whatever its batch."""
     return rows <= MAX_TILE_ROWS or (rows <= MAX_SMALL_TILE_ROWS and numel <= SMALL_WEIGHT)
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose bfloat16 weight on a CPU is multiplied through a copy prepacked once:
-    for few rows, the AMX tile layout of `model/native.py`'s linear kernel (oneDNN spends 20-40
-    µs per call on set-up at small shapes, the tiles 4-12 µs on the whole product); otherwise
+    for few rows, the tile layout of `model/native.py`'s linear kernel (AMX or AVX512-BF16;
+    oneDNN spends 10-40 µs per call on set-up at small shapes, the tiles 2-12 µs on the whole
+    product); otherwise
     oneDNN's blocked layout (`F.linear` reorders the weight on every call, 1.3-2.4x slower at
     decode sizes). Copies derive from the weight, not state: rebuilt whenever the weight tensor
-    is another one (loading, `.to()`). Results are the bits of `F.linear` on batches of up to 32
-    rows (see `takes_tiles`)."""
+    is another one (loading, `.to()`). Results are the bits of `F.linear` on small batches (see
+    `takes_tiles`)."""
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, torch.dtype] | None = None
@@ -63,7 +75,7 @@ class Linear(nn.Linear):
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
             return F.linear(x, w, self.bias)
         kernels = native_kernels.kernels()
-        tiles = kernels is not None and kernels.amx_linear and x.dim() == 2 and x.stride(1) == 1
+        tiles = kernels is not None and kernels.tile_linear and x.dim() == 2 and x.stride(1) == 1
         if kernels is not None and tiles and takes_tiles(x.shape[0], w.numel()):
             return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
@@ -76,7 +88,7 @@ class Linear(nn.Linear):
         return out
 
     def tiles(self, kernels: native_kernels.Kernels) -> torch.Tensor:
-        """The weight in the AMX linear's tile layout (needs `kernels.amx_linear` and a bfloat16
+        """The weight in the tile linear's layout (needs `kernels.tile_linear` and a bfloat16
         weight), packed on first use and again whenever the weight tensor is another one."""
         w = self.weight
         key = (w.data_ptr(), w.dtype)

@@ -9,7 +9,7 @@ model keeps its torch paths.
 chunk in a step the one-call layers run).
 `fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
 without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
-linears for few rows on AMX tiles. `layer.c`: a decoder layer's step as one call into the others
+linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`). `layer.c`: a decoder layer's step as one call into the others
 (`model/fused_layer.py`). Shared headers: `pool.h` (each library's helper threads), `vexp.h`
 (the AVX-512 exponential)."""
 
@@ -57,17 +57,21 @@ _RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": c
             "kvtier_layer_work": ctypes.c_int64}  # fmt: skip
 
 
+LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16"}  # kvtier_linear_available's answers
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The loaded libraries (attention, fused elementwise, linear, layer) and where they came
-    from; `amx_linear`: the linear kernel runs here (AMX tiles, granted by the OS)."""
+    from; `tile_linear`: which instructions the linear kernel runs on here ("amx": AMX tiles,
+    granted by the OS; "avx512bf16": VDPBF16PS; None: neither, oneDNN serves every linear)."""
 
     attention: ctypes.CDLL
     fused: ctypes.CDLL
     linear: ctypes.CDLL
     layer: ctypes.CDLL | None  # None: it did not build (the layers keep their Python path)
     paths: tuple[Path, ...]
-    amx_linear: bool = False
+    tile_linear: str | None = None
 
     def paged_attention(
         self,
@@ -155,9 +159,9 @@ class Kernels:
         raise KeyError(name)
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight [n, k] in the linear kernel's tile layout (needs `amx_linear`)."""
+        """A bfloat16 weight [n, k] in the linear kernel's tile layout (needs `tile_linear`)."""
         n, k = weight.shape
-        assert self.amx_linear and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        assert self.tile_linear and weight.dtype == torch.bfloat16 and weight.is_contiguous()
         packed = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.bfloat16)
         self.linear.kvtier_linear_pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
@@ -273,11 +277,11 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
     linear = _library(compiler, version, CSRC / "linear.c", flags)
     if linear is None:
         return None
-    amx = bool(linear[0].kvtier_linear_available())
+    tile = LINEAR_KINDS[linear[0].kvtier_linear_available()]
     layer = _library(compiler, version, CSRC / "layer.c", flags)  # optional: the layers' Python
     paths = (attention[1], fused[1], linear[1], *(() if layer is None else (layer[1],)))
     return Kernels(
-        attention[0], fused[0], linear[0], None if layer is None else layer[0], paths, amx
+        attention[0], fused[0], linear[0], None if layer is None else layer[0], paths, tile
     )
 
 

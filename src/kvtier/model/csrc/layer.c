@@ -1,5 +1,5 @@
 /* A bfloat16 decoder layer's step in one call, for batches the other kernels serve whole: every
- * linear on the AMX tiles and every query on the paged attention kernel (decodes, short draft
+ * linear on the tile kernel (linear.c: AMX or AVX512-BF16) and every query on the paged attention kernel (decodes, short draft
  * queries). Python's layer makes ~11 kernel calls, each paying ~5 µs of ctypes and ~3 µs of
  * torch.empty besides its Python; here one call runs them back to back with the GIL released.
  *

@@ -1,32 +1,25 @@
-/* bfloat16 linear layers for few rows on AMX tiles: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias),
- * float32 accumulation, rounded to bfloat16 once (round to nearest even), as oneDNN's bf16 matmul.
- * oneDNN's call costs 20–40 µs before it multiplies anything at the small models' shapes (its
- * primitive set-up per call); these tiles need 4–12 µs for the same products there. Built and
- * loaded by kvtier/model/native.py; plain C, no Python or torch headers.
+/* bfloat16 linear layers for few rows: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), float32
+ * accumulation over k in order, rounded to bfloat16 once (round to nearest even), as oneDNN's
+ * bf16 matmul. oneDNN's call costs 20–40 µs before it multiplies anything at the small models'
+ * shapes (its primitive set-up per call); these kernels need a few µs for the same products
+ * there. Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
  *
  * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
  * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
+ * The same layout serves both instruction sets: on AMX a tile is one TDPBF16PS operand; with
+ * AVX512-BF16 only (AMD Zen 4/5, Intel Cooper Lake) a tile row is one 512-bit VDPBF16PS operand
+ * (16 columns' pair r), multiplied by a row's pair r broadcast. Either way each output sums its
+ * k pairs in order into one float32 accumulator.
  * Output columns are split in groups of four tiles among the pool's threads (pool.h): each
  * element is computed by one thread in one order, so results do not depend on the thread count.
- * Without AMX (or where the kernel may not use it) `kvtier_linear_available` returns 0.
+ * `kvtier_linear_available` returns 1 (AMX, granted by the OS), 2 (AVX512-BF16) or 0 (neither:
+ * the caller uses oneDNN).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux grants a process the AMX tile state on request (once for all its threads). */
-int kvtier_linear_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
 
 void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
     const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
@@ -40,6 +33,46 @@ void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packe
                         tile[(r * 16 + c) * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
                     }
         }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+typedef struct {
+    const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
+    uint16_t *out;
+    int64_t m, n, k, x_stride;
+} Job;
+
+static void store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
+    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (a->bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b));
+        _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask, h);
+    }
+}
+
+/* rows [m0, m0 + R) of x's k block kb: the 32 bf16 of each row, from x or the zero-padded tail */
+static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
+    return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux grants a process the AMX tile state on request (once for all its threads). */
+static int amx_granted(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 typedef struct {
@@ -62,27 +95,8 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-typedef struct {
-    const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
-    uint16_t *out;
-    int64_t m, n, k, x_stride;
-} Job;
-
-static void store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
-    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (a->bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
-    for (int r = 0; r < rows; r++) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b));
-        _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask, h);
-    }
-}
-
 /* output column groups [g0, g1): four 16-column tiles each, every row block of 16 */
-static void run_groups(const void *ctx, int64_t g0, int64_t g1) {
+static void amx_groups(const void *ctx, int64_t g0, int64_t g1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32, full = a->k / 32;
     float acc[4][256] __attribute__((aligned(64)));
@@ -132,8 +146,90 @@ static void run_groups(const void *ctx, int64_t g0, int64_t g1) {
     if (configured) _tile_release();
 }
 
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* rows [m0, m0 + R) by T column tiles: R × T float32 accumulators in registers; per k pair, each
+ * tile's row (16 columns' pair) is loaded once and multiplied by every row's pair broadcast */
+static inline __attribute__((always_inline)) void avx_block(const Job *a, const uint16_t *w,
+                                                             int64_t m0, int64_t nb0, const int R,
+                                                             const int T) {
+    const int64_t kbs = (a->k + 31) / 32, full = a->k / 32;
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < kbs; kb++) {
+        const uint16_t *xs[6];
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) xs[i] = x_block(a, m0 + i, kb, full);
+        const uint16_t *b = w + kb * 512;
+#pragma GCC unroll 1 /* unrolled, GCC hoists every pair's broadcasts out and spills them */
+        for (int r = 0; r < 16; r++) {
+            __m512bh wt[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                wt[t] = (__m512bh)_mm512_loadu_si512(b + t * kbs * 512 + r * 32);
+#pragma GCC unroll 6
+            for (int i = 0; i < R; i++) {
+                int32_t pair;
+                memcpy(&pair, xs[i] + 2 * r, sizeof pair);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], xb, wt[t]);
+            }
+        }
+    }
+    float out[4][6 * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, acc[i][t]);
+        store(a, out[t], m0, R, (nb0 + t) * 16);
+    }
+}
+
+#define AVX_ROWS 6
+#define AVX_CASE(R, T)                        \
+    case (R) * 8 + (T):                       \
+        avx_block(a, w, m0, nb0, (R), (T));   \
+        break;
+#define AVX_CASES(R) AVX_CASE(R, 1) AVX_CASE(R, 2) AVX_CASE(R, 3) AVX_CASE(R, 4)
+
+/* output column groups [g0, g1): four 16-column tiles each, every row block of AVX_ROWS */
+static void avx_groups(const void *ctx, int64_t g0, int64_t g1) {
+    const Job *a = (const Job *)ctx;
+    const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t nb0 = g * 4;
+        const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
+        const uint16_t *w = a->packed + nb0 * kbs * 512;
+        for (int64_t m0 = 0; m0 < a->m; m0 += AVX_ROWS) {
+            const int rows = a->m - m0 < AVX_ROWS ? (int)(a->m - m0) : AVX_ROWS;
+            switch (rows * 8 + tiles) {
+                AVX_CASES(1) AVX_CASES(2) AVX_CASES(3) AVX_CASES(4) AVX_CASES(5) AVX_CASES(6)
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static ChunkFn groups_fn; /* set by kvtier_linear_available: AMX's or AVX512-BF16's */
+
+int kvtier_linear_available(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+    if (amx_granted()) {
+        groups_fn = amx_groups;
+        return 1;
+    }
+#endif
+    groups_fn = avx_groups;
+    return 2;
+}
+
 /* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
- * Returns 0, or -1 when the scratch for x's last partial k block could not be allocated. */
+ * Call kvtier_linear_available first. Returns 0, or -1 when the scratch for x's last partial k
+ * block could not be allocated. */
 int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                   int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
     uint16_t *tail = NULL;
@@ -146,7 +242,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     const Job job = {x, packed, bias, tail, out, m, n, k, x_stride};
     const int64_t groups = ((n + 15) / 16 + 3) / 4;
     const int64_t work = m * n * k; /* multiply-adds: below ~2M a helper's wake costs more */
-    pool_run(run_groups, &job, groups, groups / (4 * threads), work < (1 << 21) ? 1 : threads);
+    pool_run(groups_fn, &job, groups, groups / (4 * threads), work < (1 << 21) ? 1 : threads);
     free(tail);
     return 0;
 }

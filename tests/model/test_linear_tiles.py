@@ -1,7 +1,9 @@
-"""The AMX linear kernel (csrc/linear.c) gives oneDNN's bits: bfloat16 products summed in float32
-and rounded once — a row gets what oneDNN gives it in a batch of up to 32 rows, at every row count
-the kernel takes — with partial k blocks and output tiles, bias or none, strided rows, and any
-number of threads; `Linear` picks it for few rows and oneDNN above."""
+"""The tile linear kernel (csrc/linear.c, AMX or AVX512-BF16) gives the bits of bfloat16 products
+summed over k in order in float32 and rounded once — on AMX what oneDNN gives a row in a batch of
+up to 32 rows; on AVX512-BF16 exactly VDPBF16PS's sums (each pair's odd product added, then its
+even one), which are oneDNN's wherever oneDNN sums in order (k ≤ 512) — with partial k blocks and
+output tiles, bias or none, strided rows, and any number of threads; `Linear` picks it for few
+rows and oneDNN above."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from kvtier.model.layers import PACK_BF16, Linear, takes_tiles
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.amx_linear or not PACK_BF16, reason="no AMX linear here"
+    kernels is None or not kernels.tile_linear or not PACK_BF16, reason="no tile linear here"
 )
+KIND = "" if kernels is None else (kernels.tile_linear or "")
 
 # (k, n): whole tiles, a partial last k block (k % 32), a partial last output tile (n % 16), a
 # single output column, and the small models' shapes
@@ -28,6 +31,23 @@ def batches_of_32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> t
     return torch.cat([F.linear(x[i : i + 32], w, b) for i in range(0, x.shape[0], 32)])
 
 
+def in_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """VDPBF16PS's sums written out: per k pair, the odd product added to the float32 sum, then
+    the even one (products of two bfloat16 are exact in float32); the bias added to the sum; one
+    rounding to bfloat16."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(0, x.shape[1], 2):
+        if p + 1 < x.shape[1]:
+            acc = acc + xf[:, p + 1, None] * wf[None, :, p + 1]
+        acc = acc + xf[:, p, None] * wf[None, :, p]
+    return (acc if b is None else acc + b.float()).bfloat16()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return batches_of_32(x, w, b) if KIND == "amx" else in_order(x, w, b)
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
@@ -37,10 +57,10 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear(w)
     for m in (1, 2, 15, 16, 17, 32, 40, 64, 100, 256):
-        if not takes_tiles(m, n * k):  # oneDNN's own bits differ there (see takes_tiles)
+        if KIND == "amx" and not takes_tiles(m, n * k):  # oneDNN's order changes there
             continue
         x = torch.randn(m, k, generator=gen).bfloat16()
-        want = batches_of_32(x, w, b)
+        want = reference(x, w, b)
         for threads in (1, 2):
             native.set_threads(threads)
             try:
@@ -61,6 +81,20 @@ def test_strided_rows() -> None:
     assert torch.equal(got, F.linear(x.contiguous(), w))
 
 
+@pytest.mark.skipif(KIND != "avx512bf16", reason="oneDNN's order on AVX512-BF16")
+def test_avx512bf16_gives_onednn_bits_where_onednn_sums_in_order() -> None:
+    """At k ≤ 512 (the small models' linears) oneDNN sums k in order too: the same bits."""
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    for k, n in [(64, 256), (256, 1536), (512, 256), (33, 96)]:
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16()
+        packed = kernels.pack_linear(w)
+        for m in (1, 7, 64, 256):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            assert torch.equal(kernels.linear_bf16(x, packed, n, b), F.linear(x, w, b)), (k, n, m)
+
+
 def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     """Unlike oneDNN above 32 rows, the tiles compute a row the same way whatever its batch."""
     assert kernels is not None
@@ -75,8 +109,7 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 
 def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     """The choice (`takes_tiles`: up to 64 rows on any weight, 256 on weights of at most 2M
-    elements), and `Linear` gives F.linear's bits on either side of it (in batches of up to 32
-    rows where it takes the tiles)."""
+    elements), and `Linear` gives the tiles' bits below it and F.linear's above."""
     assert takes_tiles(64, 2048 * 1100) and not takes_tiles(65, 2048 * 1100)
     assert takes_tiles(256, 256 * 512) and not takes_tiles(257, 256 * 512)
     assert takes_tiles(65, 2 << 20) and not takes_tiles(65, (2 << 20) + 1)
@@ -88,5 +121,5 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
                         (big, 17), (big, 64), (big, 65)]:  # fmt: skip
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
         tiles = takes_tiles(rows, layer.weight.numel())
-        want = batches_of_32 if tiles else F.linear
+        want = reference if tiles else F.linear
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows

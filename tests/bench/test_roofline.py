@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvtier.bench import roofline
 from kvtier.cli import main
 from kvtier.model.loader import load_model
@@ -31,6 +33,12 @@ def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
     assert one["weight_bytes"] == three["weight_bytes"] > 0
     assert three["kv_bytes"] == 3 * one["kv_bytes"] > 0
     assert all(r["fraction_of_roofline"] > 0 for r in res["rows"])
+    # the compute bound: 3 rows take 3 times one row's multiply-adds at the measured rate
+    assert res["matmul_macs_s"] > 0
+    assert three["compute_ms"] == pytest.approx(3 * one["compute_ms"]) and one["compute_ms"] > 0
+    for r in res["rows"]:
+        higher = max(r["roofline_ms"], r["compute_ms"])
+        assert abs(r["fraction_of_bound"] - higher / r["step_ms"]) < 1e-9
 
 
 def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> None:
@@ -41,3 +49,7 @@ def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> N
     assert cfg.layer_kinds == ("full", "sliding", "sliding", "sliding")
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2
     assert roofline.kv_bytes(qwen, 2, 10.0) == 2 * (1 * 10 + 3 * 4) * per_token
+    # a step's multiply-adds: every weight element per row, KV elements per query head
+    weights, kv = roofline.weight_bytes(qwen, tied=True), roofline.kv_bytes(qwen, 2, 10.0)
+    heads = cfg.num_heads // cfg.num_kv_heads
+    assert roofline.step_macs(qwen, 2, weights, kv) == 2 * weights / 2 + kv / 2 * heads

@@ -123,3 +123,48 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
         tiles = takes_tiles(rows, layer.weight.numel())
         want = reference if tiles else F.linear
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows
+
+
+f32 = pytest.mark.skipif(kernels is None or not kernels.f32_linear, reason="no AVX-512F here")
+
+
+@f32
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_f32_rows_get_the_same_bits_in_any_batch(k: int, n: int, bias: bool) -> None:
+    """The float32 kernel: a row's result is the same bits alone or in any batch, on any number
+    of threads, and float32-close to the exact product (float64)."""
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(k * 7 + n)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(64, k, generator=gen)
+    packed = kernels.pack_linear(w)
+    whole = kernels.linear_f32(x, packed, n, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = (x.double().abs() @ w.double().abs().T).clamp_min(1.0)
+    assert ((whole.double() - exact).abs() / scale).max() < 1e-6
+    for m in (1, 2, 3, 7, 8, 17):
+        for threads in (1, 2):
+            native.set_threads(threads)
+            try:
+                got = kernels.linear_f32(x[:m], packed, n, b)
+            finally:
+                native.set_threads(None)
+            assert torch.equal(got, whole[:m]), (m, threads)
+
+
+@f32
+def test_f32_linear_rows_do_not_depend_on_the_batch_and_strided_rows() -> None:
+    """`Linear` in float32: a row's output is the same alone as in a batch (oneDNN's and MKL's
+    float32 GEMMs are not, on some CPUs: then a seeded sample depended on its batch —
+    tests/server/test_endpoints.py, n children); rows `x.stride(0)` apart too."""
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(256, 1536, bias=True)
+    x = torch.randn(40, 256, generator=gen)
+    with torch.no_grad():
+        whole = layer(x)
+        for m in (1, 3, 8, 25):
+            assert torch.equal(layer(x[:m]), whole[:m]), m
+        wide = torch.randn(9, 300, generator=gen)
+        assert torch.equal(layer(wide[:, 20:276]), layer(wide[:, 20:276].contiguous()))

@@ -70,6 +70,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if x.dtype == w.dtype == torch.float32 and _f32_tiles(x, w):
+            kernels = native_kernels.kernels()
+            assert kernels is not None
+            return kernels.linear_f32(x, self.tiles(kernels), w.shape[0], self.bias)
         if not (PACK_BF16 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
@@ -88,14 +92,29 @@ class Linear(nn.Linear):
         return out
 
     def tiles(self, kernels: native_kernels.Kernels) -> torch.Tensor:
-        """The weight in the tile linear's layout (needs `kernels.tile_linear` and a bfloat16
-        weight), packed on first use and again whenever the weight tensor is another one."""
+        """The weight in the linear kernel's layout (a bfloat16 weight needs
+        `kernels.tile_linear`, a float32 one `kernels.f32_linear`), packed on first use and
+        again whenever the weight tensor is another one."""
         w = self.weight
         key = (w.data_ptr(), w.dtype)
         if self._tiles is None or self._tiles_of != key:
             self._tiles = kernels.pack_linear(w.detach().contiguous())
             self._tiles_of = key
         return self._tiles
+
+
+def _f32_tiles(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether float32 rows x go through the float32 linear kernel: on the host CPU, where it is
+    built (AVX-512F), for the rows the tiles take (`takes_tiles`). oneDNN's and MKL's float32
+    GEMMs sum in an order that depends on the row count (on AMD Zen 5 one or three rows differ
+    from eight or more in up to a third of the outputs), so a request's logits, and so a seeded
+    sample, would depend on what else is in its batch; the kernel's do not."""
+    if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
+        return False
+    if x.dim() != 2 or x.stride(1) != 1 or not takes_tiles(x.shape[0], w.numel()):
+        return False
+    kernels = native_kernels.kernels()
+    return kernels is not None and kernels.f32_linear
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -49,6 +49,8 @@ _SIGNATURES = {
     "kvtier_linear_available": [],
     "kvtier_linear_pack": [_PTR, _I64, _I64, _PTR],
     "kvtier_linear": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
+    "kvtier_linear_f32_pack": [_PTR, _I64, _I64, _PTR],
+    "kvtier_linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
     "kvtier_layer_work": [_PTR],
     "kvtier_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
 }  # fmt: skip
@@ -72,6 +74,11 @@ class Kernels:
     layer: ctypes.CDLL | None  # None: it did not build (the layers keep their Python path)
     paths: tuple[Path, ...]
     tile_linear: str | None = None
+
+    @property
+    def f32_linear(self) -> bool:
+        """The float32 linear kernel is built here (AVX-512F): batch-invariant float32 linears."""
+        return hasattr(self.linear, "kvtier_linear_f32")
 
     def paged_attention(
         self,
@@ -159,12 +166,35 @@ class Kernels:
         raise KeyError(name)
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight [n, k] in the linear kernel's tile layout (needs `tile_linear`)."""
+        """A weight [n, k] in the linear kernel's layout: bfloat16 in tiles (needs
+        `tile_linear`), float32 in 16-column vectors (needs `f32_linear`)."""
         n, k = weight.shape
-        assert self.tile_linear and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+        assert weight.is_contiguous()
+        if weight.dtype == torch.float32:
+            assert self.f32_linear
+            packed = torch.empty(-(-n // 16) * k * 16, dtype=torch.float32)
+            self.linear.kvtier_linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
+            return packed
+        assert self.tile_linear and weight.dtype == torch.bfloat16
         packed = torch.empty(-(-n // 16) * -(-k // 32) * 512, dtype=torch.bfloat16)
         self.linear.kvtier_linear_pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
+
+    def linear_f32(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [m, k] float32 (rows contiguous) times the packed weight [n, k]ᵀ (+ bias) → [m, n]:
+        each output one in-order multiply-add chain, so a row's bits do not depend on its
+        batch."""
+        m, k = x.shape
+        assert x.dtype == packed.dtype == torch.float32 and x.stride(1) == 1
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.linear.kvtier_linear_f32(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
+        )  # fmt: skip
+        return out
 
     def linear_bf16(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None

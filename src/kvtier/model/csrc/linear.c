@@ -249,3 +249,96 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
 #else
 int kvtier_linear_available(void) { return 0; }
 #endif
+
+/* float32 linears for few rows, on AVX-512F: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), each
+ * output one fused multiply-add chain over k in order, the bias added once at the end. Not for
+ * speed first but for batch invariance: oneDNN's and MKL's float32 GEMMs pick their kernels and
+ * summation orders by the row count (on AMD Zen 5, 1 or 3 rows differ from 8 or more in up to a
+ * third of the outputs), so a request's logits — and a seeded sample — would depend on what else
+ * is in its batch. Here a row's bits depend only on the row. The weight is packed once as
+ * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of 6 against four
+ * column vectors, output column groups on the pool as above. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    const int64_t nbs = (n + 15) / 16;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int c = 0; c < 16; c++) {
+                const int64_t col = nb * 16 + c;
+                packed[(nb * k + kk) * 16 + c] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+typedef struct {
+    const float *x, *packed, *bias;
+    float *out;
+    int64_t m, n, k, x_stride;
+} JobF32;
+
+static inline __attribute__((always_inline)) void f32_block(const JobF32 *a, const float *w,
+                                                             int64_t m0, int64_t nb0, const int R,
+                                                             const int T) {
+    const int64_t k = a->k;
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    const float *xs[6];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) xs[i] = a->x + (m0 + i) * a->x_stride;
+#pragma GCC unroll 1
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m512 wt[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) wt[t] = _mm512_loadu_ps(w + (t * k + kk) * 16);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            const __m512 xb = _mm512_set1_ps(xs[i][kk]);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) acc[i][t] = _mm512_fmadd_ps(xb, wt[t], acc[i][t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const int64_t n0 = (nb0 + t) * 16;
+        const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+        const __m512 b = a->bias ? _mm512_maskz_loadu_ps(mask, a->bias + n0) : _mm512_setzero_ps();
+        for (int i = 0; i < R; i++)
+            _mm512_mask_storeu_ps(a->out + (m0 + i) * a->n + n0, mask, _mm512_add_ps(acc[i][t], b));
+    }
+}
+
+#define F32_CASE(R, T)                       \
+    case (R) * 8 + (T):                      \
+        f32_block(a, w, m0, nb0, (R), (T));  \
+        break;
+#define F32_CASES(R) F32_CASE(R, 1) F32_CASE(R, 2) F32_CASE(R, 3) F32_CASE(R, 4)
+
+static void f32_groups(const void *ctx, int64_t g0, int64_t g1) {
+    const JobF32 *a = (const JobF32 *)ctx;
+    const int64_t nbs = (a->n + 15) / 16;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t nb0 = g * 4;
+        const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
+        const float *w = a->packed + nb0 * a->k * 16;
+        for (int64_t m0 = 0; m0 < a->m; m0 += 6) {
+            const int rows = a->m - m0 < 6 ? (int)(a->m - m0) : 6;
+            switch (rows * 8 + tiles) {
+                F32_CASES(1) F32_CASES(2) F32_CASES(3) F32_CASES(4) F32_CASES(5) F32_CASES(6)
+            }
+        }
+    }
+}
+
+/* x [m, k] float32 rows `x_stride` apart; packed by kvtier_linear_f32_pack; out [m, n]. */
+void kvtier_linear_f32(const float *x, int64_t x_stride, int64_t m, const float *packed, int64_t n,
+                       int64_t k, const float *bias, float *out, int threads) {
+    const JobF32 job = {x, packed, bias, out, m, n, k, x_stride};
+    const int64_t groups = ((n + 15) / 16 + 3) / 4;
+    const int64_t work = m * n * k;
+    pool_run(f32_groups, &job, groups, groups / (4 * threads), work < (1 << 20) ? 1 : threads);
+}
+#endif

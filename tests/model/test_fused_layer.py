@@ -60,7 +60,9 @@ def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch, monkeypatc
 
 def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served, monkeypatch):
     model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
-    monkeypatch.setattr(layers, "MAX_SMALL_TILE_ROWS", 64)  # as for weights above 2M elements
+    assert kernels is not None and kernels.tile_linear is not None
+    # at most 64 rows, as for weights above 2M elements
+    monkeypatch.setitem(layers.MAX_SMALL_TILE_ROWS, kernels.tile_linear, 64)
     decode(model, steps=1, seqs=65)  # 65 rows: more than the tiles take (`takes_tiles`)
     assert served == [False, False]
     served.clear()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.model import native
-from kvtier.model.layers import PACK_BF16, Linear, takes_tiles
+from kvtier.model.layers import MAX_SMALL_TILE_ROWS, PACK_BF16, Linear, takes_tiles
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
@@ -57,7 +57,7 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear(w)
     for m in (1, 2, 15, 16, 17, 32, 40, 64, 100, 256):
-        if KIND == "amx" and not takes_tiles(m, n * k):  # oneDNN's order changes there
+        if KIND == "amx" and not takes_tiles(m, n * k, KIND):  # oneDNN's order changes there
             continue
         x = torch.randn(m, k, generator=gen).bfloat16()
         want = reference(x, w, b)
@@ -108,11 +108,17 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 
 
 def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
-    """The choice (`takes_tiles`: up to 64 rows on any weight, 256 on weights of at most 2M
-    elements), and `Linear` gives the tiles' bits below it and F.linear's above."""
-    assert takes_tiles(64, 2048 * 1100) and not takes_tiles(65, 2048 * 1100)
-    assert takes_tiles(256, 256 * 512) and not takes_tiles(257, 256 * 512)
-    assert takes_tiles(65, 2 << 20) and not takes_tiles(65, (2 << 20) + 1)
+    """The choice (`takes_tiles`: up to 64 rows on any weight; on weights of at most 2M
+    elements 256 rows on AMX, any row count on AVX512-BF16), and `Linear` gives the tiles' bits
+    where it takes them and F.linear's elsewhere."""
+    small_rows = MAX_SMALL_TILE_ROWS[KIND]
+    assert takes_tiles(64, 2048 * 1100, KIND) and not takes_tiles(65, 2048 * 1100, KIND)
+    assert takes_tiles(65, 2 << 20, KIND) and not takes_tiles(65, (2 << 20) + 1, KIND)
+    if small_rows is None:
+        assert takes_tiles(10_000, 256 * 512, KIND)
+    else:
+        assert takes_tiles(small_rows, 256 * 512, KIND)
+        assert not takes_tiles(small_rows + 1, 256 * 512, KIND)
     gen = torch.Generator().manual_seed(2)
     small = Linear(256, 512, bias=True).to(torch.bfloat16)
     down = Linear(1024, 256, bias=False).to(torch.bfloat16)
@@ -120,7 +126,7 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     for layer, rows in [(small, 1), (small, 256), (small, 257), (down, 48), (down, 130),
                         (big, 17), (big, 64), (big, 65)]:  # fmt: skip
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
-        tiles = takes_tiles(rows, layer.weight.numel())
+        tiles = takes_tiles(rows, layer.weight.numel(), KIND)
         want = reference if tiles else F.linear
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows
 

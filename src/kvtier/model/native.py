@@ -9,9 +9,10 @@ model keeps its torch paths.
 chunk in a step the one-call layers run).
 `fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
 without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
-linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`). `layer.c`: a decoder layer's step as one call into the others
-(`model/fused_layer.py`). Shared headers: `pool.h` (each library's helper threads), `vexp.h`
-(the AVX-512 exponential)."""
+linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`), and float32 linears whose
+rows do not depend on their batch (`f32_linear`). `layer.c`: a decoder layer's step as one call
+into the others (`model/fused_layer.py`). Shared headers: `pool.h` (each library's helper
+threads), `vexp.h` (the AVX-512 exponential)."""
 
 from __future__ import annotations
 

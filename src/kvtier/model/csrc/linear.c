@@ -152,7 +152,8 @@ static void amx_groups(const void *ctx, int64_t g0, int64_t g1) {
 /* rows [m0, m0 + R) by T column tiles: R × T float32 accumulators in registers; per k pair, each
  * tile's row (16 columns' pair) is loaded once and multiplied by every row's pair broadcast */
 static inline __attribute__((always_inline)) void avx_block(const Job *a, const uint16_t *w,
-                                                             int64_t m0, int64_t nb0, const int R,
+                                                             int64_t m0, int64_t nb0, const char *pf,
+                                                             int64_t pf_lines, const int R,
                                                              const int T) {
     const int64_t kbs = (a->k + 31) / 32, full = a->k / 32;
     __m512 acc[6][4];
@@ -161,6 +162,8 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
+        for (int64_t l = kb * pf_lines / kbs; l < (kb + 1) * pf_lines / kbs; l++)
+            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
         const uint16_t *xs[6];
 #pragma GCC unroll 6
         for (int i = 0; i < R; i++) xs[i] = x_block(a, m0 + i, kb, full);
@@ -189,22 +192,37 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
 }
 
 #define AVX_ROWS 6
-#define AVX_CASE(R, T)                        \
-    case (R) * 8 + (T):                       \
-        avx_block(a, w, m0, nb0, (R), (T));   \
+#define AVX_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
+#define AVX_CASE(R, T)                                     \
+    case (R) * 8 + (T):                                    \
+        avx_block(a, w, m0, nb0, pf, pf_lines, (R), (T));  \
         break;
 #define AVX_CASES(R) AVX_CASE(R, 1) AVX_CASE(R, 2) AVX_CASE(R, 3) AVX_CASE(R, 4)
 
-/* output column groups [g0, g1): four 16-column tiles each, every row block of AVX_ROWS */
+/* output column groups [g0, g1): four 16-column tiles each, every row block of AVX_ROWS. The
+ * first row block streams the group's weights from memory; the others read them from L2 and are
+ * bound by arithmetic, so meanwhile they prefetch the next group's weights into L2 (a share per
+ * block), which its first block then finds there: memory and arithmetic overlap instead of
+ * taking turns (a batch of 7-64 rows on weights that do not fit the cache). */
 static void avx_groups(const void *ctx, int64_t g0, int64_t g1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
+    const int64_t blocks = (a->m + AVX_ROWS - 1) / AVX_ROWS;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t nb0 = g * 4;
         const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
         const uint16_t *w = a->packed + nb0 * kbs * 512;
+        const int64_t next_tiles = g + 1 < g1 ? (nbs - nb0 - 4 < 4 ? nbs - nb0 - 4 : 4) : 0;
+        const int64_t next_bytes = next_tiles * kbs * 1024;
+        const int prefetch = blocks > 1 && next_bytes > 0 && next_bytes <= AVX_PREFETCH_MAX;
+        const int64_t share = prefetch ? (next_bytes / 64 + blocks - 2) / (blocks - 1) : 0;
         for (int64_t m0 = 0; m0 < a->m; m0 += AVX_ROWS) {
             const int rows = a->m - m0 < AVX_ROWS ? (int)(a->m - m0) : AVX_ROWS;
+            const int64_t j = m0 / AVX_ROWS, first = (j - 1) * share;
+            const char *pf = (const char *)(w + tiles * kbs * 512) + first * 64;
+            int64_t pf_lines = 0;
+            if (prefetch && j > 0 && first < next_bytes / 64)
+                pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;
             switch (rows * 8 + tiles) {
                 AVX_CASES(1) AVX_CASES(2) AVX_CASES(3) AVX_CASES(4) AVX_CASES(5) AVX_CASES(6)
             }

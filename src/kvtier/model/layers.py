@@ -25,8 +25,9 @@ PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emu
 
 
 MAX_TILE_ROWS = 64  # any weight
-SMALL_WEIGHT = 2 << 20  # weights of at most 2M elements (the small models'): up to
-MAX_SMALL_TILE_ROWS: dict[str, int | None] = {"amx": 256, "avx512bf16": None}  # None: any
+SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements
+# rows the tiles take on such weights, per kind (`Kernels.tile_linear`); None: any row count
+MAX_SMALL_TILE_ROWS: dict[str, int | None] = {"amx": 256, "avx512bf16": None}
 
 
 def takes_tiles(rows: int, numel: int, kind: str) -> bool:
@@ -59,14 +60,15 @@ def takes_tiles(rows: int, numel: int, kind: str) -> bool:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose bfloat16 weight on a CPU is multiplied through a copy prepacked once:
-    for few rows, the tile layout of `model/native.py`'s linear kernel (AMX or AVX512-BF16;
-    oneDNN spends 10-40 µs per call on set-up at small shapes, the tiles 2-12 µs on the whole
-    product); otherwise
-    oneDNN's blocked layout (`F.linear` reorders the weight on every call, 1.3-2.4x slower at
-    decode sizes). Copies derive from the weight, not state: rebuilt whenever the weight tensor
-    is another one (loading, `.to()`). Results are the bits of `F.linear` on small batches (see
-    `takes_tiles`)."""
+    """`nn.Linear` whose weight on a CPU is multiplied through a copy prepacked once. bfloat16:
+    for the rows `takes_tiles` gives them, the tile layout of `model/native.py`'s linear kernel
+    (AMX or AVX512-BF16; oneDNN spends 10-40 µs per call on set-up at small shapes, the tiles
+    2-12 µs on the whole product), otherwise oneDNN's blocked layout (`F.linear` reorders the
+    weight on every call, 1.3-2.4x slower at decode sizes); the tiles give `F.linear`'s bits
+    where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
+    is built (`_f32_kernels`), else `F.linear`. Either way a row's result does not depend on its
+    batch on the native kernels. Copies derive from the weight, not state: rebuilt whenever the
+    weight tensor is another one (loading, `.to()`)."""
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, torch.dtype] | None = None
@@ -75,10 +77,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype == w.dtype == torch.float32 and _f32_tiles(x, w):
-            kernels = native_kernels.kernels()
-            assert kernels is not None
-            return kernels.linear_f32(x, self.tiles(kernels), w.shape[0], self.bias)
+        f32 = _f32_kernels(x, w) if x.dtype == w.dtype == torch.float32 else None
+        if f32 is not None:
+            return f32.linear_f32(x, self.tiles(f32), w.shape[0], self.bias)
         if not (PACK_BF16 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
@@ -114,19 +115,19 @@ class Linear(nn.Linear):
         return self._tiles
 
 
-def _f32_tiles(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether float32 rows x go through the float32 linear kernel: on the host CPU, wherever
-    it is built (AVX-512F), at any row count. oneDNN's and MKL's float32 GEMMs sum in an order
+def _f32_kernels(x: torch.Tensor, w: torch.Tensor) -> native_kernels.Kernels | None:
+    """The kernels, if float32 rows x go through their float32 linear: on the host CPU,
+    wherever it is built (AVX-512F), at any row count. oneDNN's and MKL's float32 GEMMs sum in an order
     that depends on the row count (on AMD Zen 5 one or three rows differ from eight or more in
     up to a third of the outputs), so a request's logits, and so a seeded sample, would depend
     on what else is in its batch; the kernel's do not. It is also 1.3-4.5x faster than
     `F.linear` there at 1-256 rows and 2-2.4x at 2,048 (measured on the Zen 5 box only)."""
     if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
-        return False
+        return None
     if x.dim() != 2 or x.stride(1) != 1:
-        return False
+        return None
     kernels = native_kernels.kernels()
-    return kernels is not None and kernels.f32_linear
+    return kernels if kernels is not None and kernels.f32_linear else None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,8 +1,8 @@
 /* bfloat16 linear layers for few rows: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), float32
  * accumulation over k in order, rounded to bfloat16 once (round to nearest even), as oneDNN's
- * bf16 matmul. oneDNN's call costs 20–40 µs before it multiplies anything at the small models'
+ * bf16 matmul. oneDNN's call costs 10–40 µs before it multiplies anything at the small models'
  * shapes (its primitive set-up per call); these kernels need a few µs for the same products
- * there. Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
+ * there. At the end of the file, float32 linear layers (their own comment). Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
  *
  * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
  * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
@@ -57,7 +57,7 @@ static void store(const Job *a, const float *acc, int64_t m0, int rows, int64_t 
     }
 }
 
-/* rows [m0, m0 + R) of x's k block kb: the 32 bf16 of each row, from x or the zero-padded tail */
+/* k block kb of x's row `row`: its 32 bf16, from x or the zero-padded tail */
 static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
     return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;
 }

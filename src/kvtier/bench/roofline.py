@@ -62,8 +62,8 @@ def copy_bandwidth(mib: int, repeats: int = 5) -> float:
 
 def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
     """Multiply-adds per second of the best of `repeats` large linears ([512, 4096] by a
-    [4096, 4096] weight, oneDNN's prepacked layout as `Linear` uses it): the rate no step's
-    matrix products can beat on this CPU."""
+    [4096, 4096] weight) through `Linear`, as the model's run (bfloat16: oneDNN's prepacked
+    layout at this size): the rate no step's matrix products can beat on this CPU."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 4096, generator=gen).to(dtype)
     w = torch.randn(4096, 4096, generator=gen).to(dtype)

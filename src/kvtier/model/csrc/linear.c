@@ -2,7 +2,8 @@
  * accumulation over k in order, rounded to bfloat16 once (round to nearest even), as oneDNN's
  * bf16 matmul. oneDNN's call costs 10–40 µs before it multiplies anything at the small models'
  * shapes (its primitive set-up per call); these kernels need a few µs for the same products
- * there. At the end of the file, float32 linear layers (their own comment). Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
+ * there. At the end of the file, float32 linear layers (their own comment). Built and loaded by
+ * kvtier/model/native.py; plain C, no Python or torch headers.
  *
  * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
  * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
@@ -229,9 +230,7 @@ static void avx_groups(const void *ctx, int64_t g0, int64_t g1) {
         }
     }
 }
-#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 static ChunkFn groups_fn; /* set by kvtier_linear_available: AMX's or AVX512-BF16's */
 
 int kvtier_linear_available(void) {
@@ -268,16 +267,18 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
 int kvtier_linear_available(void) { return 0; }
 #endif
 
-/* float32 linears for few rows, on AVX-512F: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), each
+/* float32 linears at any row count, on AVX-512F: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), each
  * output one fused multiply-add chain over k in order, the bias added once at the end. Not for
  * speed first but for batch invariance: oneDNN's and MKL's float32 GEMMs pick their kernels and
  * summation orders by the row count (on AMD Zen 5, 1 or 3 rows differ from 8 or more in up to a
  * third of the outputs), so a request's logits — and a seeded sample — would depend on what else
  * is in its batch. Here a row's bits depend only on the row. The weight is packed once as
- * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of 6 against four
- * column vectors, output column groups on the pool as above. */
+ * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of F32_ROWS against
+ * four column vectors, output column groups on the pool as above. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#define F32_ROWS 6 /* 6 × 4 accumulators, 4 weight vectors and a broadcast: 29 of 32 registers */
 
 void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
     const int64_t nbs = (n + 15) / 16;
@@ -299,12 +300,12 @@ static inline __attribute__((always_inline)) void f32_block(const JobF32 *a, con
                                                              int64_t m0, int64_t nb0, const int R,
                                                              const int T) {
     const int64_t k = a->k;
-    __m512 acc[6][4];
+    __m512 acc[F32_ROWS][4];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
-    const float *xs[6];
+    const float *xs[F32_ROWS];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) xs[i] = a->x + (m0 + i) * a->x_stride;
 #pragma GCC unroll 1
@@ -342,8 +343,8 @@ static void f32_groups(const void *ctx, int64_t g0, int64_t g1) {
         const int64_t nb0 = g * 4;
         const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
         const float *w = a->packed + nb0 * a->k * 16;
-        for (int64_t m0 = 0; m0 < a->m; m0 += 6) {
-            const int rows = a->m - m0 < 6 ? (int)(a->m - m0) : 6;
+        for (int64_t m0 = 0; m0 < a->m; m0 += F32_ROWS) {
+            const int rows = a->m - m0 < F32_ROWS ? (int)(a->m - m0) : F32_ROWS;
             switch (rows * 8 + tiles) {
                 F32_CASES(1) F32_CASES(2) F32_CASES(3) F32_CASES(4) F32_CASES(5) F32_CASES(6)
             }

@@ -135,6 +135,28 @@ def test_native_kernel_same_bits_on_two_threads():
     assert torch.equal(one, two)
 
 
+@needs_native
+@pytest.mark.parametrize("dim", [16, 64, 128])  # bf16 at 64 and 128: the pairs path
+def test_native_bf16_output_is_the_float_result_rounded_to_nearest_even(dim):
+    """Two equal keys per sequence: each query's weights are exactly 1/2, so its output is the
+    float32 mean of two bf16 values (exact), rounded once; ties and every low-bit pattern occur
+    among 7 heads x 6 sequences x dim outputs."""
+    kernels = native.kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(5)
+    seqs, kv_heads, group, bs = 6, 2, 7, 16
+    cache = torch.randn(seqs, 2, bs, kv_heads, dim, generator=gen).bfloat16()
+    cache[:, 0, 1] = cache[:, 0, 0]  # key 1 = key 0: equal scores
+    q = torch.randn(seqs, kv_heads * group, dim, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    ones, count = torch.ones(seqs, dtype=torch.int64), torch.arange(seqs)
+    index = (count.view(-1, 1).contiguous(), count, ones, count, torch.zeros(seqs).long(), 2 * ones)
+    kernels.paged_attention(q, cache, out, index, dim**-0.5, None)
+    mean = (cache[:, 1, 0].float() + cache[:, 1, 1].float()) * 0.5  # [seqs, kv_heads, dim]
+    expected = mean.repeat_interleave(group, dim=1).bfloat16()
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_portable_kernel_build_matches_reference(dtype):

@@ -14,6 +14,7 @@ import torch
 
 from kvtier.config import KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
+from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
@@ -47,6 +48,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
         self.torch_threads = configure_torch_threads(args.torch_threads, path)
+        allocator.keep_freed_memory()  # a step's activations reuse memory, no page faults
         dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)

@@ -132,6 +132,7 @@ class FusedLayers:
         self._built: list[_Built] | None = None  # None: not servable
         self._of: tuple[int, ...] | None = None  # the weights `_built` was decided for
         self._slots: list[tuple[torch.nn.Module, str]] = []
+        self._spare: torch.Tensor | None = None  # the layers' work buffer between steps
 
     def takes(self, layers: Sequence[DecoderLayer], rows: int) -> bool:
         """Whether a batch of `rows` rows can run fused: every layer servable here and every
@@ -172,7 +173,14 @@ class FusedLayers:
         steps = [_step(p) for p in plans]
         step_addresses = [ctypes.addressof(s) for s in steps]
         hidden = built[0].hidden
-        work = torch.empty(rows * max(b.work for b in built) // 2, dtype=torch.bfloat16)
+        # the layers' scratch, kept between steps: a prompt step's is tens of MiB (64 × 128 tokens
+        # of the tiny Llama: 54 MiB), and a new one each step was a new mapping whose every page
+        # the kernel faulted in and zeroed (~14,000 faults a step). Taken out while in use, so a
+        # concurrent call (another thread) allocates its own.
+        work, self._spare = self._spare, None
+        elements = rows * max(b.work for b in built) // 2
+        if work is None or work.numel() < elements:
+            work = torch.empty(elements, dtype=torch.bfloat16)
         outs = torch.empty(2, rows, hidden, dtype=torch.bfloat16)
         fn, threads = kernels.layer.kvtier_layer, native.threads()
         residual, h = x, x
@@ -188,6 +196,7 @@ class FusedLayers:
             if status != 0:
                 raise MemoryError("kvtier_layer: a kernel found no scratch memory")
             h = out
+        self._spare = work
         return h, residual
 
     def _layers(

@@ -100,11 +100,6 @@ class _Built:
         self.hidden = s.hidden
 
 
-def _weight(module: torch.nn.Module, name: str) -> int:
-    weight = getattr(module, name)  # the module's parameter now (loading may assign another)
-    return 0 if weight is None else int(weight.data_ptr())
-
-
 def servable(layer: DecoderLayer) -> bool:
     """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU, every
     norm, the rope and the MLP's activation on the native kernels, no float32 leftovers."""
@@ -131,7 +126,7 @@ class FusedLayers:
     def __init__(self) -> None:
         self._built: list[_Built] | None = None  # None: not servable
         self._of: tuple[int, ...] | None = None  # the weights `_built` was decided for
-        self._slots: list[tuple[torch.nn.Module, str]] = []
+        self._slots: list[tuple[dict[str, Any], str]] = []  # (a module's parameters, a name)
         self._spare: torch.Tensor | None = None  # the layers' work buffer between steps
 
     def takes(self, layers: Sequence[DecoderLayer], rows: int) -> bool:
@@ -204,12 +199,16 @@ class FusedLayers:
     ) -> list[_Built] | None:
         if not self._slots:  # where each weight lives, found once (a lookup per step, not a walk)
             self._slots = [
-                (module, name)
+                (module._parameters, name)  # the dict assigning a parameter writes to
                 for layer in layers
                 for module in layer.modules()
                 for name, _ in module.named_parameters(recurse=False)
             ]
-        of = tuple(_weight(module, name) for module, name in self._slots)
+        # each parameter's storage now (loading may assign another tensor): 60 dict lookups on
+        # the Gemma3, 10 µs a step, where `getattr` through `Module.__getattr__` took 64 µs
+        of = tuple(
+            0 if (w := params[name]) is None else w.data_ptr() for params, name in self._slots
+        )
         if of != self._of:
             servable_all = all(servable(layer) for layer in layers)
             self._built = [_Built(layer, kernels) for layer in layers] if servable_all else None

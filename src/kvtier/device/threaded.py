@@ -66,9 +66,21 @@ def _run(items: queue.SimpleQueue[Item | None]) -> None:
         item()
 
 
-def _stop_all(queues: list[queue.SimpleQueue[Item | None]]) -> None:
+STOP_JOIN_S = 60.0  # how long closing (or the interpreter's exit) waits for a worker's ops
+
+
+def _stop_all(
+    queues: list[queue.SimpleQueue[Item | None]], threads: list[threading.Thread]
+) -> None:
+    """Stop every worker once it has run what was launched, and wait for it. Also the exit hook
+    (`weakref.finalize` runs at interpreter exit): a daemon worker still inside a torch op when
+    the interpreter finalizes is unwound by `pthread_exit` through torch's C++ frames as it
+    retakes the GIL, which aborts the process (tests/device/test_cpu_async.py)."""
     for q in queues:
         q.put(None)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(STOP_JOIN_S)
 
 
 class ThreadedDevice(Device):
@@ -91,14 +103,16 @@ class ThreadedDevice(Device):
         self._completions: dict[EventId, _Completion] = {}  # each event's latest record
         self._times = StreamTimes()
         all_queues: list[queue.SimpleQueue[Item | None]] = []  # filled as streams appear
-        self._all_queues = all_queues
-        self._finalizer = weakref.finalize(self, _stop_all, all_queues)
+        all_threads: list[threading.Thread] = []
+        self._all_queues, self._all_threads = all_queues, all_threads
+        self._finalizer = weakref.finalize(self, _stop_all, all_queues, all_threads)
         super().__init__(
             layout, num_device_blocks, num_host_blocks, sanitize=sanitize, poison=poison
         )
 
     def close(self) -> None:
-        """Stop the stream workers once they have run what was launched (idempotent)."""
+        """Stop the stream workers once they have run what was launched, and wait for them
+        (idempotent)."""
         self._finalizer()
 
     def times(self) -> StreamTimes:
@@ -139,6 +153,7 @@ class ThreadedDevice(Device):
         self._queues[stream] = items
         self._threads[stream] = thread
         self._all_queues.append(items)
+        self._all_threads.append(thread)
         thread.start()
         items.put(lambda: self._worker_setup(stream))
 

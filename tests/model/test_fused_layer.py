@@ -78,6 +78,20 @@ def test_float32_and_the_torch_only_model_never_fuse(tiny_model_dir, served, dty
     assert not any(served)
 
 
+def test_a_parameter_assigned_anew_is_used(tiny_model_dir, served, monkeypatch):
+    """Only a new `Parameter` assigned (every other weight as it was): the layers' structs are
+    rebuilt on the new tensor, not left on the old parameter object's storage."""
+    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
+    decode(model, steps=2)
+    down = model.model.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * 2, requires_grad=False)
+    fused = decode(model, steps=3)
+    assert all(served[-4:])
+    python_layers(monkeypatch)
+    for a, b in zip(fused, decode(model, steps=3), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
     model = load_model(tiny_model_dir("gemma3"), dtype="bfloat16")
     decode(model, steps=2)

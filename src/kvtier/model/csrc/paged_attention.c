@@ -248,7 +248,8 @@ static void values_pairs(const uint16_t *v, int64_t stride, int64_t n, int64_t D
 /* Chunks of keys whose lines attend_pairs requests ahead of use. A chunk is usually a block of
  * its own (block size 16) somewhere in the pool, so the hardware's stride prefetchers meet each
  * one cold; decoding at the 0.5B shape with its KV in memory (24 layers × 16 sequences × 160
- * keys, two threads) one chunk ahead took 4.8 → 4.2 ms, two 3.0, three and more no better. */
+ * keys, two threads, AMD Zen 5) one chunk ahead took 4.8 → 4.2 ms, two 3.0, three and more no
+ * better. (On the Intel box a prefetch of the next chunk had measured slower, cache hot or not.) */
 #define AHEAD 2
 
 /* Request the lines of head h's keys and values in the chunk starting at key c (of < kmax);

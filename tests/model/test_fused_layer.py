@@ -78,6 +78,15 @@ def test_float32_and_the_torch_only_model_never_fuse(tiny_model_dir, served, dty
     assert not any(served)
 
 
+def assert_fused_steps_match_python(model, served: list[bool], monkeypatch) -> None:
+    """Three decode steps run fused, with the Python path's bits."""
+    fused = decode(model, steps=3)
+    assert all(served[-4:])
+    python_layers(monkeypatch)
+    for a, b in zip(fused, decode(model, steps=3), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_parameter_assigned_anew_is_used(tiny_model_dir, served, monkeypatch):
     """Only a new `Parameter` assigned (every other weight as it was): the layers' structs are
     rebuilt on the new tensor, not left on the old parameter object's storage."""
@@ -85,11 +94,7 @@ def test_a_parameter_assigned_anew_is_used(tiny_model_dir, served, monkeypatch):
     decode(model, steps=2)
     down = model.model.layers[0].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach() * 2, requires_grad=False)
-    fused = decode(model, steps=3)
-    assert all(served[-4:])
-    python_layers(monkeypatch)
-    for a, b in zip(fused, decode(model, steps=3), strict=True):
-        assert torch.equal(a, b)
+    assert_fused_steps_match_python(model, served, monkeypatch)
 
 
 def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
@@ -102,11 +107,7 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
     norm.weight.data = norm.weight.detach() + 1
     post = model.model.layers[2].post_attention_layernorm  # assigned, as load_state_dict(assign)
     post.weight = torch.nn.Parameter(post.weight.detach() * 3, requires_grad=False)
-    fused = decode(model, steps=3)
-    assert all(served[-4:])
-    python_layers(monkeypatch)
-    for a, b in zip(fused, decode(model, steps=3), strict=True):
-        assert torch.equal(a, b)
+    assert_fused_steps_match_python(model, served, monkeypatch)
 
 
 def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, monkeypatch):

@@ -95,13 +95,14 @@ class LayerKind:
             return first_query_pos // self.chunk * self.chunk
         return 0
 
-    def first_key(self, query_pos: torch.Tensor) -> torch.Tensor:
-        """Elementwise `kv_start`: the first key position each query may read."""
+    def first_key(self, query_pos: np.ndarray) -> np.ndarray:
+        """Elementwise `kv_start` over int64 positions: the first key each query may read."""
         if self.window is not None:
-            return (query_pos - self.window + 1).clamp(min=0)
+            first: np.ndarray = np.maximum(query_pos - self.window + 1, 0)
+            return first
         if self.chunk is not None:
             return query_pos // self.chunk * self.chunk
-        return torch.zeros_like(query_pos)
+        return np.zeros_like(query_pos)
 
     def mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """[num_queries, num_keys] bool: True where the query may attend the key."""

@@ -127,12 +127,14 @@ def plan_group(
     them in blocks of queries; the caller sets it where the step runs as one call per layer,
     which needs every query on the kernel — elsewhere SDPA is faster on a long chunk)."""
     bs = meta.block_size
-    table, slots = meta.block_tables[group].cpu(), meta.slot_mappings[group].cpu()
+    table = meta.block_tables[group].cpu()
+    slots = meta.slot_mappings[group].cpu().numpy()  # numpy: as in `_plan_native`
     write_tokens = None
-    if slots.numel() and bool((slots < 0).any()):
-        write_tokens = torch.nonzero(slots >= 0).flatten()
-        slots = slots[write_tokens]
-    write_rows = slots + slots // bs * bs
+    written = slots >= 0
+    if not written.all():
+        write_tokens = torch.from_numpy(np.flatnonzero(written))
+        slots = slots[written]
+    write_rows = torch.from_numpy(slots + slots // bs * bs)
     qlens, seq_lens = meta.query_lens, meta.seq_lens
     short: list[int] = []
     gathered: dict[int, list[int]] = {}  # query count → sequences
@@ -165,15 +167,15 @@ def _plan_native(
     seq_row = np.cumsum(counts) - counts
     seq = np.repeat(np.arange(len(seqs)), counts)  # [rows]
     ends = np.array([lens[i] for i in seqs], dtype=np.int64)
-    q_pos = torch.from_numpy(ends[seq] - counts[seq] + np.arange(len(seq)) - seq_row[seq])
+    q_pos = ends[seq] - counts[seq] + np.arange(len(seq)) - seq_row[seq]
     seq_table = table if len(seqs) == len(lens) else table[torch.tensor(seqs)]
     return NativePlan(
         tables=seq_table.contiguous(),
         seq_token=torch.from_numpy(np.array([loc[i] for i in seqs], dtype=np.int64)),
         seq_qlen=torch.from_numpy(counts),
         seq_row=torch.from_numpy(seq_row),
-        lo=kind.first_key(q_pos),
-        hi=q_pos + 1,
+        lo=torch.from_numpy(kind.first_key(q_pos)),
+        hi=torch.from_numpy(q_pos + 1),
     )
 
 

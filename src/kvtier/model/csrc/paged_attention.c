@@ -78,6 +78,13 @@ static int64_t chunk_len(int64_t c0, int64_t kmax, int64_t bs) {
     return cn < CHUNK ? cn : CHUNK;
 }
 
+/* Where key c's row (every KV head) starts in the cache, in elements: its block's K half; the
+ * value row is bs rows further */
+static inline int64_t key_row(const Args *a, const int64_t *table, int64_t c) {
+    const int64_t bs = a->block_size;
+    return ((table[c / bs] * 2 * bs) + c % bs) * a->kv_heads * a->head_dim;
+}
+
 static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b);
@@ -258,8 +265,7 @@ static int64_t prefetch_pairs(const Args *a, const int64_t *table, int64_t h, in
                               int64_t kmax) {
     const int64_t D = a->head_dim, bs = a->block_size, row_size = a->kv_heads * D;
     const int64_t cn = chunk_len(c, kmax, bs);
-    const uint16_t *k =
-        (const uint16_t *)a->cache + ((table[c / bs] * 2 * bs) + c % bs) * row_size;
+    const uint16_t *k = (const uint16_t *)a->cache + key_row(a, table, c);
     for (int64_t j = 0; j < cn; j++)
         for (int64_t kv = 0; kv < 2; kv++) { /* key j, then value j */
             const char *row = (const char *)(k + (kv * bs + j) * row_size + h * D);
@@ -385,7 +391,7 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
         int64_t nc = 0, c0 = seg0;
         for (; c0 < kmax && nc < SEG; nc++) {
             const int64_t cn = chunk_len(c0, kmax, bs);
-            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
+            const int64_t kbase = key_row(a, table, c0);
             if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
             const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
             keys_pairs(kh, row_size, cn, D, s->kp);
@@ -588,10 +594,10 @@ static void run(Args *a) {
 #endif
         for (int64_t c0 = kmin; c0 < kmax && !pairs;) { /* chunks of keys within one block */
             const int64_t cn = chunk_len(c0, kmax, bs);
-            const int64_t kbase = ((table[c0 / bs] * 2 * bs) + c0 % bs) * row_size;
+            const int64_t kbase = key_row(a, table, c0);
             if (c0 + cn < kmax) { /* the next chunk's lines, while this one computes */
                 const int64_t n1 = c0 + cn, cn1 = chunk_len(n1, kmax, bs);
-                const int64_t k1 = ((table[n1 / bs] * 2 * bs) + n1 % bs) * row_size;
+                const int64_t k1 = key_row(a, table, n1);
                 prefetch_chunk((const char *)a->cache + k1 * size, cn1 * row_size * size,
                                bs * row_size * size);
             }

@@ -66,8 +66,8 @@ class Linear(nn.Linear):
     2-12 µs on the whole product), otherwise oneDNN's blocked layout (`F.linear` reorders the
     weight on every call, 1.3-2.4x slower at decode sizes); the tiles give `F.linear`'s bits
     where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
-    is built (`_f32_kernels`), else `F.linear`. Either way a row's result does not depend on its
-    batch on the native kernels. Copies derive from the weight, not state: rebuilt whenever the
+    is built (AVX-512F; why: `forward`), else `F.linear`. Either way a row's result does not
+    depend on its batch on the native kernels. Copies derive from the weight, not state: rebuilt whenever the
     weight tensor is another one (loading, `.to()`)."""
 
     _packed: torch.Tensor | None = None
@@ -77,22 +77,20 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        f32 = _f32_kernels(x, w) if x.dtype == w.dtype == torch.float32 else None
-        if f32 is not None:
-            return f32.linear_f32(x, self.tiles(f32), w.shape[0], self.bias)
+        kernels = _row_kernels(x, w)
+        if x.dtype == w.dtype == torch.float32 and kernels is not None and kernels.f32_linear:
+            # not for speed first (though 1.3-4.5x `F.linear` at 1-256 rows, 2-2.4x at 2,048 on
+            # the Zen 5 box) but batch invariance: oneDNN's and MKL's float32 GEMMs sum in an
+            # order that depends on the row count (on AMD Zen 5 one or three rows differ from
+            # eight or more in up to a third of the outputs), so a request's logits, and a seeded
+            # sample, would depend on what else is in its batch
+            return kernels.linear_f32(x, self.tiles(kernels), w.shape[0], self.bias)
         if not (PACK_BF16 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
             return F.linear(x, w, self.bias)
-        kernels = native_kernels.kernels()
         kind = None if kernels is None else kernels.tile_linear
-        rows_tiled = x.dim() == 2 and x.stride(1) == 1
-        if (
-            kernels is not None
-            and kind is not None
-            and rows_tiled
-            and takes_tiles(x.shape[0], w.numel(), kind)
-        ):
+        if kernels is not None and kind is not None and takes_tiles(x.shape[0], w.numel(), kind):
             return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:
@@ -115,19 +113,14 @@ class Linear(nn.Linear):
         return self._tiles
 
 
-def _f32_kernels(x: torch.Tensor, w: torch.Tensor) -> native_kernels.Kernels | None:
-    """The kernels, if float32 rows x go through their float32 linear: on the host CPU,
-    wherever it is built (AVX-512F), at any row count. oneDNN's and MKL's float32 GEMMs sum in an order
-    that depends on the row count (on AMD Zen 5 one or three rows differ from eight or more in
-    up to a third of the outputs), so a request's logits, and so a seeded sample, would depend
-    on what else is in its batch; the kernel's do not. It is also 1.3-4.5x faster than
-    `F.linear` there at 1-256 rows and 2-2.4x at 2,048 (measured on the Zen 5 box only)."""
+def _row_kernels(x: torch.Tensor, w: torch.Tensor) -> native_kernels.Kernels | None:
+    """The native kernels, if x's rows can go to their linears: x and w on the host CPU, x
+    [m, k] with contiguous rows."""
     if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
         return None
     if x.dim() != 2 or x.stride(1) != 1:
         return None
-    kernels = native_kernels.kernels()
-    return kernels if kernels is not None and kernels.f32_linear else None
+    return native_kernels.kernels()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,11 +1,14 @@
-"""The native kernels' thread pool (csrc/pool.h): a call's items are claimed in chunks by the
+"""The native kernels' thread pool (csrc/pool.c): a call's items are claimed in chunks by the
 caller and whichever helpers are running, so the output is the same bits on any number of
-threads, calls reuse the helpers, concurrent callers and forked children still get every item."""
+threads, calls reuse the helpers (one set for every library), concurrent callers and forked
+children still get every item."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -113,3 +116,33 @@ def test_a_forked_child_runs_the_kernels_alone() -> None:
     got = torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
     assert torch.equal(got.view(want.shape), want)
     assert after == before, "the child started pool helpers"
+
+
+SHARED_POOL_SCRIPT = """
+import os, torch
+from kvtier.model import native
+kernels = native.kernels()
+native.set_threads(3)
+tasks = lambda: len(os.listdir('/proc/self/task'))
+before = tasks()
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(1500, 512, generator=gen)
+kernels.rms_norm(x, torch.ones(512), 1e-6, False)  # the fused library
+kernels.act_mul(torch.randn(1500, 1024, generator=gen), "silu")
+if kernels.f32_linear:  # the linear library
+    w = torch.randn(512, 512, generator=gen)
+    kernels.linear_f32(x, kernels.pack_linear(w), 512, None)
+print(tasks() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_every_library_calls_one_pool() -> None:
+    """Calls into the fused and the linear libraries at 3 threads start two helpers in all, not
+    two per library: one pool (pool.c) keeps the same helpers hot across a layer's calls."""
+    res = subprocess.run(
+        [sys.executable, "-c", SHARED_POOL_SCRIPT],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.split()[-1]) == 2, res.stdout

@@ -11,8 +11,9 @@ chunk in a step the one-call layers run).
 without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
 linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`), and float32 linears whose
 rows do not depend on their batch (`f32_linear`). `layer.c`: a decoder layer's step as one call
-into the others (`model/fused_layer.py`). Shared headers: `pool.h` (each library's helper
-threads), `vexp.h` (the AVX-512 exponential)."""
+into the others (`model/fused_layer.py`). `pool.c`: the helper threads every library's calls
+share (bound to each at load; `pool.h` its interface). Shared header `vexp.h` (the AVX-512
+exponential)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ _SIGNATURES = {
     "kvtier_linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
     "kvtier_layer_work": [_PTR],
     "kvtier_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
+    "kvtier_pool_bind": [_PTR],
 }  # fmt: skip
 _RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": ctypes.c_int,
             "kvtier_linear": ctypes.c_int, "kvtier_layer": ctypes.c_int,
@@ -75,6 +77,7 @@ class Kernels:
     layer: ctypes.CDLL | None  # None: it did not build (the layers keep their Python path)
     paths: tuple[Path, ...]
     tile_linear: str | None = None
+    pool: ctypes.CDLL | None = None  # the threads every library's calls share (kept loaded)
 
     @property
     def f32_linear(self) -> bool:
@@ -301,18 +304,22 @@ def build(flags: tuple[str, ...]) -> Kernels | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("C compiler %s unusable (%s): native kernels off", compiler, exc)
         return None
+    pool = _library(compiler, version, CSRC / "pool.c", flags)
     attention = _library(compiler, version, CSRC / "paged_attention.c", flags)
     fused = _library(compiler, version, CSRC / "fused.c", (*flags, "-ffp-contract=off"))
-    if attention is None or fused is None:
+    if pool is None or attention is None or fused is None:
         return None
     linear = _library(compiler, version, CSRC / "linear.c", flags)
     if linear is None:
         return None
     tile = LINEAR_KINDS[linear[0].kvtier_linear_available()]
     layer = _library(compiler, version, CSRC / "layer.c", flags)  # optional: the layers' Python
-    paths = (attention[1], fused[1], linear[1], *(() if layer is None else (layer[1],)))
+    run = ctypes.cast(pool[0].kvtier_pool_run, ctypes.c_void_p)
+    for library in (attention, fused, linear):  # one pool for every kernel (pool.c)
+        library[0].kvtier_pool_bind(run)
+    paths = (pool[1], attention[1], fused[1], linear[1], *(() if layer is None else (layer[1],)))
     return Kernels(
-        attention[0], fused[0], linear[0], None if layer is None else layer[0], paths, tile
+        attention[0], fused[0], linear[0], None if layer is None else layer[0], paths, tile, pool[0]
     )
 
 

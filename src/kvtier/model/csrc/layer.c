@@ -4,7 +4,7 @@
  * torch.empty besides its Python; here one call runs them back to back with the GIL released.
  *
  * It holds no kernel of its own: it calls the other libraries' exported functions through the
- * pointers `Layer` carries (the same code Python calls, each with its own thread pool), on the
+ * pointers `Layer` carries (the same code Python calls, on the one thread pool, pool.c), on the
  * same inputs in the same order, so the results are the same bits as the layer's Python path.
  * Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
  */

@@ -1,0 +1,181 @@
+/* The process's thread pool for the native kernels: a call's items [0, n) on the calling thread
+ * and up to `threads - 1` helpers. Every kernel library calls this one pool (pool.h); built as its
+ * own library by kvtier/model/native.py.
+ *
+ * Helpers are started once. The caller posts a job and starts at once on it; items are claimed in
+ * chunks from one atomic counter, so a helper the OS has not scheduled yet (the other cores busy
+ * with an HTTP server, a client, the host thread) takes nothing and delays nothing: the caller
+ * claims the rest. A helper that comes after the caller closed the job takes no part, and the
+ * caller waits only for helpers inside the job. A static split (each thread its share, the caller
+ * joining every thread) waited for the slowest, which on a busy machine is the one that was not
+ * running; and each call started its threads anew.
+ *
+ * Between jobs a helper spins for POOL_SPIN_NS before it sleeps, and the caller spins as long for
+ * the helpers inside its job before it sleeps: a decoder layer is a run of calls microseconds
+ * apart, and waking a sleeping thread costs tens of microseconds in a virtual machine (50 µs on
+ * the 2-core test box: a call of two 15 µs items took 44 µs on two threads, 29 µs on one). So a
+ * helper asleep at every call lost most of every short call. One pool for all the libraries (it
+ * was one per library) keeps one helper busy instead of three taking turns, and no helper spins
+ * while another library's call needs its core.
+ *
+ * One job at a time: a second concurrent caller runs its items alone. A forked child runs every
+ * call alone: its copy of the pool names helpers it does not have, and its locks may have been
+ * held at the fork. */
+#define KVTIER_POOL_IMPL
+#include "pool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define POOL_MAX_HELPERS 63
+#define POOL_SPIN_NS 100000 /* a layer's calls come back to back; steps are milliseconds apart */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void pool_relax(void) { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void pool_relax(void) { __asm__ __volatile__("yield"); }
+#else
+static inline void pool_relax(void) {}
+#endif
+
+typedef struct {
+    pthread_mutex_t mu; /* guards every field below that is not atomic */
+    pthread_cond_t wake, idle;
+    int helpers;                   /* started and alive */
+    int sleeping;                  /* helpers waiting on `wake` */
+    int caller_waiting;            /* the caller waits on `idle` */
+    int open;                      /* the job takes helpers */
+    int joined, wanted;            /* helpers that joined the job; how many it may take */
+    _Atomic uint64_t generation;   /* bumped per job (written under mu) */
+    _Atomic int active;            /* helpers inside the job (written under mu) */
+    ChunkFn fn;
+    const void *ctx;
+    int64_t items, chunk;
+    _Atomic int64_t next; /* first unclaimed item */
+} Pool;
+
+static Pool pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
+                    .wake = PTHREAD_COND_INITIALIZER,
+                    .idle = PTHREAD_COND_INITIALIZER};
+static pthread_mutex_t pool_call = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static _Atomic int pool_forked;                               /* this process is a forked copy */
+
+static void pool_mark_forked(void) { atomic_store(&pool_forked, 1); }
+
+static int64_t pool_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* spin up to POOL_SPIN_NS for a job after `seen` (for the helpers inside the job to leave);
+ * return whether it came */
+static int pool_spin_generation(uint64_t seen) {
+    const int64_t until = pool_ns() + POOL_SPIN_NS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&pool.generation, memory_order_acquire) != seen) return 1;
+            pool_relax();
+        }
+        if (pool_ns() > until) return 0;
+    }
+}
+
+static int pool_spin_idle(void) {
+    const int64_t until = pool_ns() + POOL_SPIN_NS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&pool.active, memory_order_acquire) == 0) return 1;
+            pool_relax();
+        }
+        if (pool_ns() > until) return 0;
+    }
+}
+
+static void pool_claim(void) { /* fn, ctx, items, chunk are fixed while a job is open */
+    for (;;) {
+        const int64_t begin = atomic_fetch_add(&pool.next, pool.chunk);
+        if (begin >= pool.items) return;
+        const int64_t end = begin + pool.chunk < pool.items ? begin + pool.chunk : pool.items;
+        pool.fn(pool.ctx, begin, end);
+    }
+}
+
+static void *pool_helper(void *unused) {
+    (void)unused;
+    uint64_t seen = 0;
+    for (;;) {
+        pool_spin_generation(seen);
+        pthread_mutex_lock(&pool.mu);
+        int missed = 0; /* a job came and went (or is full): back to spinning for the next */
+        while (!(pool.open && atomic_load(&pool.generation) != seen && pool.joined < pool.wanted)) {
+            if (atomic_load(&pool.generation) != seen) {
+                seen = atomic_load(&pool.generation);
+                missed = 1;
+                break;
+            }
+            pool.sleeping++;
+            pthread_cond_wait(&pool.wake, &pool.mu);
+            pool.sleeping--;
+        }
+        if (missed) {
+            pthread_mutex_unlock(&pool.mu);
+            continue;
+        }
+        seen = atomic_load(&pool.generation);
+        pool.joined++;
+        atomic_fetch_add(&pool.active, 1);
+        pthread_mutex_unlock(&pool.mu);
+        pool_claim();
+        pthread_mutex_lock(&pool.mu);
+        if (atomic_fetch_sub(&pool.active, 1) == 1 && pool.caller_waiting)
+            pthread_cond_signal(&pool.idle);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    return NULL;
+}
+
+void kvtier_pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int threads) {
+    if (chunk < 1) chunk = 1;
+    if (threads > POOL_MAX_HELPERS + 1) threads = POOL_MAX_HELPERS + 1;
+    if (threads < 2 || items <= chunk || atomic_load(&pool_forked) ||
+        pthread_mutex_trylock(&pool_call) != 0) {
+        if (items > 0) fn(ctx, 0, items);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    if (pool.helpers == 0) pthread_atfork(NULL, NULL, pool_mark_forked);
+    while (pool.helpers < threads - 1) {
+        pthread_t id;
+        if (pthread_create(&id, NULL, pool_helper, NULL) != 0) break; /* fewer helpers, still right */
+        pthread_detach(id);
+        pool.helpers++;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.items = items;
+    pool.chunk = chunk;
+    atomic_store(&pool.next, 0);
+    pool.joined = 0;
+    pool.wanted = threads - 1;
+    pool.open = 1;
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake); /* the spinning ones see the generation */
+    pthread_mutex_unlock(&pool.mu);
+    pool_claim();
+    pthread_mutex_lock(&pool.mu);
+    pool.open = 0; /* no helper joins after this: `active` only falls */
+    pthread_mutex_unlock(&pool.mu);
+    if (!pool_spin_idle()) {
+        pthread_mutex_lock(&pool.mu);
+        while (atomic_load(&pool.active) > 0) {
+            pool.caller_waiting = 1;
+            pthread_cond_wait(&pool.idle, &pool.mu);
+        }
+        pool.caller_waiting = 0;
+        pthread_mutex_unlock(&pool.mu);
+    }
+    pthread_mutex_unlock(&pool_call);
+}

@@ -261,8 +261,10 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     }
     const Job job = {x, packed, bias, tail, out, m, n, k, x_stride};
     const int64_t groups = ((n + 15) / 16 + 3) / 4;
-    const int64_t work = m * n * k; /* multiply-adds: below ~2M a helper's wake costs more */
-    pool_run(groups_fn, &job, groups, groups / (4 * threads), work < (1 << 21) ? 1 : threads);
+    /* multiply-adds: below 512K (a 1 MiB weight at one row, ~40 µs from memory on one core) a
+     * helper saves less than it costs; 2M while the helpers slept between calls (pool.c) */
+    const int64_t work = m * n * k;
+    pool_run(groups_fn, &job, groups, groups / (4 * threads), work < (1 << 19) ? 1 : threads);
     free(tail);
     return 0;
 }

@@ -56,7 +56,7 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear(w)
-    for m in (1, 2, 15, 16, 17, 32, 40, 64, 100, 256):
+    for m in (1, 2, 7, 8, 9, 15, 16, 17, 32, 40, 64, 100, 256):  # 7-16: blocks of 3 tiles
         if KIND == "amx" and not takes_tiles(m, n * k, KIND):  # oneDNN's order changes there
             continue
         x = torch.randn(m, k, generator=gen).bfloat16()

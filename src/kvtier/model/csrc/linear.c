@@ -43,6 +43,7 @@ typedef struct {
     const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
     uint16_t *out;
     int64_t m, n, k, x_stride;
+    int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
 } Job;
 
 static void store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
@@ -157,16 +158,16 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
                                                              int64_t pf_lines, const int R,
                                                              const int T) {
     const int64_t kbs = (a->k + 31) / 32, full = a->k / 32;
-    __m512 acc[6][4];
-#pragma GCC unroll 6
+    __m512 acc[8][4];
+#pragma GCC unroll 8
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
         for (int64_t l = kb * pf_lines / kbs; l < (kb + 1) * pf_lines / kbs; l++)
             _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-        const uint16_t *xs[6];
-#pragma GCC unroll 6
+        const uint16_t *xs[8];
+#pragma GCC unroll 8
         for (int i = 0; i < R; i++) xs[i] = x_block(a, m0 + i, kb, full);
         const uint16_t *b = w + kb * 512;
 #pragma GCC unroll 1 /* unrolled, GCC hoists every pair's broadcasts out and spills them */
@@ -175,7 +176,7 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 wt[t] = (__m512bh)_mm512_loadu_si512(b + t * kbs * 512 + r * 32);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 int32_t pair;
                 memcpy(&pair, xs[i] + 2 * r, sizeof pair);
@@ -185,22 +186,22 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
             }
         }
     }
-    float out[4][6 * 16] __attribute__((aligned(64)));
+    float out[4][8 * 16] __attribute__((aligned(64)));
     for (int t = 0; t < T; t++) {
         for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, acc[i][t]);
         store(a, out[t], m0, R, (nb0 + t) * 16);
     }
 }
 
-#define AVX_ROWS 6
 #define AVX_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
 #define AVX_CASE(R, T)                                     \
     case (R) * 8 + (T):                                    \
         avx_block(a, w, m0, nb0, pf, pf_lines, (R), (T));  \
         break;
-#define AVX_CASES(R) AVX_CASE(R, 1) AVX_CASE(R, 2) AVX_CASE(R, 3) AVX_CASE(R, 4)
+#define AVX_CASES3(R) AVX_CASE(R, 1) AVX_CASE(R, 2) AVX_CASE(R, 3)
+#define AVX_CASES(R) AVX_CASES3(R) AVX_CASE(R, 4)
 
-/* output column groups [g0, g1): four 16-column tiles each, every row block of AVX_ROWS. The
+/* output column groups [g0, g1) of a->tiles 16-column tiles, every row block of a->rows. The
  * first row block streams the group's weights from memory; the others read them from L2 and are
  * bound by arithmetic. Every block prefetches a share of the next group's weights into L2, which
  * its first block then finds there: memory and arithmetic overlap instead of taking turns (a
@@ -211,24 +212,25 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
 static void avx_groups(const void *ctx, int64_t g0, int64_t g1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
-    const int64_t blocks = (a->m + AVX_ROWS - 1) / AVX_ROWS;
+    const int64_t T = a->tiles, R = a->rows, blocks = (a->m + R - 1) / R;
     for (int64_t g = g0; g < g1; g++) {
-        const int64_t nb0 = g * 4;
-        const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
+        const int64_t nb0 = g * T;
+        const int tiles = nbs - nb0 < T ? (int)(nbs - nb0) : (int)T;
         const uint16_t *w = a->packed + nb0 * kbs * 512;
-        const int64_t next_tiles = g + 1 < g1 ? (nbs - nb0 - 4 < 4 ? nbs - nb0 - 4 : 4) : 0;
+        const int64_t next_tiles = g + 1 < g1 ? (nbs - nb0 - T < T ? nbs - nb0 - T : T) : 0;
         const int64_t next_bytes = next_tiles * kbs * 1024;
         const int prefetch = blocks > 1 && next_bytes > 0 && next_bytes <= AVX_PREFETCH_MAX;
         const int64_t share = prefetch ? (next_bytes / 64 + blocks - 1) / blocks : 0;
-        for (int64_t m0 = 0; m0 < a->m; m0 += AVX_ROWS) {
-            const int rows = a->m - m0 < AVX_ROWS ? (int)(a->m - m0) : AVX_ROWS;
-            const int64_t j = m0 / AVX_ROWS, first = j * share;
+        for (int64_t m0 = 0; m0 < a->m; m0 += R) {
+            const int rows = a->m - m0 < R ? (int)(a->m - m0) : (int)R;
+            const int64_t j = m0 / R, first = j * share;
             const char *pf = (const char *)(w + tiles * kbs * 512) + first * 64;
             int64_t pf_lines = 0;
             if (prefetch && first < next_bytes / 64)
                 pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;
             switch (rows * 8 + tiles) {
                 AVX_CASES(1) AVX_CASES(2) AVX_CASES(3) AVX_CASES(4) AVX_CASES(5) AVX_CASES(6)
+                AVX_CASES3(7) AVX_CASES3(8) /* 8 × 4 accumulators would not fit 32 registers */
             }
         }
     }
@@ -259,8 +261,17 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
         for (int64_t r = 0; r < m; r++)
             memcpy(tail + r * 32, x + r * x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
     }
-    const Job job = {x, packed, bias, tail, out, m, n, k, x_stride};
-    const int64_t groups = ((n + 15) / 16 + 3) / 4;
+    /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
+     * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
+     * pass from memory and the others from L2 (the 0.5B shape's 96 linears at 16 rows −6 %, at 8
+     * −3 %; at 4, 32 and 64 rows 4 tiles were as fast or faster). AMX: 16 rows by 4 tiles. */
+    int tiles = 4, rows = 6;
+    if (groups_fn == avx_groups && m > 6 && m <= 16) {
+        tiles = 3;
+        rows = m > 8 ? (int)(m + 1) / 2 : (int)m;
+    }
+    const Job job = {x, packed, bias, tail, out, m, n, k, x_stride, tiles, rows};
+    const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
     /* multiply-adds: below 512K (a 1 MiB weight at one row, ~40 µs from memory on one core) a
      * helper saves less than it costs; 2M while the helpers slept between calls (pool.c) */
     const int64_t work = m * n * k;

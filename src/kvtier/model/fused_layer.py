@@ -191,22 +191,21 @@ class FusedLayers:
         if work is None or work.numel() < elements:
             work = torch.empty(elements, dtype=torch.bfloat16)
         outs = torch.empty(2, rows, hidden, dtype=torch.bfloat16)
-        fn, threads = kernels.layer.kvtier_layer, native.threads()
-        residual, h = x, x
+        n = len(built)
+        pointers = ctypes.c_void_p * n
         tables = [(cos.data_ptr(), sin.data_ptr()) for cos, sin in ropes]
-        for i, b in enumerate(built):
-            out = outs[i % 2]
-            cos, sin = tables[layer_rope[i]]
-            status = fn(
-                b.address, step_addresses[layer_group[i]], cos, sin,
-                kv_caches[i].data_ptr(), h.data_ptr(), residual.data_ptr(), out.data_ptr(),
-                work.data_ptr(), rows, int(i == 0), threads,
-            )  # fmt: skip
-            if status != 0:
-                raise MemoryError("kvtier_layer: a kernel found no scratch memory")
-            h = out
+        status = kernels.layer.kvtier_layers(  # every layer in one call, x the first residual
+            n, pointers(*(b.address for b in built)),
+            pointers(*(step_addresses[layer_group[i]] for i in range(n))),
+            pointers(*(tables[layer_rope[i]][0] for i in range(n))),
+            pointers(*(tables[layer_rope[i]][1] for i in range(n))),
+            pointers(*(kv_caches[i].data_ptr() for i in range(n))), x.data_ptr(), x.data_ptr(),
+            outs[0].data_ptr(), outs[1].data_ptr(), work.data_ptr(), rows, native.threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("kvtier_layers: a kernel found no scratch memory")
         self._spare = work
-        return h, residual
+        return outs[(n - 1) % 2], x
 
     def _layers(
         self, layers: Sequence[DecoderLayer], kernels: native.Kernels

@@ -54,11 +54,11 @@ _SIGNATURES = {
     "kvtier_linear_f32_pack": [_PTR, _I64, _I64, _PTR],
     "kvtier_linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
     "kvtier_layer_work": [_PTR],
-    "kvtier_layer": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
+    "kvtier_layers": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT],
     "kvtier_pool_bind": [_PTR],
 }  # fmt: skip
 _RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": ctypes.c_int,
-            "kvtier_linear": ctypes.c_int, "kvtier_layer": ctypes.c_int,
+            "kvtier_linear": ctypes.c_int, "kvtier_layers": ctypes.c_int,
             "kvtier_layer_work": ctypes.c_int64}  # fmt: skip
 
 

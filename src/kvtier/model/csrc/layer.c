@@ -120,3 +120,24 @@ int kvtier_layer(const Layer *L, const Step *S, const void *cos, const void *sin
     }
     return status ? -1 : 0;
 }
+
+/* Every layer of a forward in one call: layer i on `layers[i]` with its KV group's step, rope
+ * tables and cache, writing outs[i % 2] (out0, out1), which layer i + 1 reads; x, residual as
+ * for kvtier_layer, the first layer's. Returns 0, or -1 at the first layer a kernel found no
+ * scratch for. One call releases the GIL once for the whole stack: a call per layer retook it
+ * after every layer, and waited there whenever the host thread (scheduling the next step) held
+ * it — long enough that the pool's helper stopped spinning and slept (pool.c). */
+int kvtier_layers(int64_t n, const Layer *const *layers, const Step *const *steps,
+                  const void *const *cos, const void *const *sin, void *const *caches,
+                  const void *x, void *residual, void *out0, void *out1, void *work, int64_t rows,
+                  int threads) {
+    const void *h = x;
+    for (int64_t i = 0; i < n; i++) {
+        void *out = i % 2 ? out1 : out0;
+        if (kvtier_layer(layers[i], steps[i], cos[i], sin[i], caches[i], h, residual, out, work,
+                         rows, i == 0, threads))
+            return -1;
+        h = out;
+    }
+    return 0;
+}

@@ -1,4 +1,4 @@
-"""The decoder layers of a bfloat16 step as one native call each (`csrc/layer.c`).
+"""The decoder layers of a bfloat16 step in one native call (`csrc/layer.c`).
 
 A layer's Python path makes ~11 kernel calls (norms, the tile linears, rope, the KV write, the
 paged attention kernel), each with its own ctypes call, output allocation and Python; on a small
@@ -6,8 +6,8 @@ model that is most of a step's time, and every call releases and retakes the GIL
 whole batch is served by those kernels — bfloat16 on a CPU with the tile linear (AMX or
 AVX512-BF16), every linear taking the tiles at this row count (`takes_tiles`), every query on
 the attention kernel (decodes, drafts, and a prompt's chunks, which `CausalLM.forward` plans for
-the kernel when `takes` says the step fits; no gathered sequence) — `FusedLayers` runs each
-layer as one call that makes the same kernel calls in C, on the same inputs: the same bits as
+the kernel when `takes` says the step fits; no gathered sequence) — `FusedLayers` runs every
+layer in one call that makes the same kernel calls in C, on the same inputs: the same bits as
 the Python path on the same plans (tests/model/test_fused_layer.py). Other batches take the
 Python path.
 """

@@ -62,9 +62,9 @@ int64_t kvtier_layer_work(const Layer *L) {
 /* x [rows, hidden] → out [rows, hidden]; residual [rows, hidden] is updated in place (first: it is
  * x, and the first norm adds nothing). cache: the layer's KV tensor. Returns 0, or -1 when a
  * kernel could not allocate its scratch (out is then incomplete). */
-int kvtier_layer(const Layer *L, const Step *S, const void *cos, const void *sin, void *cache,
-                 const void *x, void *residual, void *out, void *work, int64_t rows, int first,
-                 int threads) {
+static int layer_step(const Layer *L, const Step *S, const void *cos, const void *sin,
+                      void *cache, const void *x, void *residual, void *out, void *work,
+                      int64_t rows, int first, int threads) {
     const int64_t H = L->heads, KVH = L->kv_heads, D = L->head_dim, hid = L->hidden;
     const int64_t qd = H * D, kvd = KVH * D, width = qd + 2 * kvd;
     uint16_t *h = (uint16_t *)work, *qkv = h + rows * hid, *qn = qkv + rows * width;
@@ -123,7 +123,7 @@ int kvtier_layer(const Layer *L, const Step *S, const void *cos, const void *sin
 
 /* Every layer of a forward in one call: layer i on `layers[i]` with its KV group's step, rope
  * tables and cache, writing outs[i % 2] (out0, out1), which layer i + 1 reads; x, residual as
- * for kvtier_layer, the first layer's. Returns 0, or -1 at the first layer a kernel found no
+ * for layer_step, the first layer's. Returns 0, or -1 at the first layer a kernel found no
  * scratch for. One call releases the GIL once for the whole stack: a call per layer retook it
  * after every layer, and waited there whenever the host thread (scheduling the next step) held
  * it — long enough that the pool's helper stopped spinning and slept (pool.c). */
@@ -134,8 +134,8 @@ int kvtier_layers(int64_t n, const Layer *const *layers, const Step *const *step
     const void *h = x;
     for (int64_t i = 0; i < n; i++) {
         void *out = i % 2 ? out1 : out0;
-        if (kvtier_layer(layers[i], steps[i], cos[i], sin[i], caches[i], h, residual, out, work,
-                         rows, i == 0, threads))
+        if (layer_step(layers[i], steps[i], cos[i], sin[i], caches[i], h, residual, out, work,
+                       rows, i == 0, threads))
             return -1;
         h = out;
     }

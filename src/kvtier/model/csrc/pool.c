@@ -70,28 +70,23 @@ static int64_t pool_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* spin up to POOL_SPIN_NS for a job after `seen` (for the helpers inside the job to leave);
- * return whether it came */
-static int pool_spin_generation(uint64_t seen) {
+/* spin up to POOL_SPIN_NS until `done(arg)`; return whether it came */
+static int pool_spin(int (*done)(uint64_t), uint64_t arg) {
     const int64_t until = pool_ns() + POOL_SPIN_NS;
     for (;;) {
         for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(&pool.generation, memory_order_acquire) != seen) return 1;
+            if (done(arg)) return 1;
             pool_relax();
         }
         if (pool_ns() > until) return 0;
     }
 }
 
-static int pool_spin_idle(void) {
-    const int64_t until = pool_ns() + POOL_SPIN_NS;
-    for (;;) {
-        for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(&pool.active, memory_order_acquire) == 0) return 1;
-            pool_relax();
-        }
-        if (pool_ns() > until) return 0;
-    }
+static int pool_job_after(uint64_t seen) { return atomic_load(&pool.generation) != seen; }
+
+static int pool_idle(uint64_t unused) {
+    (void)unused;
+    return atomic_load(&pool.active) == 0;
 }
 
 static void pool_claim(void) { /* fn, ctx, items, chunk are fixed while a job is open */
@@ -107,27 +102,21 @@ static void *pool_helper(void *unused) {
     (void)unused;
     uint64_t seen = 0;
     for (;;) {
-        pool_spin_generation(seen);
+        pool_spin(pool_job_after, seen);
         pthread_mutex_lock(&pool.mu);
-        int missed = 0; /* a job came and went (or is full): back to spinning for the next */
-        while (!(pool.open && atomic_load(&pool.generation) != seen && pool.joined < pool.wanted)) {
-            if (atomic_load(&pool.generation) != seen) {
-                seen = atomic_load(&pool.generation);
-                missed = 1;
-                break;
-            }
+        while (atomic_load(&pool.generation) == seen) {
             pool.sleeping++;
             pthread_cond_wait(&pool.wake, &pool.mu);
             pool.sleeping--;
         }
-        if (missed) {
-            pthread_mutex_unlock(&pool.mu);
-            continue;
-        }
         seen = atomic_load(&pool.generation);
-        pool.joined++;
-        atomic_fetch_add(&pool.active, 1);
+        const int join = pool.open && pool.joined < pool.wanted; /* else gone or full: next one */
+        if (join) {
+            pool.joined++;
+            atomic_fetch_add(&pool.active, 1);
+        }
         pthread_mutex_unlock(&pool.mu);
+        if (!join) continue;
         pool_claim();
         pthread_mutex_lock(&pool.mu);
         if (atomic_fetch_sub(&pool.active, 1) == 1 && pool.caller_waiting)
@@ -168,7 +157,7 @@ void kvtier_pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, 
     pthread_mutex_lock(&pool.mu);
     pool.open = 0; /* no helper joins after this: `active` only falls */
     pthread_mutex_unlock(&pool.mu);
-    if (!pool_spin_idle()) {
+    if (!pool_spin(pool_idle, 0)) {
         pthread_mutex_lock(&pool.mu);
         while (atomic_load(&pool.active) > 0) {
             pool.caller_waiting = 1;

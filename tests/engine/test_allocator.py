@@ -1,7 +1,6 @@
 """A prompt step's large activations reuse memory: after the first steps, repeating the same
 64 × 128-token prompt step of the tiny Llama faults in (almost) no fresh pages. The step runs in
-the one-call layers on every tile kind (AMX takes such a step on oneDNN by default: its row limit
-is lifted here, as AVX512-BF16 has none). Without the layers' kept work buffer (54 MiB at this
+the one-call layers (the tiles take any row count on the small models' weights). Without the layers' kept work buffer (54 MiB at this
 size, a fresh mapping a step) ~14,000-19,000 faults a step; without the allocator's policy
 (`keep_freed_memory`) ~6,000 a step on the Zen 5 box, while on the Sapphire Rapids box glibc's own
 thresholds settle after two rounds there too. A kept step faults ~0, but a worker thread's malloc
@@ -22,12 +21,10 @@ SCRIPT = textwrap.dedent(
     """
     import resource, sys, tempfile
     from pathlib import Path
-    from kvtier.model import layers
     from kvtier.bench import models
     from kvtier.bench.throughput import random_prompts
     from kvtier.engine import LLM, SamplingParams
 
-    layers.MAX_SMALL_TILE_ROWS["amx"] = None  # the one-call layers take the step on AMX too
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(models.TINY_LLAMA, Path(tmp))
         llm = LLM(str(path), dtype="bfloat16", max_num_seqs=64, max_model_len=256,

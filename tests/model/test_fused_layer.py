@@ -62,7 +62,7 @@ def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served, 
     model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
     assert kernels is not None and kernels.tile_linear is not None
     # at most 64 rows, as for weights above 2M elements
-    monkeypatch.setitem(layers.MAX_SMALL_TILE_ROWS, kernels.tile_linear, 64)
+    monkeypatch.setattr(layers, "SMALL_WEIGHT", 0)
     decode(model, steps=1, seqs=65)  # 65 rows: more than the tiles take (`takes_tiles`)
     assert served == [False, False]
     served.clear()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.model import native
-from kvtier.model.layers import MAX_SMALL_TILE_ROWS, PACK_BF16, Linear, takes_tiles
+from kvtier.model.layers import PACK_BF16, Linear, takes_tiles
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
@@ -57,8 +57,6 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = kernels.pack_linear(w)
     for m in (1, 2, 7, 8, 9, 15, 16, 17, 32, 40, 64, 100, 256):  # 7-16: blocks of 3 tiles
-        if KIND == "amx" and not takes_tiles(m, n * k, KIND):  # oneDNN's order changes there
-            continue
         x = torch.randn(m, k, generator=gen).bfloat16()
         want = reference(x, w, b)
         for threads in (1, 2):
@@ -95,6 +93,26 @@ def test_avx512bf16_gives_onednn_bits_where_onednn_sums_in_order() -> None:
             assert torch.equal(kernels.linear_bf16(x, packed, n, b), F.linear(x, w, b)), (k, n, m)
 
 
+@pytest.mark.parametrize("k,n,m", [(128, 1024, 2100), (100, 77, 2700), (512, 256, 600)])
+def test_many_rows_run_in_chunks(k: int, n: int, m: int) -> None:
+    """Past 256 KiB of x on a weight of at most 1 MiB the rows run in chunks (linear.c's items):
+    every chunk's rows, the last partial chunk and its partial row block, get the same bits as
+    one row alone."""
+    assert kernels is not None and m * k * 2 > 256 << 10
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = kernels.pack_linear(w)
+    for threads in (1, 2):
+        native.set_threads(threads)
+        try:
+            got = kernels.linear_bf16(x, packed, n, b)
+        finally:
+            native.set_threads(None)
+        assert torch.equal(got, reference(x, w, b)), threads
+
+
 def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     """Unlike oneDNN above 32 rows, the tiles compute a row the same way whatever its batch."""
     assert kernels is not None
@@ -108,17 +126,12 @@ def test_a_row_gets_the_same_bits_in_any_batch() -> None:
 
 
 def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
-    """The choice (`takes_tiles`: up to 64 rows on any weight; on weights of at most 2M
-    elements 256 rows on AMX, any row count on AVX512-BF16), and `Linear` gives the tiles' bits
-    where it takes them and F.linear's elsewhere."""
-    small_rows = MAX_SMALL_TILE_ROWS[KIND]
-    assert takes_tiles(64, 2048 * 1100, KIND) and not takes_tiles(65, 2048 * 1100, KIND)
-    assert takes_tiles(65, 2 << 20, KIND) and not takes_tiles(65, (2 << 20) + 1, KIND)
-    if small_rows is None:
-        assert takes_tiles(10_000, 256 * 512, KIND)
-    else:
-        assert takes_tiles(small_rows, 256 * 512, KIND)
-        assert not takes_tiles(small_rows + 1, 256 * 512, KIND)
+    """The choice (`takes_tiles`: up to 64 rows on any weight, any row count on weights of at
+    most 2M elements), and `Linear` gives the tiles' bits where it takes them and F.linear's
+    elsewhere."""
+    assert takes_tiles(64, 2048 * 1100) and not takes_tiles(65, 2048 * 1100)
+    assert takes_tiles(65, 2 << 20) and not takes_tiles(65, (2 << 20) + 1)
+    assert takes_tiles(10_000, 256 * 512)
     gen = torch.Generator().manual_seed(2)
     small = Linear(256, 512, bias=True).to(torch.bfloat16)
     down = Linear(1024, 256, bias=False).to(torch.bfloat16)
@@ -126,7 +139,7 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     for layer, rows in [(small, 1), (small, 256), (small, 257), (down, 48), (down, 130),
                         (big, 17), (big, 64), (big, 65)]:  # fmt: skip
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
-        tiles = takes_tiles(rows, layer.weight.numel(), KIND)
+        tiles = takes_tiles(rows, layer.weight.numel())
         want = reference if tiles else F.linear
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows
 

@@ -150,7 +150,7 @@ class FusedLayers:
         kernels = native.kernels()
         if kernels is None or kernels.layer is None or not kernels.tile_linear or not PACK_BF16:
             return False
-        return _fits(self._layers(layers, kernels), rows, kernels.tile_linear)
+        return _fits(self._layers(layers, kernels), rows)
 
     def run(
         self,
@@ -175,7 +175,7 @@ class FusedLayers:
         if built is None:
             return None
         rows = x.shape[0]
-        if not _fits(built, rows, kernels.tile_linear) or not all(
+        if not _fits(built, rows) or not all(
             c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches
         ):
             return None
@@ -228,9 +228,9 @@ class FusedLayers:
         return self._built
 
 
-def _fits(built: list[_Built] | None, rows: int, kind: str) -> bool:
-    """Every linear of the built layers takes the tiles (of `kind`) at `rows` rows."""
-    return built is not None and all(takes_tiles(rows, n, kind) for b in built for n in b.numels)
+def _fits(built: list[_Built] | None, rows: int) -> bool:
+    """Every linear of the built layers takes the tiles at `rows` rows."""
+    return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
 
 
 def _step(plan: GroupPlan) -> _Step:

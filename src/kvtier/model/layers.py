@@ -25,22 +25,21 @@ PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emu
 
 
 MAX_TILE_ROWS = 64  # any weight
-SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements
-# rows the tiles take on such weights, per kind (`Kernels.tile_linear`); None: any row count
-MAX_SMALL_TILE_ROWS: dict[str, int | None] = {"amx": 256, "avx512bf16": None}
+SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements, any row count
 
 
-def takes_tiles(rows: int, numel: int, kind: str) -> bool:
-    """Whether the tile linear of `kind` (`Kernels.tile_linear`) serves `rows` rows of a weight
-    of `numel` elements: up to 64 rows on any weight; on weights of at most 2M elements up to
-    256 rows on AMX and any row count on AVX512-BF16. Measured against oneDNN, one call alone,
-    and end to end:
+def takes_tiles(rows: int, numel: int) -> bool:
+    """Whether the tile linear (`Kernels.tile_linear`) serves `rows` rows of a weight of `numel`
+    elements: up to 64 rows on any weight, any row count on weights of at most 2M elements.
+    Measured against oneDNN, one call alone, and end to end:
 
     - AMX: up to 64 rows it is faster on any weight — at the small models' shapes 1.5-6x; at the
-      0.5B shape, weights streamed from memory, 1.1-1.7x at 32-64 rows. Up to 256 rows on small
-      weights it is within 0.9-2x of oneDNN and lets a prompt's chunk with the step's decodes run
-      as one call per layer (`fused_layer.py`: 1.4-2x a step); above, and on large weights above
-      64 rows, oneDNN's blocking wins (2x at 1,920 rows).
+      0.5B shape, weights streamed from memory, 1.1-1.7x at 32-64 rows; above, on large weights,
+      oneDNN's blocking wins (2x at 1,920 rows). On small weights, the tiles run the rows in
+      chunks that keep x in L2 (linear.c), within 0.9-1.5x of oneDNN one call alone at 256-8,192
+      rows, and take the whole step as one call per layer (`fused_layer.py`): a prefill step of
+      1,024-8,192 tokens 0.71-0.91x the time with oneDNN above 256 rows (paired, both small
+      models, Sapphire Rapids).
     - AVX512-BF16 (AMD Zen 5): both run VDPBF16PS at its peak rate (~220 G multiply-adds/s a
       core), so what the tiles save is oneDNN's ~10 µs set-up per call: at the small models'
       shapes 2-5x faster up to 16 rows, 0.8-1.7x at 64, 0.7-1.4x at 256; on the 0.5B shape's
@@ -53,10 +52,7 @@ def takes_tiles(rows: int, numel: int, kind: str) -> bool:
     in order (AVX512-BF16: k ≤ 512; with k of 896 and more oneDNN's bits depend on the batch's
     row count, 2-300 outputs in 10^5 one bfloat16 ulp apart) — the tiles give a row the same
     bits whatever its batch."""
-    if rows <= MAX_TILE_ROWS:
-        return True
-    limit = MAX_SMALL_TILE_ROWS[kind]
-    return numel <= SMALL_WEIGHT and (limit is None or rows <= limit)
+    return rows <= MAX_TILE_ROWS or numel <= SMALL_WEIGHT
 
 
 class Linear(nn.Linear):
@@ -89,8 +85,7 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
             return F.linear(x, w, self.bias)
-        kind = None if kernels is None else kernels.tile_linear
-        if kernels is not None and kind is not None and takes_tiles(x.shape[0], w.numel(), kind):
+        if kernels is not None and kernels.tile_linear and takes_tiles(x.shape[0], w.numel()):
             return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:

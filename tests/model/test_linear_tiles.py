@@ -48,6 +48,21 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     return batches_of_32(x, w, b) if KIND == "amx" else in_order(x, w, b)
 
 
+def assert_reference_bits(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor
+) -> None:
+    """The tiles give `reference`'s bits on one thread and on two."""
+    assert kernels is not None
+    want = reference(x, w, b)
+    for threads in (1, 2):
+        native.set_threads(threads)
+        try:
+            got = kernels.linear_bf16(x, packed, w.shape[0], b)
+        finally:
+            native.set_threads(None)
+        assert torch.equal(got, want), (x.shape[0], threads)
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
@@ -58,14 +73,7 @@ def test_same_bits_as_f_linear(k: int, n: int, bias: bool) -> None:
     packed = kernels.pack_linear(w)
     for m in (1, 2, 7, 8, 9, 15, 16, 17, 32, 40, 64, 100, 256):  # 7-16: blocks of 3 tiles
         x = torch.randn(m, k, generator=gen).bfloat16()
-        want = reference(x, w, b)
-        for threads in (1, 2):
-            native.set_threads(threads)
-            try:
-                got = kernels.linear_bf16(x, packed, n, b)
-            finally:
-                native.set_threads(None)
-            assert torch.equal(got, want), (m, threads)
+        assert_reference_bits(x, w, b, packed)
 
 
 def test_strided_rows() -> None:
@@ -103,14 +111,7 @@ def test_many_rows_run_in_chunks(k: int, n: int, m: int) -> None:
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
-    packed = kernels.pack_linear(w)
-    for threads in (1, 2):
-        native.set_threads(threads)
-        try:
-            got = kernels.linear_bf16(x, packed, n, b)
-        finally:
-            native.set_threads(None)
-        assert torch.equal(got, reference(x, w, b)), threads
+    assert_reference_bits(x, w, b, kernels.pack_linear(w))
 
 
 def test_a_row_gets_the_same_bits_in_any_batch() -> None:

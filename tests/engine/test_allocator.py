@@ -1,9 +1,9 @@
 """A prompt step's large activations reuse memory: after the first steps, repeating the same
 64 × 128-token prompt step of the tiny Llama faults in (almost) no fresh pages. The step runs in
-the one-call layers (the tiles take any row count on the small models' weights). Without the layers' kept work buffer (54 MiB at this
-size, a fresh mapping a step) ~14,000-19,000 faults a step; without the allocator's policy
-(`keep_freed_memory`) ~6,000 a step on the Zen 5 box, while on the Sapphire Rapids box glibc's own
-thresholds settle after two rounds there too. A kept step faults ~0, but a worker thread's malloc
+the one-call layers (the tiles take any row count on the small models' weights). Without the
+layers' kept work buffer (54 MiB at this size, a fresh mapping a step) ~14,000-19,000 faults a
+step; without the allocator's policy (`keep_freed_memory`) ~6,000 a step on the Zen 5 box, while
+on the Sapphire Rapids box glibc's own thresholds settle after two rounds there too. A kept step faults ~0, but a worker thread's malloc
 arena still grows now and then to a new high-water mark (8 MiB, 2,048 faults, seen in one of the
 later rounds), so the check is on the last four rounds together. Run in a fresh interpreter: the
 policy and the heap are per process."""

@@ -104,8 +104,7 @@ def test_avx512bf16_gives_onednn_bits_where_onednn_sums_in_order() -> None:
 @pytest.mark.parametrize("k,n,m", [(128, 1024, 2100), (100, 77, 2700), (512, 256, 600)])
 def test_many_rows_run_in_chunks(k: int, n: int, m: int) -> None:
     """Past 256 KiB of x on a weight of at most 1 MiB the rows run in chunks (linear.c's items):
-    every chunk's rows, the last partial chunk and its partial row block, get the same bits as
-    one row alone."""
+    every chunk's rows, the last partial chunk and its partial row block, get `reference`'s bits."""
     assert kernels is not None and m * k * 2 > 256 << 10
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=gen).bfloat16()

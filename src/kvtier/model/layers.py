@@ -36,7 +36,7 @@ def takes_tiles(rows: int, numel: int) -> bool:
     - AMX: up to 64 rows it is faster on any weight — at the small models' shapes 1.5-6x; at the
       0.5B shape, weights streamed from memory, 1.1-1.7x at 32-64 rows; above, on large weights,
       oneDNN's blocking wins (2x at 1,920 rows). On small weights, the tiles run the rows in
-      chunks that keep x in L2 (linear.c), within 0.9-1.5x of oneDNN one call alone at 256-8,192
+      chunks that keep x in L2 (linear.c), 0.4-1.5x oneDNN's time one call alone at 256-8,192
       rows, and take the whole step as one call per layer (`fused_layer.py`): a prefill step of
       1,024-8,192 tokens 0.71-0.91x the time with oneDNN above 256 rows (paired, both small
       models, Sapphire Rapids).

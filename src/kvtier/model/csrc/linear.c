@@ -262,9 +262,7 @@ static void avx_groups(const void *ctx, int64_t i0, int64_t i1) {
     }
 }
 
-#ifndef CHUNK_X
-#define CHUNK_X (256 << 10)   /* bytes of x in a row chunk, at most (kvtier_linear) */
-#endif
+#define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
 #define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
 
 static ChunkFn groups_fn; /* set by kvtier_linear_available: AMX's or AVX512-BF16's */
@@ -304,7 +302,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     /* an item: a column group by a chunk of rows. On a weight that stays in L2 (CHUNK_WEIGHT), a
      * chunk's x fits there with it (CHUNK_X), and the chunks run one after another, so each group
      * re-reads the chunk's x from L2 instead of streaming all of x again: the small models' linears
-     * at 1,024-8,192 rows 0.57-0.84x the time in one chunk (AMX, paired). A larger weight is read
+     * at 1,024-8,192 rows 0.54-0.89x the time in one chunk (AMX, paired). A larger weight is read
      * once per chunk from memory, so it keeps all rows in one. */
     const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
     int64_t chunk_rows = m;

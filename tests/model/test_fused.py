@@ -174,8 +174,9 @@ def test_kernels_stay_off_where_they_cannot_serve():
     assert out.data_ptr() != x.data_ptr() and torch.equal(out, x)
 
 
-def test_argmax_is_torch_argmax_with_ties_nan_and_infinities():
-    x = torch.randn(9, 1003, generator=gen(10))  # not a multiple of 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_with_ties_nan_and_infinities(dtype):
+    x = torch.randn(9, 1003, generator=gen(10)).to(dtype)  # not a multiple of 16
     x[1, [5, 900]] = 50.0  # a tie: the first
     x[2, [17, 500]] = float("nan")  # NaN wins, the first one
     x[3] = float("-inf")

@@ -39,6 +39,23 @@ def test_greedy_is_argmax_and_mixes_with_random_rows():
     assert out.sampled_logprobs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_rows_of_narrow_logits_pick_what_their_float32_copy_picks(dtype):
+    """A greedy batch without logprobs argmaxes bfloat16 / float16 logits without the float32
+    copy: the same tokens, ties (many in 8-bit mantissas) and bans included."""
+    logits = (torch.randn(64, 4096, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    logits[0, [7, 4000]] = 30.0  # a tie: the first
+    logits[1, 11] = logits[1].max() + 1  # the best token, banned below
+    batch = SamplingBatch.from_params([DrawParams(temperature=0.0)] * 64, [0] * 64, 4096)
+    banned = ([1, 5], [11, 2])
+    for ban in (None, banned):
+        narrow = sample(logits, batch, banned=ban).token_ids
+        wide = sample(logits.float(), batch, banned=ban).token_ids
+        assert torch.equal(narrow, wide)
+    assert sample(logits, batch).token_ids[:2].tolist() == [7, 11]
+    assert sample(logits, batch, banned=banned).token_ids[1] != 11
+
+
 def test_temperature_sampling_follows_softmax():
     row = logits_rows(1)
     n = 4000

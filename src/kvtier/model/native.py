@@ -47,7 +47,7 @@ _SIGNATURES = {
                         _INT],
     "kvtier_rope": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT],
     "kvtier_act_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT, _INT],
-    "kvtier_argmax": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+    "kvtier_argmax": [_PTR, _I64, _I64, _I64, _PTR, _INT, _INT],
     "kvtier_linear_available": [],
     "kvtier_linear_pack": [_PTR, _I64, _I64, _PTR],
     "kvtier_linear": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
@@ -237,15 +237,16 @@ def threads() -> int:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` of float32 rows x [n, vocab] (the first maximum, or the first NaN);
-    torch's reduction runs at ~2 ns an element, the native one at memory speed."""
-    kernels = kernels_for(x) if x.dtype == torch.float32 and x.dim() == 2 else None
+    """`x.argmax(dim=-1)` of float32 or bfloat16 rows x [n, vocab] (the first maximum, or the
+    first NaN); torch's reduction runs at ~2 ns an element, the native one at memory speed."""
+    kernels = kernels_for(x) if x.dim() == 2 else None
     if kernels is None or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     kernels.fused.kvtier_argmax(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads()
-    )
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), DTYPES[x.dtype],
+        threads(),
+    )  # fmt: skip
     return out
 
 

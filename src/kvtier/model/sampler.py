@@ -17,6 +17,10 @@ from kvtier.sampling import LOGPROBS_MODES, DrawParams
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
 CANDIDATES = 256  # rows whose top-k lies within: filtered on their best tokens, not a full sort
+# logits dtypes whose float32 copy is exact (the same order, so the same argmax): a greedy batch
+# without logprobs skips the copy. bfloat16 logits 64 × 32,000 (the 0.5B shape at batch 64): the
+# argmax 1.15 → 0.33 ms, with a ban (min_tokens) 3.6 → 1.7 ms; 16 rows 0.32 → 0.14 ms (paired)
+WIDENS_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,9 @@ def sample(
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    logits = logits.float()
     wanted = any(n is not None for n in batch.num_logprobs)
+    if not (batch.all_greedy and not wanted and logits.dtype in WIDENS_EXACTLY):
+        logits = logits.float()  # a greedy batch without logprobs argmaxes the logits as given
     report = None  # [n, vocab] what logprobs are read from
     if wanted and logprobs_mode == "raw_logprobs":
         report = torch.log_softmax(logits, dim=-1)
@@ -102,7 +107,8 @@ def sample(
         where = tuple(
             torch.tensor(b, dtype=torch.int64).to(logits.device, non_blocking=True) for b in banned
         )
-        logits = logits.index_put(where, torch.tensor(float("-inf")))  # out of place
+        minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
+        logits = logits.index_put(where, minus_inf)  # out of place
     if batch.all_greedy:
         tokens = native.argmax(logits)
         processed = logits

@@ -414,20 +414,38 @@ void kvtier_act_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
     parallel_rows(act_rows, &a, rows, rows * inter, 1 << 16, threads); /* ~0.5 ns an element */
 }
 
-/* ---- argmax of float32 rows (greedy sampling) -------------------------------------------- */
+/* ---- argmax of float32 or bfloat16 rows (greedy sampling) -------------------------------- */
 
 typedef struct {
-    const float *x;
-    int64_t n, stride;
+    const void *x;
+    int64_t n, stride; /* stride in elements */
     int64_t *out;
+    int dtype;
 } ArgmaxArgs;
+
+/* element i of a row, widened to float32 (exact for bfloat16, so the order is the row's own) */
+static inline float argmax_elem(const void *x, int64_t i, int dtype) {
+    if (dtype != 1) return ((const float *)x)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 argmax_vec(const void *x, int64_t i, int dtype) {
+    if (dtype != 1) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 /* torch.argmax's answer: the first maximal element, or the first NaN if the row has one */
 static void argmax_rows(const void *p, int64_t begin, int64_t end) {
     const ArgmaxArgs *a = (const ArgmaxArgs *)p;
-    const int64_t n = a->n;
+    const int64_t n = a->n, size = a->dtype == 1 ? 2 : 4;
     for (int64_t r = begin; r < end; r++) {
-        const float *x = a->x + r * a->stride;
+        const void *x = (const char *)a->x + r * a->stride * size;
         float m = -INFINITY;
         int nan = 0;
         int64_t i = 0;
@@ -435,7 +453,7 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
         __m512 vm = _mm512_set1_ps(-INFINITY);
         __mmask16 vnan = 0;
         for (; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
+            const __m512 v = argmax_vec(x, i, a->dtype);
             vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
             vm = _mm512_max_ps(vm, v);
         }
@@ -443,15 +461,16 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
         nan = vnan != 0;
 #endif
         for (; i < n; i++) {
-            nan |= x[i] != x[i];
-            m = x[i] > m ? x[i] : m;
+            const float v = argmax_elem(x, i, a->dtype);
+            nan |= v != v;
+            m = v > m ? v : m;
         }
         int64_t at = 0;
         i = 0;
 #if defined(__AVX512F__)
         const __m512 target = _mm512_set1_ps(m);
         for (; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
+            const __m512 v = argmax_vec(x, i, a->dtype);
             const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                       : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
             if (hit) {
@@ -460,11 +479,13 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
             }
         }
 #endif
-        for (; i < n; i++)
-            if (nan ? x[i] != x[i] : x[i] == m) {
+        for (; i < n; i++) {
+            const float v = argmax_elem(x, i, a->dtype);
+            if (nan ? v != v : v == m) {
                 at = i;
                 break;
             }
+        }
 #if defined(__AVX512F__)
     found:
 #endif
@@ -472,8 +493,8 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
     }
 }
 
-void kvtier_argmax(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
-                   int threads) {
-    ArgmaxArgs a = {x, n, stride, out};
+void kvtier_argmax(const void *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
+                   int dtype, int threads) {
+    ArgmaxArgs a = {x, n, stride, out, dtype};
     parallel_rows(argmax_rows, &a, rows, rows * n, 1 << 19, threads);
 }

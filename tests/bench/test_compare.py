@@ -203,6 +203,43 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_merge_makes_one_table_json_and_png_from_runs_in_parts(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    rows = compare.ratio_rows(fake_results(), parse())
+    offline = [r for r in rows if r["metric"].startswith("offline")]
+    rest = [r for r in rows if not r["metric"].startswith("offline")]
+    a, b = tmp_path / "offline.json", tmp_path / "serve.json"
+    for path, part in ((a, offline), (b, rest)):
+        path.write_text(json.dumps({"peer": {"version": "0.32.0"}, "rows": part}))
+    out, png = tmp_path / "all.json", tmp_path / "all.png"
+    assert compare.run(parse("--merge", str(a), str(b), "--out", str(out), "--plot", str(png))) == 0
+    merged = json.loads(out.read_text())
+    assert merged["rows"] == rows and merged["config"]["merge"] == [str(a), str(b)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare_report.render(rows) in capsys.readouterr().out
+    again, _ = compare_report.merge([a, a])  # the same rows twice: the second named by its file
+    assert [r["setting"] for r in again[len(offline) :]] == [
+        f"{r['setting']} (offline)" for r in offline
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(None, "cannot read it"), ("{", "not JSON"), ('{"rows": []}', "no rows"),
+     ('{"rows": [{"metric": "m"}]}', "not a comparison's"),
+     ('{"rows": [{"metric": "m", "setting": "s", "ours": [1.0], "theirs": [], "better": "higher",'
+      ' "target": null}]}', "not a comparison's")],
+)  # fmt: skip
+def test_merge_names_the_bad_file_and_the_fix(tmp_path: Path, content: str | None, needle: str):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=needle) as err:
+        compare.run(parse("--merge", str(path), "--out", str(tmp_path / "o.json")))
+    assert str(path) in str(err.value) and "bench compare --out" in str(err.value)
+    assert not (tmp_path / "o.json").exists()
+
+
 def test_peer_scripts_ship_as_package_data() -> None:
     """An installed `kvtier bench compare` runs the scripts by path: the wheel must carry them,
     and nothing else lives in their folder (no `__init__.py`: they are not kvtier modules)."""

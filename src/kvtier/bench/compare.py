@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", nargs="?", const="", default=None, help="PNG of the ratios (default: --out .png)"
     )
+    parser.add_argument(
+        "--merge", nargs="+", type=Path, default=None, metavar="JSON",
+        help="run nothing: one table, JSON (--out) and PNG (--plot) from saved runs' JSON",
+    )  # fmt: skip
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -343,7 +347,24 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
     return rows
 
 
+def merged(args: argparse.Namespace) -> int:
+    """`--merge`: the rows of saved runs as one table, JSON and PNG (compare_report.merge)."""
+    rows, peers = compare_report.merge(args.merge)
+    print(compare_report.render(rows))
+    out = Path(args.out)
+    payload = {"config": {"merge": [str(p) for p in args.merge]}, "peers": peers, "rows": rows}
+    print(f"saved {save_json(payload, out)}")
+    if args.plot is not None:
+        png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        versions = sorted({str(p.get("version")) for p in peers if isinstance(p, dict)})
+        title = f"kvtier vs vLLM CPU {', '.join(versions)}: ours / theirs, {len(args.merge)} runs"
+        print(f"plot {compare_report.plot(rows, png, title)}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merged(args)
     parts = check_args(args)
     out = Path(args.out)
     logs = out.with_name(out.stem + "_logs")

@@ -3,6 +3,7 @@ per-round values of both engines, the table it prints, and the optional PNG."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,42 @@ def ratio_row(
         "target": target,
         "meets_target": met,
     }
+
+
+def merge(paths: list[Path]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The rows of saved runs (the JSON each `bench compare --out` wrote), in order, each
+    recomputed from its rounds by `ratio_row`, and each file's peer: a comparison run in parts
+    (offline here, serving there) becomes one table and one PNG. A row whose metric and setting an
+    earlier file has gets its file's name after the setting. ValueError naming the file on
+    anything else."""
+    rows: list[dict[str, Any]] = []
+    peers: list[Any] = []
+    seen: set[tuple[str, str]] = set()
+    fix = "pass the JSON files `kvtier bench compare --out` saved"
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"--merge {path}: cannot read it ({exc.strerror}); {fix}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--merge {path}: not JSON ({exc}); {fix}") from None
+        saved = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(saved, list) or not saved:
+            raise ValueError(f"--merge {path}: no rows of a comparison; {fix}")
+        peers.append(data.get("peer"))
+        for r in saved:
+            try:
+                row = ratio_row(r["metric"], r["setting"], r["ours"], r["theirs"], r["better"],
+                                r["target"])  # fmt: skip
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"--merge {path}: a row is not a comparison's ({exc}); {fix}"
+                ) from None
+            if (row["metric"], row["setting"]) in seen:
+                row["setting"] = f"{row['setting']} ({Path(path).stem})"
+            seen.add((row["metric"], row["setting"]))
+            rows.append(row)
+    return rows, peers
 
 
 def _target(row: dict[str, Any]) -> str:

@@ -354,12 +354,17 @@ def merged(args: argparse.Namespace) -> int:
     out = Path(args.out)
     payload = {"config": {"merge": [str(p) for p in args.merge]}, "peers": peers, "rows": rows}
     print(f"saved {save_json(payload, out)}")
-    if args.plot is not None:
-        png = Path(args.plot) if args.plot else out.with_suffix(".png")
-        versions = sorted({str(p.get("version")) for p in peers if isinstance(p, dict)})
-        title = f"kvtier vs vLLM CPU {', '.join(versions)}: ours / theirs, {len(args.merge)} runs"
-        print(f"plot {compare_report.plot(rows, png, title)}")
+    versions = sorted({str(p.get("version")) for p in peers if isinstance(p, dict)})
+    _plot(args, rows, f"kvtier vs vLLM CPU {', '.join(versions)}: ours / theirs, "
+          f"{len(args.merge)} runs")  # fmt: skip
     return 0
+
+
+def _plot(args: argparse.Namespace, rows: list[dict[str, Any]], title: str) -> None:
+    """--plot: the PNG of the rows (default path: --out with .png)."""
+    if args.plot is not None:
+        png = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+        print(f"plot {compare_report.plot(rows, png, title)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -393,8 +398,7 @@ def run(args: argparse.Namespace) -> int:
     peer = {"engine": venv.VLLM_PACKAGE, "version": version, "venv": str(args.peer_venv)}
     payload = {"config": config, "peer": peer, "rows": rows, "results": results}
     print(f"saved {save_json(payload, out)}")
-    if args.plot is not None:
-        png = Path(args.plot) if args.plot else out.with_suffix(".png")
-        title = f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds"
-        print(f"plot {compare_report.plot(rows, png, title)}")
+    _plot(
+        args, rows, f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds"
+    )
     return 0

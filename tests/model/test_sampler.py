@@ -160,6 +160,40 @@ def test_raw_logprobs_ignore_banned_tokens_the_draw_cannot_pick():
     assert out.top_token_ids is not None and out.top_token_ids[:, 0].tolist() == best.tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("params", [DrawParams(temperature=0.0), DrawParams(temperature=0.8)])
+def test_a_ban_leaves_the_callers_logits_unless_handed_over(dtype, params):
+    """A ban writes -inf in place only into logits the caller hands over (`consume`): the same
+    tokens either way, and logits not handed over are left as they were."""
+    logits = logits_rows(4, seed=4).to(dtype)
+    best = logits.float().argmax(-1)
+    batch = SamplingBatch.from_params([params] * 4, [0] * 4, VOCAB)
+    banned = (list(range(4)), best.tolist())
+    before = logits.clone()
+    kept = sample(logits, batch, torch.Generator().manual_seed(1), banned=banned).token_ids
+    assert torch.equal(logits, before)  # not handed over: untouched
+    handed = sample(
+        logits, batch, torch.Generator().manual_seed(1), banned=banned, consume=True
+    ).token_ids
+    assert torch.equal(kept, handed) and (handed != best).all()
+
+
+def test_a_handed_over_ban_still_reports_raw_logits_unbanned():
+    """`raw_logits` are reported from the logits as given, so a handed-over ban still goes to a
+    copy: the banned best token keeps its raw value among the reported top logits."""
+    logits = logits_rows(4, seed=5)
+    best = logits.argmax(-1)
+    batch = SamplingBatch.from_params([DrawParams(temperature=0.0, logprobs=1)] * 4, [0] * 4, VOCAB)
+    out = sample(
+        logits.clone(), batch, banned=(list(range(4)), best.tolist()),
+        logprobs_mode="raw_logits", consume=True,
+    )  # fmt: skip
+    assert (out.token_ids != best).all()
+    assert out.top_token_ids is not None and out.top_logprobs is not None
+    assert out.top_token_ids[:, 0].tolist() == best.tolist()
+    assert torch.equal(out.top_logprobs[:, 0], logits.max(-1).values)
+
+
 def test_logprobs_modes_as_vllm():
     logits = logits_rows(3, seed=9)
     params = [

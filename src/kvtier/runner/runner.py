@@ -417,7 +417,8 @@ class ModelRunner:
             row_params, positions, logits.shape[-1], device=self.torch_device
         )
         banned = _banned_before_min_tokens(sampling)
-        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=self.logprobs_mode)
+        mode = self.logprobs_mode  # the logits are the sampler's: a ban goes in place
+        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=mode, consume=True)
         if self.state.track_tokens:
             counts = self._accept_drafts(sampling, out.token_ids, results)
         else:  # one token per sampling request, left on the device

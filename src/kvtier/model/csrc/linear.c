@@ -47,9 +47,6 @@ typedef struct {
     int64_t groups, chunk_rows; /* column groups; rows per row chunk (an item: see kvtier_linear) */
 } Job;
 
-#define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
-#define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
-
 /* item `item` of a call (kvtier_linear): column group *g of the rows [*r0, *r1) */
 static inline void item_span(const Job *a, int64_t item, int64_t *g, int64_t *r0, int64_t *r1) {
     *g = item % a->groups;
@@ -136,7 +133,7 @@ static void amx_groups(const void *ctx, int64_t i0, int64_t i1) {
         const int64_t blocks = (r1 - r0 + 15) / 16;
         int64_t next_lines = 0, per = 0, issued = 0;
         if (blocks >= AMX_NEXT_BLOCKS && item + 1 < i1 && g + 1 < a->groups &&
-            a->n * a->k * 2 > CHUNK_WEIGHT) {
+            a->chunk_rows == a->m) {
             next_lines = (nbs - nb0 - 4 < 4 ? nbs - nb0 - 4 : 4) * kbs * 16;
             per = (next_lines + (blocks - 1) * kbs - 1) / ((blocks - 1) * kbs);
         }
@@ -281,6 +278,9 @@ static void avx_groups(const void *ctx, int64_t i0, int64_t i1) {
         }
     }
 }
+
+#define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
+#define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
 
 static ChunkFn groups_fn; /* set by kvtier_linear_available: AMX's or AVX512-BF16's */
 

@@ -107,7 +107,6 @@ static void configure(int rows) {
 }
 
 #define AMX_AHEAD 8 /* k blocks ahead the first row block prefetches its weight tiles into L1 */
-#define AMX_NEXT_BLOCKS 4 /* row blocks from which the later ones prefetch the next group */
 
 /* items [i0, i1) (kvtier_linear): a column group of four 16-column tiles by a chunk of rows, every
  * row block of 16. The first row block streams the group's weights from memory and prefetches
@@ -126,18 +125,6 @@ static void amx_groups(const void *ctx, int64_t i0, int64_t i1) {
         const int64_t nb0 = g * 4;
         const int tiles = nbs - nb0 < 4 ? (int)(nbs - nb0) : 4;
         const uint16_t *w = a->packed + nb0 * kbs * 512;
-        /* a weight streamed from memory (rows not chunked) with 4+ row blocks: the later row
-         * blocks request the thread's next group's tiles into L2, spread over their k blocks,
-         * so memory keeps streaming while the tiles compute (0.5B shape's 96 linears at 64 rows
-         * 0.95-0.98x the time, at 128 0.94; at 32 rows, one later block, it cost 13 %) */
-        const int64_t blocks = (r1 - r0 + 15) / 16;
-        int64_t next_lines = 0, per = 0, issued = 0;
-        if (blocks >= AMX_NEXT_BLOCKS && item + 1 < i1 && g + 1 < a->groups &&
-            a->chunk_rows == a->m) {
-            next_lines = (nbs - nb0 - 4 < 4 ? nbs - nb0 - 4 : 4) * kbs * 16;
-            per = (next_lines + (blocks - 1) * kbs - 1) / ((blocks - 1) * kbs);
-        }
-        const char *next = (const char *)(w + 4 * kbs * 512);
         for (int64_t m0 = r0; m0 < r1; m0 += 16) {
             const int rows = r1 - m0 < 16 ? (int)(r1 - m0) : 16;
             if (rows != configured) {
@@ -154,10 +141,6 @@ static void amx_groups(const void *ctx, int64_t i0, int64_t i1) {
                 else
                     _tile_loadd(4, a->tail + m0 * 32, 64);
                 const uint16_t *b = w + kb * 512;
-                if (m0 != r0 && issued < next_lines) {
-                    const int64_t stop = issued + per < next_lines ? issued + per : next_lines;
-                    for (; issued < stop; issued++) _mm_prefetch(next + issued * 64, _MM_HINT_T1);
-                }
                 if (m0 == 0 && kb + AMX_AHEAD < kbs)
                     for (int t = 0; t < tiles; t++)
                         for (int line = 0; line < 16; line++)

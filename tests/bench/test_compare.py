@@ -217,6 +217,9 @@ def test_merge_makes_one_table_json_and_png_from_runs_in_parts(tmp_path: Path, c
     assert merged["rows"] == rows and merged["config"]["merge"] == [str(a), str(b)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert compare_report.render(rows) in capsys.readouterr().out
+    assert merged["peers"] == [{"version": "0.32.0"}] * 2
+    _, peers = compare_report.merge([out, a])  # a merge of a merge keeps every run's peer
+    assert peers == [{"version": "0.32.0"}] * 3
     again, _ = compare_report.merge([a, a])  # the same rows twice: the second named by its file
     assert [r["setting"] for r in again[len(offline) :]] == [
         f"{r['setting']} (offline)" for r in offline

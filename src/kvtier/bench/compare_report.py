@@ -50,10 +50,10 @@ def ratio_row(
 
 def merge(paths: list[Path]) -> tuple[list[dict[str, Any]], list[Any]]:
     """The rows of saved runs (the JSON each `bench compare --out` wrote), in order, each
-    recomputed from its rounds by `ratio_row`, and each file's peer: a comparison run in parts
-    (offline here, serving there) becomes one table and one PNG. A row whose metric and setting an
-    earlier file has gets its file's name after the setting. ValueError naming the file on
-    anything else."""
+    recomputed from its rounds by `ratio_row`, and each run's peer (a merged file's: each of its
+    runs'): a comparison run in parts (offline here, serving there) becomes one table and one
+    PNG. A row whose metric and setting an earlier file has gets its file's name after the
+    setting. ValueError naming the file on anything else."""
     rows: list[dict[str, Any]] = []
     peers: list[Any] = []
     seen: set[tuple[str, str]] = set()
@@ -68,7 +68,11 @@ def merge(paths: list[Path]) -> tuple[list[dict[str, Any]], list[Any]]:
         saved = data.get("rows") if isinstance(data, dict) else None
         if not isinstance(saved, list) or not saved:
             raise ValueError(f"--merge {path}: no rows of a comparison; {fix}")
-        peers.append(data.get("peer"))
+        merged = data.get("peers")  # a merge's JSON: its files' peers, kept for a merge of merges
+        if isinstance(merged, list):
+            peers.extend(merged)
+        else:
+            peers.append(data.get("peer"))
         for r in saved:
             try:
                 row = ratio_row(r["metric"], r["setting"], r["ours"], r["theirs"], r["better"],

@@ -343,6 +343,7 @@ def test_reset_prefix_cache_refuses_while_any_block_is_in_use():
         (lambda p: setattr(p.free_queue, "num_free_blocks", 9), "free count"),
         (lambda p: setattr(p, "num_quarantined_refs", 5), "quarantine ref count"),
         (lambda p: setattr(p, "processed_step_seq", 10), "past its stamp"),
+        (lambda p: setattr(p, "_num_cached", 1), "cached block count drifted"),
     ],
 )
 def test_check_integrity_names_the_broken_invariant(corrupt, message):

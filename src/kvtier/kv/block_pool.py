@@ -57,6 +57,7 @@ class BlockPool:
         self.null_block.is_null = True
         # group id -> block hash -> one block, or {block id: block} when several share the hash.
         self._cached: dict[int, dict[BlockHash, _CachedEntry]] = {}
+        self._num_cached = 0  # blocks in `_cached`, kept as it changes: a stats read walks nothing
         # (stamp, insertion seq, blocks); INVARIANT: every stamp > processed_step_seq.
         self._quarantine: list[tuple[int, int, list[KVBlock]]] = []
         self._quarantine_seq = 0
@@ -122,6 +123,7 @@ class BlockPool:
             else:
                 entry[block.block_id] = block
             new_hashes.append(block_hash)
+        self._num_cached += len(new_hashes)
         if self.enable_kv_events and new_hashes:
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             toks = list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size])
@@ -141,6 +143,7 @@ class BlockPool:
             del entry[block.block_id]
             if len(entry) == 1:
                 table[block_hash] = next(iter(entry.values()))
+        self._num_cached -= 1
         if self.enable_kv_events:
             self._events.append(BlockRemoved([block_hash], block.group_id, self.medium))
         block.block_hash = None
@@ -261,6 +264,7 @@ class BlockPool:
             block.block_hash = None
             block.group_id = -1
         self._cached.clear()
+        self._num_cached = 0
         if self.enable_kv_events:
             self._events.append(AllBlocksCleared(self.medium))
         return True
@@ -272,11 +276,7 @@ class BlockPool:
 
     def num_cached_entries(self) -> int:
         """Blocks registered in the prefix-cache map (all groups)."""
-        return sum(
-            1 if isinstance(e, KVBlock) else len(e)
-            for t in self._cached.values()
-            for e in t.values()
-        )
+        return self._num_cached
 
     def stats(self) -> PoolStats:
         """A snapshot of this pool's counts (changes nothing)."""
@@ -309,12 +309,15 @@ class BlockPool:
                 )
                 assert ok, f"{block!r} has a hash but is not in the map"
         assert self.null_block.block_hash is None and self.null_block.ref_cnt == 0
+        num_cached = 0
         for gid, table in self._cached.items():
             for block_hash, entry in table.items():
                 group = [entry] if isinstance(entry, KVBlock) else list(entry.values())
                 assert group, "empty duplicate set in the map"
                 for block in group:
                     assert block.block_hash == block_hash and block.group_id == gid
+                num_cached += len(group)
+        assert num_cached == self._num_cached, "cached block count drifted"
         refs = 0
         for stamp, _, blocks in self._quarantine:
             assert stamp > self.processed_step_seq, "quarantine entry past its stamp"

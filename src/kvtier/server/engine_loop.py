@@ -80,6 +80,10 @@ class EngineLoop:
         self._failure_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kvtier-engine", daemon=True)
         self._live: dict[str, _Live] = {}
+        # Events made on the engine thread, handed to their outlets once per pass of the loop
+        # (`_flush`): admissions' `Started` travel with the step's deltas, one message per step
+        # through an engine process's pipe instead of one more per admitted request.
+        self._outbox: list[tuple[Sink, Event]] = []
         self._metrics_due = 0.0  # monotonic time of the next metrics snapshot under load
 
     # ---- called from other threads ---------------------------------------------------------------
@@ -155,6 +159,7 @@ class EngineLoop:
             engine.close()  # the disk and remote tiers finish their queued writes
         except Exception as exc:
             log.exception("engine loop failed; failing every request in flight")
+            self._flush()  # what was decided before the failure (a refusal, a Started) goes first
             with self._failure_lock:
                 self.error = exc
                 callbacks, self._on_failure = self._on_failure, []
@@ -188,6 +193,7 @@ class EngineLoop:
                 cmd = None
             while cmd is not None:
                 if cmd[0] == "stop":
+                    self._flush()
                     return
                 self._handle(engine, cmd)
                 try:
@@ -200,8 +206,9 @@ class EngineLoop:
                 if self.num_steps == self.fail_at_step:
                     raise RuntimeError(f"injected fault at engine step {self.num_steps}")
                 finished = self._dispatch(engine, engine.step())
+            self._flush()
             now = time.monotonic()
-            # A snapshot walks every pool: under load, one per METRICS_INTERVAL_S, and at once
+            # A snapshot reads every pool: under load, one per METRICS_INTERVAL_S, and at once
             # when a request finished or the engine went idle (so a scrape after a response
             # sees it counted).
             if finished or now >= self._metrics_due or not engine.has_unfinished_requests():
@@ -215,11 +222,12 @@ class EngineLoop:
                 self._admit(engine, arg)
             except APIError as exc:
                 self.metrics.rejected(exc.status)
-                arg.sink.put(Failed(exc))
+                self._outbox.append((arg.sink, Failed(exc)))
             except Exception as exc:  # add_request raises before recording anything: carry on
                 log.exception("request %s could not be admitted", arg.req_id)
                 self.metrics.rejected(500)
-                arg.sink.put(Failed(APIError(f"internal error: {exc}", 500, kind="server_error")))
+                error = APIError(f"internal error: {exc}", 500, kind="server_error")
+                self._outbox.append((arg.sink, Failed(error)))
         elif kind == "abort":
             live = self._live.pop(arg, None)
             result = engine.abort(arg) if live is not None else None
@@ -228,7 +236,7 @@ class EngineLoop:
                 usage = Usage(
                     live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
-                live.sub.sink.put(Delta("", [], "abort", None, usage))
+                self._outbox.append((live.sub.sink, Delta("", [], "abort", None, usage)))
         elif kind == "call":
             fn, fut = arg
             try:
@@ -253,7 +261,7 @@ class EngineLoop:
             raise APIError(str(exc)) from None
         self._live[sub.req_id] = _Live(sub, n)
         self.metrics.admitted(n)
-        sub.sink.put(Started(n))
+        self._outbox.append((sub.sink, Started(n)))
 
     @staticmethod
     def _backlog(engine: EngineCore) -> int:
@@ -263,12 +271,17 @@ class EngineLoop:
         free = engine.args.scheduler.max_num_seqs - stats.num_running
         return stats.num_waiting + stats.num_loading - free
 
+    def _flush(self) -> None:
+        events, self._outbox = self._outbox, []
+        if events:
+            put_all(events)
+
     def _dispatch(self, engine: EngineCore, outs: list[StepOutput]) -> bool:
-        """Send each output to its request's sink (one wake-up of the HTTP loop per step);
-        True if a request finished."""
+        """Queue each output for its request's sink (sent with the pass's other events: one
+        wake-up of the HTTP loop per step); True if a request finished."""
         now = time.monotonic()
         decode = engine.tokenizer.decode
-        events: list[tuple[Sink, Event]] = []
+        events = self._outbox
         finished = False
         for out in outs:
             live = self._live.get(out.req_id)
@@ -298,7 +311,6 @@ class EngineLoop:
                 )
                 finished = True
             events.append((live.sub.sink, delta))
-        put_all(events)
         return finished
 
 

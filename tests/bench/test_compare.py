@@ -196,6 +196,33 @@ def test_rows_carry_the_issue_targets_and_dump_as_json() -> None:
     assert "0.38 [0.25–0.50]" in text
 
 
+def test_tpot_does_not_compare_where_an_engine_flushed_its_streams(tmp_path: Path) -> None:
+    """A round where vLLM sent a quarter of its streams at once: that concurrency's TPOT row is
+    neither met nor missed, says why in the table, and a merge keeps it so; TTFT, E2EL and the
+    other concurrency are judged as before."""
+    results = fake_results()
+    results["serve"]["1"]["theirs"][1] |= {"completed": 16, "flushed_requests": 4}
+    results["serve"]["16"]["theirs"][1] |= {"completed": 16, "flushed_requests": 3}
+    rows = compare.ratio_rows(results, parse())
+    by = {(r["metric"], r["setting"]): r for r in rows}
+    tpot = by[("serve median TPOT ms", "tiny-llama concurrency 1")]
+    assert tpot["meets_target"] is None and "vLLM sent up to 25%" in tpot["caveat"]
+    for metric in ("TTFT", "E2EL"):  # judged as always (here: missed)
+        assert (
+            by[(f"serve median {metric} ms", "tiny-llama concurrency 1")]["meets_target"] is False
+        )
+    assert by[("serve median TPOT ms", "tiny-llama concurrency 16")]["caveat"] is None
+    assert by[("serve median TPOT ms", "tiny-llama concurrency 16")]["meets_target"] is False
+    text = compare_report.render(rows)
+    assert "≤0.8 n/c" in text
+    assert "n/c serve median TPOT ms, tiny-llama concurrency 1: vLLM sent up to 25%" in text
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"peer": {"version": "x"}, "rows": rows}))
+    merged, _ = compare_report.merge([saved])
+    assert [r["caveat"] for r in merged] == [r["caveat"] for r in rows]
+    assert [r["meets_target"] for r in merged] == [r["meets_target"] for r in rows]
+
+
 def test_plot_writes_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rows = compare.ratio_rows(fake_results(), parse())

@@ -173,3 +173,23 @@ def test_poisson_starts_and_fallback_counts() -> None:
     rec = Record(0, 0, 4, None, success=True, text="ab", chunks=3)
     count(rec, None)
     assert (rec.input_tokens, rec.output_tokens, rec.count_source) == (0, 3, "chunks")
+
+
+def test_streams_flushed_at_once_are_counted() -> None:
+    """A server that holds a request's tokens back and sends them together (vLLM's CPU server at
+    concurrency 1 on two cores, now and then) reports TPOT ~0 and TTFT ~E2EL for it: the summary
+    counts such streams, and only those whose gaps are mostly flushes."""
+    from kvtier.bench import serve_report
+
+    def rec(itl: list[float]) -> Record:
+        ttft = 0.3 if not any(itl) else 0.02
+        return Record(0, 0, 8, 4, True, ttft=ttft, latency=ttft + sum(itl), itl=itl,
+                      output_tokens=len(itl) + 1)  # fmt: skip
+
+    streamed = rec([0.004] * 7)
+    flushed = rec([0.0] * 7)
+    held_once = rec([0.004, 0.004, 0.0, 0.0, 0.004, 0.004, 0.004])  # two steps sent together
+    assert [serve_report.flushed(r) for r in (streamed, flushed, held_once)] == [False, True, False]
+    s = serve_report.summarize([streamed, flushed, held_once, rec([0.0] * 5)], 1.0, [99])
+    assert s["flushed_requests"] == 2 and s["completed"] == 4
+    assert "Streams flushed at once:" in serve_report.render(s, [], 1)

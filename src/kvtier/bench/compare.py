@@ -298,6 +298,26 @@ TARGETS = {
 }
 
 
+# A round where an engine flushed this share of its streams at once moves the median TPOT: the
+# TPOT rows then say the values do not compare.
+FLUSHED_SHARE = 0.25
+
+
+def _flushed_caveat(runs: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Why the serving TPOTs do not compare, or None: an engine that held a request's tokens back
+    and sent them together (serve_report.flushed) reports a TPOT near zero and a TTFT near its
+    E2EL for it (vLLM's CPU server at concurrency 1 on two cores, now and then)."""
+    notes = []
+    for side, name in (("ours", "kvtier"), ("theirs", "vLLM")):
+        counts = [(s.get("flushed_requests", 0), s.get("completed", 0)) for s in runs[side]]
+        shares = [n / done for n, done in counts if done]
+        if shares and max(shares) >= FLUSHED_SHARE:
+            notes.append(f"{name} sent up to {max(shares):.0%} of a round's streams all at once")
+    if not notes:
+        return None
+    return "; ".join(notes) + " (TPOT ~0 for those: no decode step is timed)"
+
+
 def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The table's rows from the raw per-round results of every part that ran."""
     row = compare_report.ratio_row
@@ -316,11 +336,13 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
             ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():
+        flushed = _flushed_caveat(runs)
         for metric in ("ttft", "tpot", "e2el"):
             rows.append(row(
                 f"serve median {metric.upper()} ms", f"{models.label(args.serve_model)} concurrency {c}",
                 [s[f"median_{metric}_ms"] for s in runs["ours"]],
                 [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", TARGETS[metric],
+                flushed if metric == "tpot" else None,
             ))  # fmt: skip
         rows.append(row(
             "serve output tok/s", f"{models.label(args.serve_model)} concurrency {c}",

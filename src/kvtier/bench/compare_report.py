@@ -16,10 +16,12 @@ def ratio_row(
     theirs: list[float],
     better: str,
     target: float | None = None,
+    caveat: str | None = None,
 ) -> dict[str, Any]:
     """Round i of ours is paired with round i of theirs (run back to back); the ratio reported is
     the median of the paired ratios, with their min and max as the spread. `better` is "higher"
-    or "lower"; a target is met when the median ratio is on its better side (inclusive)."""
+    or "lower"; a target is met when the median ratio is on its better side (inclusive). A
+    `caveat` says why the values do not compare (the target then neither met nor missed)."""
     if better not in ("higher", "lower"):
         raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
     if not ours or len(ours) != len(theirs):
@@ -29,7 +31,7 @@ def ratio_row(
     paired = [a / b for a, b in zip(ours, theirs, strict=True)]
     ratio = statistics.median(paired)
     met = None
-    if target is not None:
+    if target is not None and caveat is None:
         met = ratio >= target if better == "higher" else ratio <= target
     return {
         "metric": metric,
@@ -45,6 +47,7 @@ def ratio_row(
         "ratio_max": max(paired),
         "target": target,
         "meets_target": met,
+        "caveat": caveat,
     }
 
 
@@ -76,7 +79,7 @@ def merge(paths: list[Path]) -> tuple[list[dict[str, Any]], list[Any]]:
         for r in saved:
             try:
                 row = ratio_row(r["metric"], r["setting"], r["ours"], r["theirs"], r["better"],
-                                r["target"])  # fmt: skip
+                                r["target"], r.get("caveat"))  # fmt: skip
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(
                     f"--merge {path}: a row is not a comparison's ({exc}); {fix}"
@@ -92,6 +95,8 @@ def _target(row: dict[str, Any]) -> str:
     if row["target"] is None:
         return ""
     sign = "≥" if row["better"] == "higher" else "≤"
+    if row.get("caveat"):
+        return f"{sign}{row['target']:.1f} n/c (not comparable, below)"
     return f"{sign}{row['target']:.1f} {'met' if row['meets_target'] else 'MISSED'}"
 
 
@@ -105,6 +110,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['metric']:28} {r['setting']:34} {r['ours_median']:10.4g} "
             f"{r['theirs_median']:10.4g}  {spread:>24}  {_target(r)}"
         )
+    lines += [f"n/c {r['metric']}, {r['setting']}: {r['caveat']}" for r in rows if r.get("caveat")]
     return "\n".join(lines)
 
 
@@ -124,14 +130,20 @@ def plot(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
     good = [(r["ratio"] >= 1) == (r["better"] == "higher") for r in rows]
     fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
     ys = list(range(len(rows)))
-    ax.barh(ys, ratios, xerr=err, color=["tab:green" if g else "tab:red" for g in good])
+    colors = [
+        "tab:gray" if r.get("caveat") else "tab:green" if g else "tab:red"
+        for r, g in zip(rows, good)
+    ]
+    ax.barh(ys, ratios, xerr=err, color=colors)
     for y, r in zip(ys, ratios):
         ax.annotate(f"{r:.2f}", (r, y), xytext=(3, -3), textcoords="offset points", fontsize=6)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xscale("log")
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("kvtier / vLLM (green: kvtier better; whiskers: min–max over rounds)")
+    ax.set_xlabel(
+        "kvtier / vLLM (green: kvtier better; grey: not comparable; whiskers: min–max over rounds)"
+    )
     ax.set_title(title, fontsize=9)
     fig.subplots_adjust(
         left=0.36, right=0.97, top=1 - 0.5 / fig.get_figheight(), bottom=0.6 / fig.get_figheight()

@@ -20,6 +20,18 @@ METRICS = (
 )
 
 
+# A gap between chunks shorter than this is chunks a server held back and flushed together: a
+# decode step takes ≥ 0.3 ms on any model here.
+FLUSHED_GAP_S = 1e-4
+
+
+def flushed(r: Record) -> bool:
+    """Whether a stream's tokens mostly arrived at once (most gaps under FLUSHED_GAP_S): the server
+    held them back and flushed them together, so the request's TPOT measures no decode step and
+    its TTFT is the wait for the whole answer."""
+    return len(r.itl) > 1 and 2 * sum(g < FLUSHED_GAP_S for g in r.itl) > len(r.itl)
+
+
 def _values(ok: list[Record]) -> dict[str, list[float]]:
     tpot = [
         (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
@@ -73,6 +85,7 @@ def summarize(records: list[Record], duration: float, percentiles: list[float]) 
         ),
     }
     s["max_output_tokens_per_s"], s["max_concurrent_requests"] = _peaks(ok)
+    s["flushed_requests"] = sum(flushed(r) for r in ok)
     for key, vals in _values(ok).items():
         ms = np.asarray(vals, dtype=float) * 1000.0
         empty = ms.size == 0
@@ -128,6 +141,7 @@ def render(s: dict[str, Any], by_round: list[dict[str, Any]], concurrency: int |
         row("Peak concurrent requests:", s["max_concurrent_requests"]),
         row("Total token throughput (tok/s):", s["total_token_throughput"], ".2f"),
         row("Prefix cache hit rate (%):", "n/a" if hit is None else f"{100 * hit:.2f}"),
+        row("Streams flushed at once:", s["flushed_requests"]),
     ]
     pct = sorted(k for k in s if k.startswith("p") and k.endswith("_ttft_ms"))
     for key, title, short in METRICS:

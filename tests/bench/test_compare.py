@@ -197,30 +197,42 @@ def test_rows_carry_the_issue_targets_and_dump_as_json() -> None:
 
 
 def test_tpot_does_not_compare_where_an_engine_flushed_its_streams(tmp_path: Path) -> None:
-    """A round where vLLM sent a quarter of its streams at once: that concurrency's TPOT row is
-    neither met nor missed, says why in the table, and a merge keeps it so; TTFT, E2EL and the
-    other concurrency are judged as before."""
+    """A round where a quarter of vLLM's streams reached the client at once: that concurrency's
+    TPOT row is neither met nor missed and says why under the table; the streams' own TPOT is
+    judged in a row of its own; a merge keeps both. TTFT, E2EL and the other concurrency are
+    judged as before; runs saved without the streamed TPOT get no streamed row."""
     results = fake_results()
-    results["serve"]["1"]["theirs"][1] |= {"completed": 16, "flushed_requests": 4}
-    results["serve"]["16"]["theirs"][1] |= {"completed": 16, "flushed_requests": 3}
+    for c, flushed in (("1", 4), ("16", 3)):
+        for side, ms in (("ours", 3.0), ("theirs", 5.0)):
+            for s in results["serve"][c][side]:
+                s |= {"completed": 16, "flushed_requests": 0, "median_tpot_streamed_ms": ms}
+        results["serve"][c]["theirs"][1]["flushed_requests"] = flushed
     rows = compare.ratio_rows(results, parse())
     by = {(r["metric"], r["setting"]): r for r in rows}
     tpot = by[("serve median TPOT ms", "tiny-llama concurrency 1")]
-    assert tpot["meets_target"] is None and "vLLM sent up to 25%" in tpot["caveat"]
+    assert tpot["meets_target"] is None and "up to 25% of a round's vLLM streams" in tpot["caveat"]
+    streamed = by[("serve median TPOT ms, streamed", "tiny-llama concurrency 1")]
+    assert streamed["ours"] == [3.0, 3.0] and streamed["theirs"] == [5.0, 5.0]
+    assert streamed["target"] == 0.8 and streamed["meets_target"] is True
     for metric in ("TTFT", "E2EL"):  # judged as always (here: missed)
         assert (
             by[(f"serve median {metric} ms", "tiny-llama concurrency 1")]["meets_target"] is False
         )
     assert by[("serve median TPOT ms", "tiny-llama concurrency 16")]["caveat"] is None
     assert by[("serve median TPOT ms", "tiny-llama concurrency 16")]["meets_target"] is False
+    assert ("serve median TPOT ms, streamed", "tiny-llama concurrency 16") not in by
     text = compare_report.render(rows)
     assert "≤0.8 n/c" in text
-    assert "n/c serve median TPOT ms, tiny-llama concurrency 1: vLLM sent up to 25%" in text
+    assert "n/c serve median TPOT ms, tiny-llama concurrency 1: up to 25% of a round's vLLM" in text
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps({"peer": {"version": "x"}, "rows": rows}))
     merged, _ = compare_report.merge([saved])
     assert [r["caveat"] for r in merged] == [r["caveat"] for r in rows]
     assert [r["meets_target"] for r in merged] == [r["meets_target"] for r in rows]
+    for s in results["serve"]["1"]["ours"]:
+        del s["median_tpot_streamed_ms"]  # a run saved before streams were told apart
+    rows = compare.ratio_rows(results, parse())
+    assert not [r for r in rows if r["metric"] == "serve median TPOT ms, streamed"]
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:

@@ -192,4 +192,6 @@ def test_streams_flushed_at_once_are_counted() -> None:
     assert [serve_report.flushed(r) for r in (streamed, flushed, held_once)] == [False, True, False]
     s = serve_report.summarize([streamed, flushed, held_once, rec([0.0] * 5)], 1.0, [99])
     assert s["flushed_requests"] == 2 and s["completed"] == 4
+    assert s["median_tpot_ms"] == pytest.approx(20 / 7 / 2)  # as vLLM: every stream, flushed ~0
+    assert s["median_tpot_streamed_ms"] == pytest.approx(4.0 * 0.5 + 20 / 7 * 0.5)
     assert "Streams flushed at once:" in serve_report.render(s, [], 1)

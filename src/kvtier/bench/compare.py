@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -298,24 +299,36 @@ TARGETS = {
 }
 
 
-# A round where an engine flushed this share of its streams at once moves the median TPOT: the
-# TPOT rows then say the values do not compare.
+# A round where this share of an engine's streams reached the client at once moves its median
+# TPOT: that TPOT row then says the values do not compare, and a row of the streamed requests'
+# TPOT is judged instead.
 FLUSHED_SHARE = 0.25
 
 
 def _flushed_caveat(runs: dict[str, list[dict[str, Any]]]) -> str | None:
-    """Why the serving TPOTs do not compare, or None: an engine that held a request's tokens back
-    and sent them together (serve_report.flushed) reports a TPOT near zero and a TTFT near its
-    E2EL for it (vLLM's CPU server at concurrency 1 on two cores, now and then)."""
+    """Why the serving TPOTs do not compare, or None: streams whose tokens reached the client
+    together (serve_report.flushed: the server held them back, or the client got no CPU while
+    they queued — vLLM's streams at concurrency 1, often) have a TPOT near zero."""
     notes = []
     for side, name in (("ours", "kvtier"), ("theirs", "vLLM")):
         counts = [(s.get("flushed_requests", 0), s.get("completed", 0)) for s in runs[side]]
         shares = [n / done for n, done in counts if done]
         if shares and max(shares) >= FLUSHED_SHARE:
-            notes.append(f"{name} sent up to {max(shares):.0%} of a round's streams all at once")
+            notes.append(f"up to {max(shares):.0%} of a round's {name} streams came all at once")
     if not notes:
         return None
-    return "; ".join(notes) + " (TPOT ~0 for those: no decode step is timed)"
+    return "; ".join(notes) + " (their TPOT ~0 times no decode step): see the streamed row"
+
+
+def _streamed_tpots(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[float], list[float]]:
+    """Each round's median TPOT of the streams that were not flushed, both engines; empty
+    unless every round has one (runs saved before they were counted have none)."""
+    values = [
+        [s.get("median_tpot_streamed_ms", math.nan) for s in runs[k]] for k in ("ours", "theirs")
+    ]
+    if all(v > 0 for v in values[0] + values[1]):  # NaN compares False
+        return values[0], values[1]
+    return [], []
 
 
 def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -344,6 +357,12 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", TARGETS[metric],
                 flushed if metric == "tpot" else None,
             ))  # fmt: skip
+            ours, theirs = _streamed_tpots(runs) if metric == "tpot" and flushed else ([], [])
+            if ours:
+                rows.append(row(
+                    "serve median TPOT ms, streamed", f"{models.label(args.serve_model)} concurrency {c}",
+                    ours, theirs, "lower", TARGETS["tpot"],
+                ))  # fmt: skip
         rows.append(row(
             "serve output tok/s", f"{models.label(args.serve_model)} concurrency {c}",
             [s["output_throughput"] for s in runs["ours"]],

@@ -20,22 +20,25 @@ METRICS = (
 )
 
 
-# A gap between chunks shorter than this is chunks a server held back and flushed together: a
-# decode step takes ≥ 0.3 ms on any model here.
+# A gap between chunks shorter than this is chunks that reached the client together: a decode
+# step takes ≥ 0.3 ms on any model here.
 FLUSHED_GAP_S = 1e-4
 
 
 def flushed(r: Record) -> bool:
-    """Whether a stream's tokens mostly arrived at once (most gaps under FLUSHED_GAP_S): the server
-    held them back and flushed them together, so the request's TPOT measures no decode step and
-    its TTFT is the wait for the whole answer."""
+    """Whether a stream's tokens mostly reached the client at once (most gaps under FLUSHED_GAP_S):
+    a server that held them back, or a client that got no CPU while they queued (on two cores
+    shared with the engines). Its TPOT then times no decode step, and its TTFT is the wait for
+    (nearly) the whole answer."""
     return len(r.itl) > 1 and 2 * sum(g < FLUSHED_GAP_S for g in r.itl) > len(r.itl)
 
 
+def _tpot(r: Record) -> float:
+    return (r.latency - r.ttft) / (r.output_tokens - 1)  # as vLLM: decode time after the 1st
+
+
 def _values(ok: list[Record]) -> dict[str, list[float]]:
-    tpot = [
-        (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
-    ]  # as vLLM: decode time over the tokens after the first
+    tpot = [_tpot(r) for r in ok if r.output_tokens > 1]
     return {
         "ttft": [r.ttft for r in ok],
         "tpot": tpot,
@@ -86,6 +89,8 @@ def summarize(records: list[Record], duration: float, percentiles: list[float]) 
     }
     s["max_output_tokens_per_s"], s["max_concurrent_requests"] = _peaks(ok)
     s["flushed_requests"] = sum(flushed(r) for r in ok)
+    streamed = [_tpot(r) for r in ok if r.output_tokens > 1 and not flushed(r)]
+    s["median_tpot_streamed_ms"] = 1000.0 * float(np.median(streamed)) if streamed else math.nan
     for key, vals in _values(ok).items():
         ms = np.asarray(vals, dtype=float) * 1000.0
         empty = ms.size == 0
@@ -142,6 +147,7 @@ def render(s: dict[str, Any], by_round: list[dict[str, Any]], concurrency: int |
         row("Total token throughput (tok/s):", s["total_token_throughput"], ".2f"),
         row("Prefix cache hit rate (%):", "n/a" if hit is None else f"{100 * hit:.2f}"),
         row("Streams flushed at once:", s["flushed_requests"]),
+        row("Median TPOT of the others (ms):", s["median_tpot_streamed_ms"], ".2f"),
     ]
     pct = sorted(k for k in s if k.startswith("p") and k.endswith("_ttft_ms"))
     for key, title, short in METRICS:

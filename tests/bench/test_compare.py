@@ -8,6 +8,7 @@ import argparse
 import fnmatch
 import importlib.util
 import json
+import math
 import os
 import py_compile
 import subprocess
@@ -229,10 +230,17 @@ def test_tpot_does_not_compare_where_an_engine_flushed_its_streams(tmp_path: Pat
     merged, _ = compare_report.merge([saved])
     assert [r["caveat"] for r in merged] == [r["caveat"] for r in rows]
     assert [r["meets_target"] for r in merged] == [r["meets_target"] for r in rows]
-    for s in results["serve"]["1"]["ours"]:
-        del s["median_tpot_streamed_ms"]  # a run saved before streams were told apart
-    rows = compare.ratio_rows(results, parse())
+    assert tpot["caveat"].endswith("the other streams' TPOT is judged in the next row")
+    results["serve"]["1"]["theirs"][1] |= {
+        "flushed_requests": 16,
+        "median_tpot_streamed_ms": math.nan,
+    }
+    rows = compare.ratio_rows(results, parse())  # a round with no stream left: nothing judged
     assert not [r for r in rows if r["metric"] == "serve median TPOT ms, streamed"]
+    tpot = next(r for r in rows if r["metric"] == "serve median TPOT ms")
+    assert (
+        tpot["meets_target"] is None and "no TPOT is judged at this concurrency" in tpot["caveat"]
+    )
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:

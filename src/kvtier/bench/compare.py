@@ -317,18 +317,20 @@ def _flushed_caveat(runs: dict[str, list[dict[str, Any]]]) -> str | None:
             notes.append(f"up to {max(shares):.0%} of a round's {name} streams came all at once")
     if not notes:
         return None
-    return "; ".join(notes) + " (their TPOT ~0 times no decode step): see the streamed row"
+    return "; ".join(notes) + " (their TPOT ~0 times no decode step)"
 
 
-def _streamed_tpots(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[float], list[float]]:
-    """Each round's median TPOT of the streams that were not flushed, both engines; empty
-    unless every round has one (runs saved before they were counted have none)."""
+def _streamed_tpots(
+    runs: dict[str, list[dict[str, Any]]],
+) -> tuple[list[float], list[float]] | None:
+    """Each round's median TPOT of the streams that were not flushed, both engines; None unless
+    every round has one."""
     values = [
         [s.get("median_tpot_streamed_ms", math.nan) for s in runs[k]] for k in ("ours", "theirs")
     ]
     if all(v > 0 for v in values[0] + values[1]):  # NaN compares False
         return values[0], values[1]
-    return [], []
+    return None
 
 
 def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -350,6 +352,12 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
             ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():
         flushed = _flushed_caveat(runs)
+        streamed = _streamed_tpots(runs) if flushed else None
+        if flushed:
+            flushed += (
+                ": the other streams' TPOT is judged in the next row" if streamed else
+                ": a round had no other stream, so no TPOT is judged at this concurrency"
+            )  # fmt: skip
         for metric in ("ttft", "tpot", "e2el"):
             rows.append(row(
                 f"serve median {metric.upper()} ms", f"{models.label(args.serve_model)} concurrency {c}",
@@ -357,11 +365,10 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", TARGETS[metric],
                 flushed if metric == "tpot" else None,
             ))  # fmt: skip
-            ours, theirs = _streamed_tpots(runs) if metric == "tpot" and flushed else ([], [])
-            if ours:
+            if metric == "tpot" and streamed:
                 rows.append(row(
                     "serve median TPOT ms, streamed", f"{models.label(args.serve_model)} concurrency {c}",
-                    ours, theirs, "lower", TARGETS["tpot"],
+                    *streamed, "lower", TARGETS["tpot"],
                 ))  # fmt: skip
         rows.append(row(
             "serve output tok/s", f"{models.label(args.serve_model)} concurrency {c}",

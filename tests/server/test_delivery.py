@@ -29,19 +29,25 @@ class Recorder:
             return [e for b in self.batches for e in b]
 
 
+def _held(loop: EngineLoop) -> threading.Event:
+    """Hold the engine thread until the returned event is set, so commands queue up behind it
+    and are handled in one pass."""
+    gate = threading.Event()
+    loop.call_soon(lambda engine: gate.wait(30))
+    return gate
+
+
 def test_admissions_of_one_pass_go_out_together_then_once_per_step() -> None:
     loop = EngineLoop(EngineArgs.from_kwargs(None, max_model_len=512, torch_threads=1), 64)
     loop.start()
     out = Recorder()
     try:
-        gate = threading.Event()
-        held = loop.call_soon(lambda engine: gate.wait(30))  # the engine thread waits here
+        gate = _held(loop)
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         for i in range(6):  # queued while it waits: handled in one pass once it goes on
             sub = Submission(f"r{i}", [5 + i, 6, 7, 8, 9], params, Sink(out, f"r{i}"))
             loop.submit(sub)
         gate.set()
-        held.result(30)
 
         def finished() -> int:
             return sum(
@@ -59,14 +65,6 @@ def test_admissions_of_one_pass_go_out_together_then_once_per_step() -> None:
         assert isinstance(mine[0], Started) and all(isinstance(e, Delta) for e in mine[1:])
         assert sum(len(e.token_ids) for e in mine[1:] if isinstance(e, Delta)) == 4
         assert [e.finish_reason for e in mine[1:] if isinstance(e, Delta)][-1] == "length"
-
-
-def _held(loop: EngineLoop) -> threading.Event:
-    """Hold the engine thread until the returned event is set, so commands queue up behind it
-    and are handled in one pass."""
-    gate = threading.Event()
-    loop.call_soon(lambda engine: gate.wait(30))
-    return gate
 
 
 def test_a_failing_step_first_sends_what_the_pass_decided() -> None:

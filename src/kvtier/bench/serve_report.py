@@ -88,8 +88,9 @@ def summarize(records: list[Record], duration: float, percentiles: list[float]) 
         ),
     }
     s["max_output_tokens_per_s"], s["max_concurrent_requests"] = _peaks(ok)
-    s["flushed_requests"] = sum(flushed(r) for r in ok)
-    streamed = [_tpot(r) for r in ok if r.output_tokens > 1 and not flushed(r)]
+    apart = [r for r in ok if not flushed(r)]
+    s["flushed_requests"] = len(ok) - len(apart)
+    streamed = [_tpot(r) for r in apart if r.output_tokens > 1]
     s["median_tpot_streamed_ms"] = 1000.0 * float(np.median(streamed)) if streamed else math.nan
     for key, vals in _values(ok).items():
         ms = np.asarray(vals, dtype=float) * 1000.0

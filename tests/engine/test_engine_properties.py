@@ -122,6 +122,7 @@ def check_workload(
             if abort and step % 2:
                 aborted.add(f"r{i}")
         done |= {out.req_id: out.result for out in engine.step() if out.result is not None}
+        assert engine.num_unfinished_requests() == engine.stats().num_unfinished_requests
         step += 1
         if step == 3:
             for req_id in aborted:

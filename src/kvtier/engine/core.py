@@ -256,6 +256,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.queue)
 
+    def num_unfinished_requests(self) -> int:
+        """Requests waiting, loading or running: `stats().num_unfinished_requests` without the
+        snapshot of every pool (the server asks on every admission)."""
+        return self.scheduler.num_unfinished_requests
+
     # ---- the two loops ---------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:

@@ -159,6 +159,11 @@ class Scheduler:
         return self.tier is not None and self.tier.has_pending_transfers
 
     @property
+    def num_unfinished_requests(self) -> int:
+        """Requests waiting (loading and preempted ones included) or running."""
+        return len(self.waiting) + len(self.running)
+
+    @property
     def num_unprocessed_steps(self) -> int:
         """Steps scheduled whose output update() has not processed yet."""
         return self.sched_step_seq - self.processed_step_seq

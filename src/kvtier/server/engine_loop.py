@@ -267,9 +267,7 @@ class EngineLoop:
     def _backlog(engine: EngineCore) -> int:
         """Waiting requests beyond the free running slots (negative: room to start more now).
         Slots only: a request held back by KV blocks still counts as able to run."""
-        stats = engine.stats()
-        free = engine.args.scheduler.max_num_seqs - stats.num_running
-        return stats.num_waiting + stats.num_loading - free
+        return engine.num_unfinished_requests() - engine.args.scheduler.max_num_seqs
 
     def _flush(self) -> None:
         events, self._outbox = self._outbox, []

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvtier.model import native
 from kvtier.model.sampler import (
     CANDIDATES,
     SamplingBatch,
@@ -287,10 +288,16 @@ def test_the_draw_never_lands_on_a_filtered_token_at_the_uniform_s_extremes():
 
 @pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked rows, and near-uniform ones
 @pytest.mark.parametrize("whole", [False, True], ids=["candidates", "sorted-whole"])
-def test_top_k_top_p_keep_the_sets_of_a_full_sort(scale, whole):
-    """Batches whose filtered rows all have their top-k set within CANDIDATES tokens take them
-    with `topk` (no sort of the vocabulary), others sort whole: either way the kept logits are
-    those of sorting every row, for every mix of top-k and top-p, banned tokens included."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "torch"])
+def test_top_k_top_p_keep_the_sets_of_a_full_sort(scale, whole, kernel, monkeypatch):
+    """On the host the native filter (no sort) runs; elsewhere batches whose filtered rows all
+    have their top-k set within CANDIDATES tokens take them with `topk`, others sort whole: each
+    way the kept logits are those of sorting every row, for every mix of top-k and top-p, banned
+    tokens included."""
+    if not kernel:
+        monkeypatch.setattr(native, "top_k_top_p_", lambda x, k, p: None)
+    elif native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
     vocab, n = 4 * CANDIDATES, 48
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(n, vocab, generator=gen) * scale
@@ -310,3 +317,70 @@ def test_top_k_top_p_keep_the_sets_of_a_full_sort(scale, whole):
     assert torch.equal(torch.isfinite(ours), torch.isfinite(want))
     assert torch.equal(ours[torch.isfinite(ours)], want[torch.isfinite(want)])
     assert torch.isfinite(ours).sum(-1).min() >= 1
+
+
+def filter_pair(x, top_k, top_p):
+    """(the native filter's result, sorting's) on copies of x; the sort in float64, so that its
+    cut is not float32's rounding of a long cumulative sum (on a flat row of 32,000 tokens
+    that moves a cut at top-p 0.999 by a few tokens either way)"""
+    ours = native.top_k_top_p_(x.clone(), top_k, top_p)
+    assert ours is not None
+    want = _sorted_filter(x.double(), top_k, None if top_p is None else top_p.double())
+    return ours, want
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 300, 32000])
+@pytest.mark.parametrize("scale", [30.0, 3.0, 0.3, 0.001])  # one token … nearly uniform
+def test_native_filter_keeps_the_sets_of_a_full_sort(vocab, scale):
+    """The radix select keeps what sorting each row keeps: top-k alone, top-p alone, both, with
+    banned (-inf) tokens, on rows of every width and spread (the reach bounds, the candidates and
+    every level of the select are crossed somewhere here); kept logits unchanged, the rest -inf."""
+    if native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    gen = torch.Generator().manual_seed(vocab + int(scale * 1000))
+    n = 12
+    x = torch.randn(n, vocab, generator=gen) * scale
+    x[1, : vocab // 2] = float("-inf")
+    top_k = torch.tensor([1, 2, 5, 40, vocab, vocab + 9, 1, 3, 50, vocab, 7, 1000])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 0.3, 0.0, 0.99, 1.0, 0.8, 0.999, 0.6, 0.9])
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        ours, want = filter_pair(x, k, p)
+        kept = torch.isfinite(ours)
+        assert torch.equal(kept, torch.isfinite(want)), (k, p)
+        assert torch.equal(ours[kept], x[kept])
+        assert kept.sum(-1).min() >= 1
+
+
+def test_native_filter_breaks_ties_by_index():
+    """Equal logits: as many kept as sorting keeps, and those the lowest indices (sorting's
+    order among equals is its own)."""
+    if native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    x = torch.zeros(4, 1000)
+    x[:, 700:] = 1.0  # 300 equal best tokens, then 700 equal others
+    ours, want = filter_pair(
+        x, torch.tensor([10, 300, 450, 1000]), torch.tensor([1.0, 1.0, 1.0, 0.5])
+    )
+    assert torch.equal(torch.isfinite(ours).sum(-1), torch.isfinite(want).sum(-1))
+    kept = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in ours]
+    assert kept[0] == list(range(700, 710))
+    assert kept[1] == list(range(700, 1000))
+    assert kept[2] == list(range(150)) + list(range(700, 1000))
+    # top-p 0.5 of mass e/(300e + 700): the best tokens alone, as many as reach half of it
+    assert kept[3] == list(range(700, 700 + len(kept[3]))) and len(kept[3]) < 300
+
+
+def test_native_filter_leaves_rows_it_cannot_order():
+    """A row with a NaN, or with every token banned, stays as it is; +inf keeps top-k only
+    (no softmax of it exists)."""
+    if native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    x[0, 9] = float("nan")
+    x[1] = float("-inf")
+    x[2, 3] = float("inf")
+    ours = native.top_k_top_p_(x.clone(), torch.tensor([2, 2, 2]), torch.tensor([0.5, 0.5, 0.5]))
+    assert ours is not None
+    assert torch.equal(ours[:2].isnan(), x[:2].isnan())
+    assert torch.equal(ours[0].nan_to_num(), x[0].nan_to_num()) and torch.equal(ours[1], x[1])
+    assert torch.isfinite(ours[2]).sum() + torch.isinf(ours[2]).logical_and(ours[2] > 0).sum() == 2

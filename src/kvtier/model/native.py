@@ -48,6 +48,7 @@ _SIGNATURES = {
     "kvtier_rope": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT, _INT],
     "kvtier_act_mul": [_PTR, _PTR, _I64, _I64, _INT, _INT, _INT],
     "kvtier_argmax": [_PTR, _I64, _I64, _I64, _PTR, _INT, _INT],
+    "kvtier_top_k_top_p": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "kvtier_linear_available": [],
     "kvtier_linear_pack": [_PTR, _I64, _I64, _PTR],
     "kvtier_linear": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT],
@@ -59,6 +60,7 @@ _SIGNATURES = {
 }  # fmt: skip
 _RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": ctypes.c_int,
             "kvtier_linear": ctypes.c_int, "kvtier_layers": ctypes.c_int,
+            "kvtier_top_k_top_p": ctypes.c_int,
             "kvtier_layer_work": ctypes.c_int64}  # fmt: skip
 
 
@@ -248,6 +250,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         threads(),
     )  # fmt: skip
     return out
+
+
+def top_k_top_p_(
+    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Filter float32 logits x [n, vocab] in place to each row's top-k and then top-p tokens
+    (fused.c `kvtier_top_k_top_p`: a radix select, no sort); the others become -inf. top_k [n]
+    int64 (≥ vocab: all), top_p [n] float32 (1.0: all). None, touching nothing, where the kernels
+    do not serve x (the caller sorts)."""
+    kernels = kernels_for(x) if x.dim() == 2 and x.dtype == torch.float32 else None
+    if kernels is None or x.stride(-1) != 1:
+        return None
+    k = None if top_k is None else top_k.to(torch.int64).contiguous()
+    p = None if top_p is None else top_p.to(torch.float32).contiguous()
+    status = kernels.fused.kvtier_top_k_top_p(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), None if k is None else k.data_ptr(),
+        None if p is None else p.data_ptr(), threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"top-k/top-p filter: no scratch for {x.shape[1]} tokens a row")
+    return x
 
 
 def kernels_for(x: torch.Tensor) -> Kernels | None:

@@ -155,7 +155,10 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf)."""
     x = logits / batch.temperature[:, None]  # greedy rows carry temperature 1.0
     if batch.top_k is not None or batch.top_p is not None:
-        if batch.top_k is None or batch.sorts_whole or x.shape[-1] <= CANDIDATES:
+        filtered = native.top_k_top_p_(x, batch.top_k, batch.top_p)  # x is ours: in place
+        if filtered is not None:
+            x = filtered
+        elif batch.top_k is None or batch.sorts_whole or x.shape[-1] <= CANDIDATES:
             x = _sorted_filter(x, batch.top_k, batch.top_p)
         else:
             x = _top_k_top_p(x, batch.top_k, batch.top_p)

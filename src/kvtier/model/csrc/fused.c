@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
@@ -497,4 +498,278 @@ void kvtier_argmax(const void *x, int64_t rows, int64_t n, int64_t stride, int64
                    int dtype, int threads) {
     ArgmaxArgs a = {x, n, stride, out, dtype};
     parallel_rows(argmax_rows, &a, rows, rows * n, 1 << 19, threads);
+}
+
+/* ---- top-k and top-p filter (sampling) -------------------------------------------------------
+ * Each float32 row keeps its best tokens in the order value descending, index ascending: the first
+ * top_k of them, and of those the shortest prefix whose probability mass — softmax over the top-k
+ * set — reaches top_p (a token is dropped when the mass of the tokens before it is ≥ top_p; never
+ * the first). The others become -inf in place. The same kept sets as sorting each row
+ * (sampler.py's `_cut`), except that ties are broken by index and the mass is summed in another
+ * order (a cut within float32 rounding of top_p may fall one token apart). Without the sort: one
+ * pass takes the exponentials and the count and mass of the tokens within 1, 2, 4 … 32 of the
+ * row's maximum, which bounds where the cut can fall; the tokens above that bound (usually a
+ * few hundred) are gathered in index order, and a radix select over their values'
+ * order-preserving bits (11 + 11 + 10 bits a level) counts or sums them by digit, highest first,
+ * keeping only the digit where the target is crossed, so the last level holds equal values in
+ * index order and is walked as it lies. Rows holding a NaN, or only -inf, are left as they are. */
+
+typedef struct {
+    float *x;
+    int64_t n, stride;    /* elements per row, elements between rows */
+    const int64_t *top_k; /* [rows] or NULL; a value < 1 or ≥ n keeps every token */
+    const float *top_p;   /* [rows] or NULL; a value ≥ 1 keeps every token */
+    int status;           /* 0, or -1: out of memory (rows not filtered) */
+} FilterArgs;
+
+#define DIGITS 2048
+#define REACHES 6 /* the distances below the maximum counted in the first pass: 1, 2, 4 … 32 */
+
+static inline uint32_t order_key(float f) { /* larger float, larger key */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+typedef struct { /* the last kept token: kept(i) ⇔ key > b.key, or key == b.key and i ≤ b.idx */
+    uint32_t key, idx;
+} Bound;
+
+static inline int within(uint32_t key, uint32_t i, Bound b) {
+    return key > b.key || (key == b.key && i <= b.idx);
+}
+
+/* Scratch of one thread: the gathered candidates (key, index, weight) and the exponentials. */
+typedef struct {
+    uint32_t *key, *idx;
+    float *w, *e;
+    double (*hist4)[DIGITS];
+} FilterScratch;
+
+/* The first of the c candidates (in index order, all above every other token), in the order of
+ * the row and among those within `cap` (NULL: all), at which the running sum of the weights
+ * (`count`: one a token, else w) reaches `target`; 0, or 1 if none reaches it. Reorders the
+ * candidates' arrays. */
+static int select_bound(FilterScratch *s, int64_t c, const Bound *cap, int count, double target,
+                        Bound *out) {
+    static const int shift[3] = {21, 10, 0}, mask[3] = {DIGITS - 1, DIGITS - 1, 1023};
+    double hist[DIGITS], base = 0.0;
+    if (cap) { /* keep the candidates within the cap, in order */
+        int64_t kept = 0;
+        for (int64_t j = 0; j < c; j++)
+            if (within(s->key[j], s->idx[j], *cap)) {
+                s->key[kept] = s->key[j];
+                s->idx[kept] = s->idx[j];
+                s->w[kept++] = s->w[j];
+            }
+        c = kept;
+    }
+    for (int level = 0; level < 3; level++) {
+        memset(hist, 0, sizeof hist);
+        if (c > 256) { /* four histograms: neighbours often share a digit, and one chain of
+                        * read-add-write through the same slot would wait on each store */
+            double (*h4)[DIGITS] = s->hist4;
+            memset(h4, 0, 4 * sizeof *h4);
+            for (int64_t j = 0; j < c; j++)
+                h4[j & 3][(s->key[j] >> shift[level]) & (uint32_t)mask[level]] +=
+                    count ? 1.0 : (double)s->w[j];
+            for (int q = 0; q < 4; q++)
+                for (int d = 0; d < DIGITS; d++) hist[d] += h4[q][d];
+        } else {
+            for (int64_t j = 0; j < c; j++)
+                hist[(s->key[j] >> shift[level]) & (uint32_t)mask[level]] +=
+                    count ? 1.0 : (double)s->w[j];
+        }
+        int digit = mask[level];
+        double cum = base;
+        for (; digit >= 0; digit--) { /* the first digit holding tokens that reaches it */
+            if (hist[digit] > 0.0 && cum + hist[digit] >= target) break;
+            cum += hist[digit];
+        }
+        if (digit < 0) return 1;
+        base = cum;
+        int64_t kept = 0; /* the digit's candidates, in index order */
+        for (int64_t j = 0; j < c; j++)
+            if (((s->key[j] >> shift[level]) & (uint32_t)mask[level]) == (uint32_t)digit) {
+                s->key[kept] = s->key[j];
+                s->idx[kept] = s->idx[j];
+                s->w[kept++] = s->w[j];
+            }
+        c = kept;
+    }
+    double cum = base; /* one value left, its tokens in index order */
+    for (int64_t j = 0; j < c; j++) {
+        cum += count ? 1.0 : (double)s->w[j];
+        if (cum >= target) {
+            out->key = s->key[j];
+            out->idx = s->idx[j];
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The tokens ≥ floor into the scratch, in index order, with their exponentials (e: NULL, ones);
+ * returns how many. */
+static int64_t gather(const float *x, const float *e, int64_t n, float floor, FilterScratch *s) {
+    int64_t c = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_set1_ps(floor);
+    const __m512i lanes16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __mmask16 hit = _mm512_cmp_ps_mask(v, f, _CMP_GE_OQ);
+        if (!hit) continue;
+        const __m512i u = _mm512_castps_si512(v);
+        const __mmask16 neg = _mm512_test_epi32_mask(u, sign);
+        const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u,
+                                                  _mm512_set1_epi32(-1));
+        _mm512_mask_compressstoreu_epi32(s->key + c, hit, key);
+        _mm512_mask_compressstoreu_epi32(s->idx + c, hit,
+                                         _mm512_add_epi32(lanes16, _mm512_set1_epi32((int)i)));
+        _mm512_mask_compressstoreu_ps(s->w + c, hit,
+                                      e ? _mm512_loadu_ps(e + i) : _mm512_set1_ps(1.0f));
+        c += __builtin_popcount((unsigned)hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] >= floor) {
+            s->key[c] = order_key(x[i]);
+            s->idx[c] = (uint32_t)i;
+            s->w[c++] = e ? e[i] : 1.0f;
+        }
+    return c;
+}
+
+static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s) {
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    if (nan || m == -INFINITY) return;
+    const int use_k = k >= 1 && k < n, use_p = p < 1.0f && m != INFINITY;
+    if (!use_k && !use_p) return;
+    /* count and mass within 2^j of the maximum; the exponentials for top-p (0 below -87.3) */
+    float reach[REACHES], count[REACHES] = {0}, mass[REACHES] = {0}, z = 0.0f;
+    for (int j = 0; j < REACHES; j++) reach[j] = m - (float)(1 << j);
+    float *e = s->e;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    {
+        __m512 vz = _mm512_setzero_ps(), vmass[REACHES];
+        int64_t vcount[REACHES] = {0};
+        const __m512 vm = _mm512_set1_ps(m), lowest = _mm512_set1_ps(-87.3f);
+        for (int j = 0; j < REACHES; j++) vmass[j] = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            __m512 ev = _mm512_setzero_ps();
+            if (use_p) {
+                const __m512 d = _mm512_sub_ps(v, vm);
+                ev = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, lowest, _CMP_GE_OQ),
+                                         exp_clamped(_mm512_max_ps(d, lowest)));
+                _mm512_storeu_ps(e + i, ev);
+                vz = _mm512_add_ps(vz, ev);
+            }
+            for (int j = 0; j < REACHES; j++) {
+                const __mmask16 in = _mm512_cmp_ps_mask(v, _mm512_set1_ps(reach[j]), _CMP_GE_OQ);
+                vcount[j] += __builtin_popcount((unsigned)in);
+                vmass[j] = _mm512_mask_add_ps(vmass[j], in, vmass[j], ev);
+            }
+        }
+        z = _mm512_reduce_add_ps(vz);
+        for (int j = 0; j < REACHES; j++) {
+            count[j] = (float)vcount[j];
+            mass[j] = _mm512_reduce_add_ps(vmass[j]);
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        const float ei = use_p ? exp_approx(x[i] - m) : 0.0f;
+        if (use_p) e[i] = ei;
+        z += ei;
+        for (int j = 0; j < REACHES; j++)
+            if (x[i] >= reach[j]) {
+                count[j] += 1.0f;
+                mass[j] += ei;
+            }
+    }
+    /* the candidates: within the nearest reach that holds the top-k set (else, for top-p only,
+     * the mass top_p needs: float sums, so with a margin), or every token */
+    float floor = -INFINITY;
+    for (int j = 0; j < REACHES; j++)
+        if (use_k ? count[j] >= (float)k : mass[j] >= 1.001f * p * z) {
+            floor = reach[j];
+            break;
+        }
+    Bound bk, bp;
+    const Bound *bound = NULL;
+    if (use_k && select_bound(s, gather(x, NULL, n, floor, s), NULL, 1, (double)k, &bk) == 0)
+        bound = &bk;
+    if (use_p) {
+        /* the softmax's sum: over the top-k set (among the candidates), else the row */
+        int64_t c = gather(x, e, n, floor, s);
+        double zk = bound ? 0.0 : (double)z;
+        if (bound)
+            for (int64_t j = 0; j < c; j++)
+                if (within(s->key[j], s->idx[j], *bound)) zk += s->w[j];
+        /* the float sums that placed the floor may fall short of the select's: then all */
+        int missed = select_bound(s, c, bound, 0, (double)p * zk, &bp);
+        if (missed && floor > -INFINITY) {
+            c = gather(x, e, n, -INFINITY, s);
+            missed = select_bound(s, c, bound, 0, (double)p * zk, &bp);
+        }
+        if (!missed) bound = &bp;
+    }
+    if (!bound) return;
+    /* drop the rest: up to the bound's index a smaller key, past it a key not larger */
+    const uint32_t bkey = bound->key;
+    const int64_t split = (int64_t)bound->idx + 1;
+#pragma omp simd
+    for (int64_t i = 0; i < split; i++)
+        if (order_key(x[i]) < bkey) x[i] = -INFINITY;
+#pragma omp simd
+    for (int64_t i = split; i < n; i++)
+        if (order_key(x[i]) <= bkey) x[i] = -INFINITY;
+}
+
+/* A thread's scratch, kept between calls (fresh pages for every call cost more than the
+ * select) and grown when a row is longer; freed with the thread. */
+static __thread char *filter_mem;
+static __thread size_t filter_mem_size;
+
+static void filter_rows(const void *p, int64_t begin, int64_t end) {
+    FilterArgs *a = (FilterArgs *)p;
+    const int64_t n = a->n;
+    const size_t need = 4 * DIGITS * sizeof(double) + (size_t)n * 4 * sizeof(uint32_t);
+    if (filter_mem_size < need) {
+        free(filter_mem);
+        filter_mem = malloc(need);
+        filter_mem_size = filter_mem ? need : 0;
+        if (!filter_mem) {
+            a->status = -1;
+            return;
+        }
+    }
+    FilterScratch s;
+    s.hist4 = (double (*)[DIGITS])filter_mem;
+    s.key = (uint32_t *)(filter_mem + 4 * DIGITS * sizeof(double));
+    s.idx = s.key + n;
+    s.w = (float *)(s.idx + n);
+    s.e = s.w + n;
+    for (int64_t r = begin; r < end; r++)
+        filter_row(a->x + r * a->stride, n, a->top_k ? a->top_k[r] : 0,
+                   a->top_p ? a->top_p[r] : 1.0f, &s);
+}
+
+/* x [rows, n] float32, rows `stride` elements apart, filtered in place. Returns 0, or -1 when a
+ * thread's scratch could not be allocated (then some rows may be left unfiltered). */
+int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t stride, const int64_t *top_k,
+                       const float *top_p, int threads) {
+    FilterArgs a = {x, n, stride, top_k, top_p, 0};
+    parallel_rows(filter_rows, &a, rows, rows * n, 1 << 16, threads);
+    return a.status;
 }

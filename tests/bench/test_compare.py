@@ -69,6 +69,12 @@ def test_registered_and_defaults_cover_the_issue() -> None:
         (("--concurrency", "0"), "--concurrency"),
         (("--sched-specs", "swa"), "--sched-specs"),
         (("--models", "tiny-llama", "--serve-model", "default"), "--serve-model"),
+        (("--temperature", "-1"), "--temperature"),
+        (("--temperature", "nan"), "--temperature"),
+        (("--temperature", "1", "--top-p", "0"), "--top-p"),
+        (("--temperature", "1", "--top-p", "1.5"), "--top-p"),
+        (("--temperature", "1", "--top-k", "-1"), "--top-k"),
+        (("--top-p", "0.9"), "--temperature > 0"),
     ],
 )
 def test_bad_flags_name_the_flag(flags: tuple[str, ...], needle: str) -> None:
@@ -470,6 +476,7 @@ import json, sys
 print(json.dumps({"kind": "ready", "engine": "fake", "block_size": 16}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
+    print("asked", json.dumps(req), file=sys.stderr, flush=True)
     tokens = [[5] * req["max_tokens"] for _ in req["prompts"]]
     n = sum(len(t) for t in tokens)
     stats = {"seconds": 0.5, "output_tokens": n, "output_tokens_per_s": n / 0.5}
@@ -504,3 +511,30 @@ def test_offline_takes_a_model_folder_path(tmp_path: Path) -> None:
     assert off["theirs"][0]["cold"]["output_tokens"] == 2 * 4
     rows = compare.ratio_rows({"offline": [off]}, args)
     assert rows[0]["setting"] == "my-model float32 cold"
+
+
+def test_offline_samples_alike_on_both_engines_and_names_it(tmp_path: Path) -> None:
+    """--temperature / --top-p / --top-k reach both engines (the peer's request carries them) and
+    the rows name the sampling, so a sampled run's rows never merge with greedy ones."""
+    from kvtier.model.testing import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "models" / "m", "llama")
+    python = fake_peer_python(tmp_path, FAKE_OFFLINE_PEER)
+    args = parse("--models", str(folder), "--dtypes", "float32", "--repeat", "1",
+                 "--num-prompts", "3", "--input-len", "8", "--output-len", "5",
+                 "--temperature", "0.8", "--top-p", "0.9", "--top-k", "7",
+                 "--parts", "offline")  # fmt: skip
+    assert compare.check_args(args) == ["offline"]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    off = compare.offline(args, str(folder), folder, "float32", python, logs)
+    asked = [json.loads(line.split(" ", 1)[1]) for line in
+             (logs / "vllm_offline_m_float32.log").read_text().splitlines()
+             if line.startswith("asked ")]  # fmt: skip
+    assert asked and all((r["temperature"], r["top_p"], r["top_k"]) == (0.8, 0.9, 7) for r in asked)
+    assert off["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 7}
+    assert off["ours"][0]["cold"]["output_tokens"] == 3 * 5  # min_tokens holds when sampling
+    rows = compare.ratio_rows({"offline": [off]}, args)
+    assert rows[0]["setting"] == "m float32 cold, temperature 0.8, top-p 0.9, top-k 7"
+    greedy = dict(off, sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0})
+    assert compare.ratio_rows({"offline": [greedy]}, args)[0]["setting"] == "m float32 cold"

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="offline prompts")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="offline sampling on both engines (0: greedy, the default)",
+    )  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=1.0, help="offline top-p (1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="offline top-k (0: off)")
     parser.add_argument("--block-size", type=int, default=16, help="kvtier's block size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--serve-model", default="tiny-llama", help="which model is served")
@@ -88,6 +94,15 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for kind in args.sched_specs:
         if kind not in ("full", "hybrid"):
             raise ValueError(f"--sched-specs: {kind!r}; vLLM's side supports full and hybrid")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0.0):
+        raise ValueError(f"--temperature must be ≥ 0 (0 is greedy), got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be ≥ 0 (0 keeps every token), got {args.top_k}")
+    if (args.top_p < 1.0 or args.top_k > 0) and args.temperature == 0.0:
+        raise ValueError("--top-p and --top-k filter sampled tokens: add --temperature > 0 "
+                         "(at 0 both engines decode greedily)")  # fmt: skip
     if "serve" in parts and args.serve_model not in args.models.split(","):
         raise ValueError(f"--serve-model {args.serve_model!r} is not one of --models")
     return parts
@@ -102,6 +117,23 @@ def alternate(
         a.append(ours(i))
         b.append(theirs(i))
     return a, b
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The offline passes' sampling, the same on both engines (the peer gets these keys)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
+def sampling_label(s: dict[str, Any] | None) -> str:
+    """How a row names non-greedy sampling ("" for greedy, as every run before had)."""
+    if not s or s["temperature"] == 0.0:
+        return ""
+    parts = [f"temperature {s['temperature']:g}"]
+    if s["top_p"] < 1.0:
+        parts.append(f"top-p {s['top_p']:g}")
+    if s["top_k"] > 0:
+        parts.append(f"top-k {s['top_k']}")
+    return ", " + ", ".join(parts)
 
 
 def _max_len(args: argparse.Namespace) -> int:
@@ -135,7 +167,7 @@ def offline(
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)  # fmt: skip
         threads = llm.engine.torch_threads
         n = args.output_len
-        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+        params = SamplingParams(max_tokens=n, min_tokens=n, **sampling(args))
 
         def round_prompts(i: int) -> list[list[int]]:
             return random_prompts(args.seed + 1 + i, args.num_prompts, args.input_len, vocab)
@@ -166,7 +198,7 @@ def offline(
 
         def theirs(i: int) -> dict[str, Any]:
             c0, p0 = procs.tree_cpu_seconds(them), procs.cpu_seconds([me])
-            res = peer.ask({"prompts": round_prompts(i), "max_tokens": n})
+            res = peer.ask({"prompts": round_prompts(i), "max_tokens": n, **sampling(args)})
             res["cpu_s"] = procs.tree_cpu_seconds(them) - c0  # script, engine core, worker
             res["other_cpu_s"] = procs.cpu_seconds([me]) - p0
             return res
@@ -180,6 +212,7 @@ def offline(
         "model": models.label(name),
         "dtype": dtype,
         "torch_threads": threads,  # kvtier's, as its engine chose them (or --threads)
+        "sampling": sampling(args),
         "peer": {k: v for k, v in peer.ready.items() if k != "kind"},
         "identical_completions": f"{same}/{args.repeat * args.num_prompts}",
         "ours": [{k: v for k, v in r.items() if k != "tokens"} for r in a],
@@ -338,16 +371,17 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
     row = compare_report.ratio_row
     rows = []
     for off in results.get("offline", []):
+        drawn = sampling_label(off.get("sampling"))
         for label in ("cold", "warm"):
             rows.append(row(
-                "offline output tok/s", f"{off['model']} {off['dtype']} {label}",
+                "offline output tok/s", f"{off['model']} {off['dtype']} {label}{drawn}",
                 [r[label]["output_tokens_per_s"] for r in off["ours"]],
                 [r[label]["output_tokens_per_s"] for r in off["theirs"]],
                 "higher", TARGETS["offline"],
             ))  # fmt: skip
         if all(r["cpu_s"] > 0 for r in off["ours"] + off["theirs"]):  # else under a clock tick
             rows.append(row(
-                "offline output tok/CPU-s", f"{off['model']} {off['dtype']} cold+warm",
+                "offline output tok/CPU-s", f"{off['model']} {off['dtype']} cold+warm{drawn}",
                 [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
             ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():

@@ -2,8 +2,9 @@
 prompts, kept loaded between rounds so a driver can alternate engines.
 
 Loads the model once and prints a JSON line {"kind": "ready", ...}; then reads one JSON line per
-round on stdin, {"prompts": [[ids]...], "max_tokens": N}, runs a cold pass (new prompts) and a warm
-pass (the same prompts again: prefix hits), greedy with min_tokens = max_tokens, and prints a JSON
+round on stdin, {"prompts": [[ids]...], "max_tokens": N} (and optionally "temperature", "top_p",
+"top_k"), runs a cold pass (new prompts) and a warm pass (the same prompts again: prefix hits),
+greedy unless asked to sample, with min_tokens = max_tokens, and prints a JSON
 line {"kind": "round", "cold": {...}, "warm": {...}, "tokens": [...]}. EOF ends it.
 """
 
@@ -83,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         req = json.loads(line)
         n = int(req["max_tokens"])
-        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+        params = SamplingParams(  # greedy unless the round asks for sampling
+            max_tokens=n,
+            min_tokens=n,
+            temperature=float(req.get("temperature", 0.0)),
+            top_p=float(req.get("top_p", 1.0)),
+            top_k=int(req.get("top_k", 0)),
+        )
         prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
         cold, tokens = timed_pass(llm, prompts, params)
         warm, _ = timed_pass(llm, prompts, params)

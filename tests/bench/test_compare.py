@@ -256,6 +256,20 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_leaves_room_for_long_labels(tmp_path: Path) -> None:
+    """A sampled run's settings are long: every label is drawn whole, none runs off the left
+    edge (the image's first columns stay white)."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    rows = compare.ratio_rows(fake_results(), parse())
+    rows[0] = dict(rows[0], setting=rows[0]["setting"] + ", temperature 0.8, top-p 0.9" * 3)
+    png = compare_report.plot(rows, tmp_path / "c.png", "t")
+    image = Image.open(png).convert("L")
+    edge = [image.getpixel((x, y)) for x in range(3) for y in range(image.height)]
+    assert min(edge) > 200
+
+
 def test_merge_makes_one_table_json_and_png_from_runs_in_parts(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     rows = compare.ratio_rows(fake_results(), parse())

@@ -145,8 +145,19 @@ def plot(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
         "kvtier / vLLM (green: kvtier better; grey: not comparable; whiskers: min–max over rounds)"
     )
     ax.set_title(title, fontsize=9)
+    # the labels' column as wide as the longest label (a sampled run's settings are long), the
+    # bars keep their 6.6 inches
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    label_in = max(t.get_window_extent(renderer).width for t in ax.get_yticklabels()) / fig.dpi
+    label_in = 1.1 * label_in + 0.3  # the ticks' pad, and text drawn at the saving dpi
+    width = max(11.0, label_in + 6.6 / 0.97)
+    fig.set_size_inches(width, fig.get_figheight())
     fig.subplots_adjust(
-        left=0.36, right=0.97, top=1 - 0.5 / fig.get_figheight(), bottom=0.6 / fig.get_figheight()
+        left=label_in / width,
+        right=0.97,
+        top=1 - 0.5 / fig.get_figheight(),
+        bottom=0.6 / fig.get_figheight(),
     )
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)

@@ -38,6 +38,7 @@ class SamplingBatch:
     positions: tuple[int, ...]  # position of each row's sampled token (seeds the draw)
     num_logprobs: tuple[int | None, ...]
     all_greedy: bool
+    any_greedy: bool
     sorts_whole: bool  # a filtered row's top-k set may reach past CANDIDATES (host-known)
 
     @classmethod
@@ -69,6 +70,7 @@ class SamplingBatch:
             positions=tuple(positions),
             num_logprobs=tuple(p.logprobs for p in params),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             sorts_whole=any(k > CANDIDATES and (k < vocab_size or p < 1.0) for k, p in zip(ks, ps)),
         )
 
@@ -126,9 +128,13 @@ def sample(
         logprobs = None
     else:
         processed = processed_logits(logits, batch)
-        logprobs = torch.log_softmax(processed, dim=-1)  # [n, vocab]; -inf where filtered out
-        tokens = _inverse_cdf(logprobs.exp(), _uniforms(batch, generator, logits.device))
-        tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
+        # softmax, not exp(log_softmax): torch's exp of the filtered tokens' -inf takes ~4 ns
+        # each (64 × 32,000: 8–12 ms against softmax's ~1.2 ms for the whole)
+        probs = torch.softmax(processed, dim=-1)  # [n, vocab]; 0 where filtered out
+        tokens = _inverse_cdf(probs, _uniforms(batch, generator, logits.device))
+        if batch.any_greedy:
+            tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
+        logprobs = None  # log_softmax(processed) only where logprobs are wanted (below)
     if not wanted:
         return SamplerOutput(tokens, None, None, None)
     if report is None and logprobs_mode == "processed_logits":

@@ -125,7 +125,6 @@ def sample(
     if batch.all_greedy:
         tokens = native.argmax(logits)
         processed = logits
-        logprobs = None
     else:
         processed = processed_logits(logits, batch)
         # softmax, not exp(log_softmax): torch's exp of the filtered tokens' -inf takes ~4 ns
@@ -134,13 +133,12 @@ def sample(
         tokens = _inverse_cdf(probs, _uniforms(batch, generator, logits.device))
         if batch.any_greedy:
             tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
-        logprobs = None  # log_softmax(processed) only where logprobs are wanted (below)
     if not wanted:
         return SamplerOutput(tokens, None, None, None)
     if report is None and logprobs_mode == "processed_logits":
         report = processed
     elif report is None:
-        report = logprobs if logprobs is not None else torch.log_softmax(processed, dim=-1)
+        report = torch.log_softmax(processed, dim=-1)  # only now: logprobs are wanted
     k = max(n for n in batch.num_logprobs if n is not None)
     return SamplerOutput(tokens, *gather_logprobs(report, tokens, k))
 

@@ -1,11 +1,15 @@
 """Every path of paged attention against one dense reference (float64, per query, keys read from the
 cache through the block table): first chunks on their own keys, block gathers, the native kernel
-(its AVX-512 and portable builds, one and two threads), with causal, window and chunk masks, block
-sizes that do not divide them, softcap, and ragged batches mixing every kind of sequence. Cache
-slots no query may read hold NaN, so a stray read shows."""
+(its AVX-512 and portable builds, one and two threads, its bfloat16 work items on AMX tiles and on
+AVX512-BF16 pairs), with causal, window and chunk masks, block sizes that do not divide them,
+softcap, and ragged batches mixing every kind of sequence. Cache slots no query may read hold NaN,
+so a stray read shows."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import multiprocessing
 import os
 import platform
 import shutil
@@ -81,6 +85,22 @@ def run_paths(batch, bs, kind, dtype, softcap=None, dim=DIM, **plan_args):
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 3e-2}
+_kernels = native.kernels()
+TILES = _kernels is not None and _kernels.attention_tiles()
+needs_tiles = pytest.mark.skipif(not TILES, reason="no AMX tiles granted here")
+
+
+@pytest.fixture(params=["tiles", "pairs"])
+def attention_path(request):
+    """The bfloat16 work items of ≤ 16 query rows on AMX tiles (where granted) or on the
+    AVX512-BF16 pairs path; float32 and longer items take the same path either way."""
+    if request.param == "tiles" and not TILES:
+        pytest.skip("no AMX tiles granted here")
+    if _kernels is not None:
+        _kernels.attention_tiles(request.param == "tiles")
+    yield request.param
+    if _kernels is not None:
+        _kernels.attention_tiles(True)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=["causal", "window5", "chunk6"])
@@ -100,7 +120,7 @@ def test_torch_paths_match_reference_on_a_ragged_batch(kind, bs, dtype, own_keys
 @pytest.mark.parametrize("bs", [4, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dim", [16, 64])  # bf16 with head_dim 64: the AVX512-BF16 pairs path
-def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype, dim):
+def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype, dim, attention_path):
     out, ref, plan = run_paths(RAGGED, bs, kind, dtype, dim=dim, native=True)
     assert plan.native is not None and plan.native.seq_token.numel() == 4  # the short ones
     assert torch.isfinite(out).all()
@@ -110,7 +130,7 @@ def test_native_kernel_matches_reference_on_a_ragged_batch(kind, bs, dtype, dim)
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dim", [16, 64])
-def test_native_kernel_softcap(dtype, dim):
+def test_native_kernel_softcap(dtype, dim, attention_path):
     out, ref, _ = run_paths(RAGGED, 4, LayerKind(window=5), dtype, 2.0, dim, native=True)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=0)
 
@@ -137,7 +157,7 @@ def test_native_kernel_same_bits_on_two_threads():
 
 @needs_native
 @pytest.mark.parametrize("dim", [16, 64, 128])  # bf16 at 64 and 128: the pairs path
-def test_native_bf16_output_is_the_float_result_rounded_to_nearest_even(dim):
+def test_native_bf16_output_is_the_float_result_rounded_to_nearest_even(dim, attention_path):
     """Two equal keys per sequence: each query's weights are exactly 1/2, so its output is the
     float32 mean of two bf16 values (exact), rounded once; ties and every low-bit pattern occur
     among 7 heads x 6 sequences x dim outputs."""
@@ -214,3 +234,99 @@ def test_prepacked_linear_gives_the_bits_of_f_linear_and_follows_its_weight():
     layer.weight = torch.nn.Parameter(torch.randn(96, 64, generator=gen).to(torch.bfloat16))
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert torch.equal(layer.float()(x.float()), F.linear(x.float(), layer.weight, layer.bias))
+
+
+def _group_case(specs, bs, dim, kv_heads=2, group=7, seed=0):
+    """Sequences at the 0.5B shape's grouping (7 query heads a KV head), each (keys, queries,
+    window): its keys in random blocks (NaN in every slot past them), its queries the last
+    `queries` positions, each reading [hi - window, hi) or [0, hi). Returns q, cache, index."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-keys // bs) for keys, _, _ in specs]
+    ids = torch.randperm(sum(need) + 3, generator=gen)[: sum(need)] + 1
+    cache = torch.full((sum(need) + 4, 2, bs, kv_heads, dim), float("nan"))
+    tables = torch.zeros(len(specs), max(need), dtype=torch.int64)
+    lo, hi, qlen, at = [], [], [], 0
+    for i, ((keys, queries, window), n) in enumerate(zip(specs, need, strict=True)):
+        tables[i, :n] = ids[at : at + n]
+        at += n
+        for p in range(keys):
+            cache[tables[i, p // bs], :, p % bs] = torch.randn(2, kv_heads, dim, generator=gen)
+        for j in range(queries):
+            end = keys - queries + j + 1
+            lo.append(max(0, end - window) if window else 0)
+            hi.append(end)
+        qlen.append(queries)
+    start = torch.tensor([0, *qlen[:-1]]).cumsum(0)
+    q = torch.randn(len(lo), kv_heads * group, dim, generator=gen).bfloat16()
+    index = (tables, start, torch.tensor(qlen), start.clone(), torch.tensor(lo), torch.tensor(hi))
+    return q, cache.bfloat16(), index
+
+
+def _group_reference(q, cache, index, scale):
+    tables, start, qlen, _, lo, hi = index
+    bs, group = cache.shape[2], q.shape[1] // cache.shape[3]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(tables.shape[0]):
+        for t in range(int(start[i]), int(start[i] + qlen[i])):
+            pos = torch.arange(int(lo[t]), int(hi[t]))
+            blocks = tables[i, pos // bs]
+            keys = cache[blocks, 0, pos % bs].double()  # [n, KVH, D]
+            values = cache[blocks, 1, pos % bs].double()
+            for h in range(q.shape[1]):
+                s = keys[:, h // group] @ q[t, h].double() * scale
+                out[t, h] = torch.softmax(s, 0) @ values[:, h // group]
+    return out
+
+
+# One key; within one chunk; exactly one; a two-query draft (14 rows: one tile); past one
+# segment of 256 keys with an odd number of chunks after it, whose missing partner chunk must
+# weigh nothing (257, 300); a window starting mid-block.
+GROUP_SPECS = [(1, 1, None), (9, 1, None), (16, 1, None), (17, 2, None), (257, 1, None),
+               (300, 2, None), (513, 1, 100)]  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_native_bf16_matches_reference_at_seven_query_heads_a_kv_head(dim, bs, attention_path):
+    q, cache, index = _group_case(GROUP_SPECS, bs, dim)
+    out = torch.empty_like(q)
+    native.kernels().paged_attention(q, cache, out, index, dim**-0.5, None)
+    ref = _group_reference(q, cache, index, dim**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=TOL[torch.bfloat16], rtol=0)
+
+
+def _call_and_report(conn, q, cache, index, want):
+    out = torch.empty_like(q)
+    native.kernels().paged_attention(q, cache, out, index, 0.125, None)
+    conn.send(bool((out.double() - want).abs().max() <= TOL[torch.bfloat16]))
+
+
+@needs_tiles
+def test_tiles_never_read_past_a_block_that_ends_the_cache():
+    """A tile loads 16 key rows; a block of 4 ends after 4, so its chunk is copied first. Here
+    the cache's last block ends where a page the process may not read begins: a tile loaded
+    in place would read 2 KB into it and the call would fault (run in a forked child)."""
+    page = mmap.PAGESIZE
+    q, small, index = _group_case([(4, 1, None)], 4, 64)
+    small[-1] = small[int(index[0][0, 0])].clone()  # the cache's last block holds the keys
+    index[0][0, 0] = small.shape[0] - 1
+    nbytes = small.numel() * small.element_size()
+    region = mmap.mmap(-1, (-(-nbytes // page) + 1) * page)
+    end = len(region) - page  # the guard page starts here
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + end, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
+    cache = torch.frombuffer(region, dtype=torch.bfloat16, count=small.numel(),
+                             offset=end - nbytes).view(small.shape)  # fmt: skip
+    cache.copy_(small)
+    want = _group_reference(q, cache, index, 0.125)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_call_and_report, args=(child_end, q, cache, index, want))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0, f"the kernel call died (exit {child.exitcode})"
+    assert parent_end.poll(1) and parent_end.recv(), "wrong attention"

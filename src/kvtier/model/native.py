@@ -6,7 +6,7 @@ a compiler, a writable cache or a successful build, `kernels()` is None (logged 
 model keeps its torch paths.
 
 `paged_attention.c`: attention straight from the paged cache (decodes, drafts, and a prompt's
-chunk in a step the one-call layers run).
+chunk in a step the one-call layers run; decodes on AMX tiles where granted, `attention_tiles`).
 `fused.c`: RMSNorm (with the residual add), rotary embedding, act(gate) * up, argmax — built
 without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`: bfloat16
 linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`), and float32 linears whose
@@ -57,10 +57,11 @@ _SIGNATURES = {
     "kvtier_layer_work": [_PTR],
     "kvtier_layers": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT],
     "kvtier_pool_bind": [_PTR],
+    "kvtier_attention_amx": [_INT],
 }  # fmt: skip
 _RETURNS = {"kvtier_paged_attention": ctypes.c_int, "kvtier_linear_available": ctypes.c_int,
             "kvtier_linear": ctypes.c_int, "kvtier_layers": ctypes.c_int,
-            "kvtier_top_k_top_p": ctypes.c_int,
+            "kvtier_top_k_top_p": ctypes.c_int, "kvtier_attention_amx": ctypes.c_int,
             "kvtier_layer_work": ctypes.c_int64}  # fmt: skip
 
 
@@ -80,6 +81,14 @@ class Kernels:
     paths: tuple[Path, ...]
     tile_linear: str | None = None
     pool: ctypes.CDLL | None = None  # the threads every library's calls share (kept loaded)
+
+    def attention_tiles(self, use: bool | None = None) -> bool:
+        """Whether the attention kernel runs its small work items (≤ 16 query rows: decodes and
+        short drafts; bfloat16, head_dim a multiple of 32 up to 128) on AMX tiles, which the OS
+        grants here or not. `use` False puts them on the AVX512-BF16 path until True turns the
+        tiles back on (the tests compare both); None only asks."""
+        fn = getattr(self.attention, "kvtier_attention_amx", None)
+        return fn is not None and bool(fn(-1 if use is None else int(use)))
 
     @property
     def f32_linear(self) -> bool:

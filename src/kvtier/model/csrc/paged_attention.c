@@ -37,6 +37,7 @@ typedef struct {
     const int64_t *items; /* [n][3]: sequence, KV head, first query of a block of ≤ QBLOCK */
     int64_t begin, end;   /* the items of this thread */
     int status;           /* 0, or -1: out of memory (its rows of out are not written) */
+    int amx;              /* items of ≤ 16 query rows on AMX tiles (attend_amx) */
 } Args;
 
 /* Queries of one sequence and KV head attended together (one work item): decodes and drafts are
@@ -450,6 +451,290 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
         seg0 = c0;
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define AMX_PATH 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Decode and short drafts on AMX tiles: a work item's query rows (≤ 16, its queries × the group)
+ * are the 16 columns of every tile product, so neither the keys nor the queries' products need
+ * a transpose of the keys — the pairs path's main cost, with its multiply-adds (about 50 ns a
+ * key and KV head at seven query heads on Sapphire Rapids, against ~10 for the KV traffic).
+ *   scores^T [16 keys, 16 rows] = K [16 keys, 32 dims] · Q^T, the keys tile-loaded from the
+ *            cache where they lie (a row stride of every KV head), Q^T built once per item;
+ *   softmax  per row = per lane: the max and the sum are lane-wise over key vectors, no
+ *            reduction across lanes; the probabilities are transposed back per chunk and rounded
+ *            to bfloat16 (as the pairs path and transformers' eager attention do);
+ *   out [16 rows, D] += P [16 rows, 32 keys] · V, the values re-laid as pairs of keys per
+ *            dimension (the B operand's layout), accumulated in tiles over a segment.
+ * Two passes per segment of up to AMX_SEG chunks, like attend_pairs. */
+#define AMX_SEG 16
+#define AMX_MAX_D 128 /* Q^T in four tile registers at most */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+typedef struct { /* attend_amx's buffers, one per work item's thread */
+    uint32_t *bq;     /* [D / 32][16 pairs][16 rows] the queries as B tiles */
+    float *scores;    /* [AMX_SEG][16][16]: a chunk's scores tile, then its rows' scores */
+    __mmask16 *valid; /* [16 rows][AMX_SEG] keys each row reads in each chunk */
+    uint16_t *pt;     /* [AMX_SEG / 2][16 rows][32 keys] probabilities as A tiles */
+    uint16_t *vt;     /* [AMX_SEG / 2][D / 16][16 key pairs][16 dims × 2] values as B tiles */
+    uint16_t *kb;     /* [16][D] a chunk's keys, where a tile load would read past its block */
+    float *acc;       /* [16 rows][D] */
+} AmxScratch;
+
+static _Atomic int amx_on = -1; /* -1: not asked yet; 0: off; 1: on (the OS granted the tiles) */
+
+/* want 1: use the tiles where the OS grants them; 0: never (the pairs path); -1: ask only.
+ * Returns whether the tiles are in use. */
+int kvtier_attention_amx(int want) {
+    static _Atomic int granted = -1;
+    if (granted < 0) /* Linux grants the tile state once for all of a process's threads */
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    if (want >= 0) amx_on = want && granted;
+    else if (amx_on < 0) amx_on = granted;
+    return amx_on;
+}
+
+static void amx_configure(void) { /* eight tiles of 16 rows × 64 bytes */
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Lays attend_amx's buffers out from p (64-byte aligned; NULL: lays nothing out) and returns
+ * the bytes they take. */
+static size_t amx_scratch(char *p, int64_t D, AmxScratch *s) {
+    size_t at = 0;
+#define TAKE(field, bytes) \
+    (p ? (void)(s->field = (void *)(p + at)) : (void)0, at += (((size_t)(bytes)) + 63) / 64 * 64)
+    TAKE(bq, sizeof(uint32_t) * (size_t)(D / 32) * 256);
+    TAKE(scores, sizeof(float) * AMX_SEG * 256);
+    TAKE(valid, sizeof(__mmask16) * AMX_SEG * 16);
+    TAKE(pt, 2 * (size_t)(AMX_SEG / 2) * 512);
+    TAKE(vt, 2 * (size_t)(AMX_SEG / 2) * (D / 16) * 512);
+    TAKE(kb, 2 * 16 * (size_t)D);
+    TAKE(acc, sizeof(float) * 16 * (size_t)D);
+#undef TAKE
+    return at;
+}
+
+/* A chunk's values as rows of its P · V block's B tiles: the rows of key pairs (2jp, 2jp + 1),
+ * jp < 8, of each 16 dimensions' tile (vt: the chunk's first row in the first tile; tiles 512
+ * words apart), dimension by dimension the two keys' values; keys from cn on are zeros (a chunk
+ * past the keys, cn 0, reads nothing). */
+static inline void amx_values(const uint16_t *vh, int64_t row_size, int64_t cn, int64_t KB,
+                              uint16_t *vt) {
+    const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
+                                         0x00240004, 0x00250005, 0x00260006, 0x00270007,
+                                         0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                         0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16)); /* dims 16-31 */
+    for (int64_t jp = 0; jp < 8; jp++) {
+        const int64_t j = 2 * jp;
+        for (int64_t b = 0; b < KB; b++) { /* 32 dimensions: two tiles' rows */
+            const __m512i x =
+                j < cn ? _mm512_loadu_si512(vh + j * row_size + 32 * b) : _mm512_setzero_si512();
+            const __m512i y = j + 1 < cn ? _mm512_loadu_si512(vh + (j + 1) * row_size + 32 * b)
+                                         : _mm512_setzero_si512();
+            _mm512_store_si512(vt + (2 * b) * 512 + jp * 32, _mm512_permutex2var_epi16(x, lo, y));
+            _mm512_store_si512(vt + (2 * b + 1) * 512 + jp * 32,
+                               _mm512_permutex2var_epi16(x, hi, y));
+        }
+    }
+}
+
+/* Chunk nc's scores tile [16 keys][16 rows] (stored by attend_amx) becomes, in place, its first
+ * `rows` rows' scores [rows][16 keys], scaled and soft-capped, with each row's valid keys. */
+static inline void amx_rows(const Args *a, AmxScratch *s, int64_t nc, int64_t c0, int64_t cn,
+                            int64_t rows, int64_t G, int64_t row0) {
+    float *sc = s->scores + nc * 256;
+    __m512 t[16];
+    for (int64_t j = 0; j < 16; j++) t[j] = _mm512_load_ps(sc + j * 16);
+    transpose16(t); /* t[r]: row r's scores of the chunk's keys */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t qi = r / G;
+        const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
+        const int64_t hi = a->hi[row0 + qi] < c0 + cn ? a->hi[row0 + qi] - c0 : cn;
+        s->valid[r * AMX_SEG + nc] =
+            lo < hi ? (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u)) : 0;
+        __m512 x = _mm512_mul_ps(t[r], _mm512_set1_ps(a->scale));
+        if (a->softcap > 0.0f) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, x);
+            for (int j = 0; j < 16; j++) tmp[j] = a->softcap * tanhf(tmp[j] / a->softcap);
+            x = _mm512_loadu_ps(tmp);
+        }
+        _mm512_store_ps(sc + r * 16, x);
+    }
+}
+
+/* One KV head of one sequence over its keys [kmin, kmax) for rows = nq × G ≤ 16 query rows
+ * (ordered (query, g); q[row] points at each): writes the rows' unnormalized outputs to s->acc
+ * [16][D] and their softmax sums to l [16]. */
+static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int64_t G,
+                       int64_t row0, const int64_t *table, int64_t h, int64_t kmin, int64_t kmax,
+                       AmxScratch *s, float *l) {
+    const int64_t D = a->head_dim, bs = a->block_size, row_size = a->kv_heads * D;
+    const int64_t rows = nq * G, KB = D / 32, DB = D / 16;
+    /* Columns of Q^T past `rows`, rows of P past `rows` and so those score columns and output
+     * rows hold whatever was there: a product's row or column depends on its operands' alone,
+     * and none of those is read */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t p = 0; p < D / 2; p++) {
+            uint32_t pair;
+            memcpy(&pair, q[r] + 2 * p, 4);
+            s->bq[(p / 16) * 256 + (p % 16) * 16 + r] = pair;
+        }
+    float m[16];
+    for (int64_t r = 0; r < 16; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(s->acc, 0, sizeof(float) * (size_t)(rows * D));
+    int64_t ahead = kmin;
+    for (int64_t i = 0; i < AHEAD && ahead < kmax; i++)
+        ahead = prefetch_pairs(a, table, h, ahead, kmax);
+    for (int64_t seg0 = kmin; seg0 < kmax;) {
+        /* every chunk of the segment: its scores, transposed to one row per query row; its
+         * values as B tiles */
+        _tile_loadd(4, s->bq, 64);
+        if (KB > 1) _tile_loadd(5, s->bq + 256, 64);
+        if (KB > 2) _tile_loadd(6, s->bq + 512, 64);
+        if (KB > 3) _tile_loadd(7, s->bq + 768, 64);
+        int64_t nc = 0, c0 = seg0, c0s[AMX_SEG], cns[AMX_SEG];
+        for (; c0 < kmax && nc < AMX_SEG; nc++) {
+            const int64_t cn = chunk_len(c0, kmax, bs);
+            const int64_t kbase = key_row(a, table, c0);
+            if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
+            const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
+            const uint16_t *src = kh;
+            int64_t stride = row_size * 2;
+            if (c0 % bs + 16 > bs) { /* the tile's 16 rows would leave the block's keys */
+                for (int64_t j = 0; j < cn; j++)
+                    memcpy(s->kb + j * D, kh + j * row_size, 2 * (size_t)D);
+                src = s->kb, stride = 2 * D;
+            }
+            float *sc = s->scores + nc * 256;
+            if (nc % 2 == 0) { /* two score tiles in turn: a chunk's product need not wait for
+                                  the previous chunk's store */
+                _tile_zero(0);
+                _tile_loadd(1, src, stride);
+                _tile_dpbf16ps(0, 1, 4);
+                if (KB > 1) {
+                    _tile_loadd(2, src + 32, stride);
+                    _tile_dpbf16ps(0, 2, 5);
+                }
+                if (KB > 2) {
+                    _tile_loadd(1, src + 64, stride);
+                    _tile_dpbf16ps(0, 1, 6);
+                }
+                if (KB > 3) {
+                    _tile_loadd(2, src + 96, stride);
+                    _tile_dpbf16ps(0, 2, 7);
+                }
+                _tile_stored(0, sc, 64);
+            } else {
+                _tile_zero(3);
+                _tile_loadd(1, src, stride);
+                _tile_dpbf16ps(3, 1, 4);
+                if (KB > 1) {
+                    _tile_loadd(2, src + 32, stride);
+                    _tile_dpbf16ps(3, 2, 5);
+                }
+                if (KB > 2) {
+                    _tile_loadd(1, src + 64, stride);
+                    _tile_dpbf16ps(3, 1, 6);
+                }
+                if (KB > 3) {
+                    _tile_loadd(2, src + 96, stride);
+                    _tile_dpbf16ps(3, 2, 7);
+                }
+                _tile_stored(3, sc, 64);
+            }
+            const uint16_t *vh = kh + bs * row_size;
+            uint16_t *vt = s->vt + (nc / 2) * DB * 512 + (nc % 2) * 8 * 32;
+            amx_values(vh, row_size, cn, KB, vt);
+            if (nc > 0) /* the previous chunk's scores, its tile stored by now */
+                amx_rows(a, s, nc - 1, c0s[nc - 1], cns[nc - 1], rows, G, row0);
+            c0s[nc] = c0, cns[nc] = cn;
+            c0 += cn;
+        }
+        amx_rows(a, s, nc - 1, c0s[nc - 1], cns[nc - 1], rows, G, row0);
+        if (nc % 2) { /* a P · V block takes two chunks: the last one's partner has no keys */
+            amx_values(NULL, 0, 0, KB, s->vt + (nc / 2) * DB * 512 + 8 * 32);
+            for (int64_t r = 0; r < rows; r++) s->valid[r * AMX_SEG + nc] = 0;
+        }
+        for (int64_t r = 0; r < rows; r++) { /* max, exponentials and sum of the segment */
+            const __mmask16 *vr = s->valid + r * AMX_SEG;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int64_t c = 0; c < nc; c++)
+                vmax = _mm512_mask_max_ps(vmax, vr[c], vmax,
+                                          _mm512_load_ps(s->scores + c * 256 + r * 16));
+            const __m512 mx = _mm512_set1_ps(
+                raise_max(_mm512_reduce_max_ps(vmax), D, m + r, l + r, s->acc + r * D));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nc + nc % 2; c++) {
+                const __m512 e = _mm512_maskz_mov_ps(
+                    vr[c], exp_nonpositive(
+                               _mm512_sub_ps(_mm512_load_ps(s->scores + c * 256 + r * 16), mx)));
+                sum = _mm512_add_ps(sum, e);
+                const __m256bh eb = _mm512_cvtneps_pbh(e);
+                memcpy(s->pt + (c / 2) * 512 + r * 32 + (c % 2) * 16, &eb, sizeof(eb));
+            }
+            l[r] += _mm512_reduce_add_ps(sum);
+        }
+        /* out += P · V, four tiles of 16 dimensions at a time */
+        const int64_t nb = (nc + 1) / 2;
+        for (int64_t dg = 0; dg < DB; dg += 4) {
+            const int64_t tiles = DB - dg < 4 ? DB - dg : 4;
+            float *acc = s->acc + dg * 16;
+            const int64_t acc_stride = 4 * D;
+            _tile_loadd(4, acc, acc_stride);
+            if (tiles > 1) _tile_loadd(5, acc + 16, acc_stride);
+            if (tiles > 2) _tile_loadd(6, acc + 32, acc_stride);
+            if (tiles > 3) _tile_loadd(7, acc + 48, acc_stride);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint16_t *vt = s->vt + (b * DB + dg) * 512;
+                _tile_loadd(0, s->pt + b * 512, 64);
+                _tile_loadd(1, vt, 64);
+                _tile_dpbf16ps(4, 0, 1);
+                if (tiles > 1) {
+                    _tile_loadd(2, vt + 512, 64);
+                    _tile_dpbf16ps(5, 0, 2);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(3, vt + 1024, 64);
+                    _tile_dpbf16ps(6, 0, 3);
+                }
+                if (tiles > 3) {
+                    _tile_loadd(1, vt + 1536, 64);
+                    _tile_dpbf16ps(7, 0, 1);
+                }
+            }
+            _tile_stored(4, acc, acc_stride);
+            if (tiles > 1) _tile_stored(5, acc + 16, acc_stride);
+            if (tiles > 2) _tile_stored(6, acc + 32, acc_stride);
+            if (tiles > 3) _tile_stored(7, acc + 48, acc_stride);
+        }
+        seg0 = c0;
+    }
+}
+
+/* A row of the output: acc × inv rounded to bfloat16 (f32_to_bf16's bits), natural order */
+static void store_row(const float *acc, float inv, int64_t D, uint16_t *dst) {
+    for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i *)(dst + d),
+                            round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(inv))));
+}
+#endif
 #endif
 #else
 static void keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
@@ -547,6 +832,11 @@ static void run(Args *a) {
     }
     float *qf = buf, *acc = qf + max_rows * D, *kt = acc + max_rows * D, *vf = kt + CHUNK * D;
     float *m = vf + CHUNK * D, *l = m + max_rows;
+#if defined(AMX_PATH)
+    const int amx = pairs && a->amx && D <= AMX_MAX_D;
+    AmxScratch amx_s = {0};
+    char *amx_buf = NULL; /* allocated and the tiles configured at this call's first such item */
+#endif
 #if defined(PAIRS_PATH)
     Scratch scratch = {0};
     if (pairs) {
@@ -589,6 +879,27 @@ static void run(Args *a) {
                 for (int64_t g = 0; g < G; g++)
                     qrows[j * G + g] =
                         (const uint16_t *)a->q + (tok0 + j) * a->q_stride + (h * G + g) * D;
+#if defined(AMX_PATH)
+            if (amx && rows <= 16) {
+                if (!amx_buf) {
+                    if (posix_memalign((void **)&amx_buf, 64, amx_scratch(NULL, D, &amx_s))) {
+                        a->status = -1;
+                        break;
+                    }
+                    amx_scratch(amx_buf, D, &amx_s);
+                    amx_configure();
+                }
+                float sums[16];
+                attend_amx(a, qrows, nq, G, row0, table, h, kmin, kmax, &amx_s, sums);
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t qi = r / G, g = r % G;
+                    const int64_t o = ((tok0 + qi) * a->num_heads + h * G + g) * D;
+                    store_row(amx_s.acc + r * D, sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f, D,
+                              (uint16_t *)a->out + o);
+                }
+                continue;
+            }
+#endif
             attend_pairs(a, qrows, nq, G, row0, table, h, kmin, kmax, &scratch, m, l, acc);
         }
 #endif
@@ -632,6 +943,10 @@ static void run(Args *a) {
                 }
             }
     }
+#if defined(AMX_PATH)
+    if (amx_buf) _tile_release();
+    free(amx_buf);
+#endif
     free(buf);
 }
 
@@ -680,8 +995,11 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
     Job job = {{q,        q_stride, cache,   out,        tables,     table_stride, seq_token,
                 seq_qlen, seq_row,  lo,      hi,         num_heads,  kv_heads,     head_dim,
                 block_size, scale,  softcap, dtype,      table,      0,            items,
-                0},
+                0,        0},
                0};
+#if defined(AMX_PATH)
+    job.base.amx = kvtier_attention_amx(-1);
+#endif
     /* chunks of a quarter of a thread's share: sequences differ in length */
     pool_run(run_chunk, &job, items, items / (4 * num_threads), num_threads);
     free(table);

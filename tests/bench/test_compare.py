@@ -552,3 +552,31 @@ def test_offline_samples_alike_on_both_engines_and_names_it(tmp_path: Path) -> N
     assert rows[0]["setting"] == "m float32 cold, temperature 0.8, top-p 0.9, top-k 7"
     greedy = dict(off, sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0})
     assert compare.ratio_rows({"offline": [greedy]}, args)[0]["setting"] == "m float32 cold"
+
+
+def test_serving_samples_alike_on_both_engines_and_names_it(tmp_path: Path, monkeypatch) -> None:
+    """The sampling flags reach every `bench serve` run of the serving part (the same client
+    against both servers), none when greedy; the serving rows name the sampling."""
+    from kvtier.bench import serve
+
+    seen: list[argparse.Namespace] = []
+
+    def fake_run(ns: argparse.Namespace) -> int:
+        seen.append(ns)
+        Path(ns.out).write_text(json.dumps({"summary": {"failed": 0}}))
+        return 0
+
+    monkeypatch.setattr(serve, "run", fake_run)
+    sampled = parse("--temperature", "0.8", "--top-p", "0.9", "--top-k", "7")
+    compare._bench_serve("http://x", tmp_path, 4, 0, 16, sampled, tmp_path / "a.json")
+    compare._bench_serve("http://x", tmp_path, 4, 0, 16, parse(), tmp_path / "b.json")
+    assert (seen[0].temperature, seen[0].top_p, seen[0].top_k) == (0.8, 0.9, 7)
+    assert (seen[1].temperature, seen[1].top_p, seen[1].top_k) == (0.0, None, None)
+    results = fake_results()
+    for runs in results["serve"].values():
+        runs["sampling"] = compare.sampling(sampled)
+    settings = {
+        r["setting"] for r in compare.ratio_rows(results, sampled) if "serve" in r["metric"]
+    }
+    assert settings == {"tiny-llama concurrency 1, temperature 0.8, top-p 0.9, top-k 7",
+                        "tiny-llama concurrency 16, temperature 0.8, top-p 0.9, top-k 7"}  # fmt: skip

@@ -195,3 +195,31 @@ def test_streams_flushed_at_once_are_counted() -> None:
     assert s["median_tpot_ms"] == pytest.approx(20 / 7 / 2)  # as vLLM: every stream, flushed ~0
     assert s["median_tpot_streamed_ms"] == pytest.approx(4.0 * 0.5 + 20 / 7 * 0.5)
     assert "Streams flushed at once:" in serve_report.render(s, [], 1)
+
+
+def test_sampling_flags_reach_the_server(server: ServerHandle, tmp_path: Path) -> None:
+    """--top-k 1 makes a hot temperature draw the greedy tokens: the same completions as a greedy
+    run only if the field reached the server; --top-p and --min-p ride along, all in the config."""
+    common = ("--num-prompts", "4", "--input-len", "16", "--output-len", "12", "--ignore-eos",
+              "--seed", "3", "--save-text")  # fmt: skip
+    rc, greedy = bench(server, tmp_path, *common)
+    assert rc == 0
+    rc, top1 = bench(server, tmp_path, *common, "--temperature", "1.5", "--top-k", "1",
+                     "--top-p", "0.9", "--min-p", "0.01")  # fmt: skip
+    assert rc == 0 and top1["summary"]["failed"] == 0
+    assert [r["text"] for r in top1["requests"]] == [r["text"] for r in greedy["requests"]]
+    cfg = top1["config"]
+    assert (cfg["temperature"], cfg["top_k"], cfg["top_p"], cfg["min_p"]) == (1.5, 1, 0.9, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(("--top-p", "0"), "--top-p"), (("--top-p", "1.5"), "--top-p"), (("--top-k", "0"), "--top-k"),
+     (("--min-p", "-0.1"), "--min-p"), (("--temperature", "-1"), "--temperature")],
+)  # fmt: skip
+def test_bad_sampling_flags_name_the_flag(flags: tuple[str, ...], needle: str) -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--model", "m", *flags])
+    with pytest.raises(SystemExit, match=needle):
+        serve.sampling_extra(args)

@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
         "--temperature", type=float, default=0.0,
-        help="offline sampling on both engines (0: greedy, the default)",
+        help="sampling on both engines, offline and served (0: greedy, the default)",
     )  # fmt: skip
-    parser.add_argument("--top-p", type=float, default=1.0, help="offline top-p (1.0: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="offline top-k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p, both parts (1.0: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k, both parts (0: off)")
     parser.add_argument("--block-size", type=int, default=16, help="kvtier's block size")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--serve-model", default="tiny-llama", help="which model is served")
@@ -231,6 +231,13 @@ def _bench_serve(base_url: str, tok: Path, c: int, seed: int, n: int, args: argp
              "--dataset", "random", "--num-prompts", str(n), "--input-len", str(args.input_len),
              "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(c),
              "--seed", str(seed), "--out", str(out)]  # fmt: skip
+    drawn = sampling(args)
+    if drawn["temperature"] > 0.0:
+        flags += ["--temperature", repr(drawn["temperature"])]
+    if drawn["top_p"] < 1.0:
+        flags += ["--top-p", repr(drawn["top_p"])]
+    if drawn["top_k"] > 0:
+        flags += ["--top-k", str(drawn["top_k"])]
     with out.with_suffix(".log").open("w") as log, contextlib.redirect_stdout(log):
         rc = serve.run(parser.parse_args(flags))
     summary: dict[str, Any] = json.loads(out.read_text())["summary"]
@@ -282,7 +289,7 @@ def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> d
 
             a, b = alternate(args.repeat, lambda i: run(i, ours_srv, peer, "kvtier"),
                              lambda i: run(i, peer, ours_srv, "vllm"))  # fmt: skip
-            result[str(c)] = {"num_prompts": n, "ours": a, "theirs": b}
+            result[str(c)] = {"num_prompts": n, "ours": a, "theirs": b, "sampling": sampling(args)}
     finally:
         ours_srv.close()
         peer.close()
@@ -385,6 +392,7 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
                 [_per_cpu(r) for r in off["ours"]], [_per_cpu(r) for r in off["theirs"]], "higher",
             ))  # fmt: skip
     for c, runs in results.get("serve", {}).items():
+        where = f"{models.label(args.serve_model)} concurrency {c}{sampling_label(runs.get('sampling'))}"
         flushed = _flushed_caveat(runs)
         streamed = _streamed_tpots(runs) if flushed else None
         if flushed:
@@ -394,24 +402,24 @@ def ratio_rows(results: dict[str, Any], args: argparse.Namespace) -> list[dict[s
             )  # fmt: skip
         for metric in ("ttft", "tpot", "e2el"):
             rows.append(row(
-                f"serve median {metric.upper()} ms", f"{models.label(args.serve_model)} concurrency {c}",
+                f"serve median {metric.upper()} ms", where,
                 [s[f"median_{metric}_ms"] for s in runs["ours"]],
                 [s[f"median_{metric}_ms"] for s in runs["theirs"]], "lower", TARGETS[metric],
                 flushed if metric == "tpot" else None,
             ))  # fmt: skip
             if metric == "tpot" and streamed:
                 rows.append(row(
-                    "serve median TPOT ms, streamed", f"{models.label(args.serve_model)} concurrency {c}",
+                    "serve median TPOT ms, streamed", where,
                     *streamed, "lower", TARGETS["tpot"],
                 ))  # fmt: skip
         rows.append(row(
-            "serve output tok/s", f"{models.label(args.serve_model)} concurrency {c}",
+            "serve output tok/s", where,
             [s["output_throughput"] for s in runs["ours"]],
             [s["output_throughput"] for s in runs["theirs"]], "higher", TARGETS["serve_tok_s"],
         ))  # fmt: skip
         if all("server_cpu_s" in s for s in runs["ours"] + runs["theirs"]):
             rows.append(row(
-                "serve output tok/server CPU-s", f"{models.label(args.serve_model)} concurrency {c}",
+                "serve output tok/server CPU-s", where,
                 [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["ours"]],
                 [s["total_output_tokens"] / s["server_cpu_s"] for s in runs["theirs"]], "higher",
             ))  # fmt: skip

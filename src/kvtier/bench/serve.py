@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="fixed output lengths")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None, help="sent when given (0 < p ≤ 1)")
+    parser.add_argument("--top-k", type=int, default=None, help="sent when given (≥ 1)")
+    parser.add_argument("--min-p", type=float, default=None, help="sent when given (0 ≤ p ≤ 1)")
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -78,6 +82,28 @@ def _models(root: str, timeout: float) -> dict[str, Any] | None:
         return None
 
 
+def sampling_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields --top-p, --top-k and --min-p add (only those given), checked here so a
+    bad value stops the run before the first request, naming the flag."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0.0):
+        raise SystemExit(f"--temperature must be ≥ 0 (0 is greedy), got {args.temperature}")
+    extra: dict[str, Any] = {}
+    if args.top_p is not None:
+        if not 0.0 < args.top_p <= 1.0:
+            raise SystemExit(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
+        extra["top_p"] = args.top_p
+    if args.top_k is not None:
+        if args.top_k < 1:
+            raise SystemExit(f"--top-k must be ≥ 1 (leave it out to keep every token), got "
+                             f"{args.top_k}")  # fmt: skip
+        extra["top_k"] = args.top_k
+    if args.min_p is not None:
+        if not 0.0 <= args.min_p <= 1.0:
+            raise SystemExit(f"--min-p must be in [0, 1], got {args.min_p}")
+        extra["min_p"] = args.min_p
+    return extra
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from kvtier.bench import serve_client, serve_data, serve_report
@@ -90,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--range-ratio must be in [0, 1)")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive (inf: all at once)")
+    extra = sampling_extra(args)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
     root = _root(args.base_url)
     tok = serve_data.resolve_tokenizer(args.tokenizer, args.model)
@@ -122,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         timeout=args.timeout,
+        extra=extra,
     )
     print(
         f"bench serve: {args.dataset}, {args.num_prompts} conversations × {rounds} rounds, "

@@ -458,9 +458,10 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
 #include <unistd.h>
 
 /* Decode and short drafts on AMX tiles: a work item's query rows (≤ 16, its queries × the group)
- * are the 16 columns of every tile product, so neither the keys nor the queries' products need
- * a transpose of the keys — the pairs path's main cost, with its multiply-adds (about 50 ns a
- * key and KV head at seven query heads on Sapphire Rapids, against ~10 for the KV traffic).
+ * are the 16 columns of every tile product, so the keys go into tiles as they lie in the cache —
+ * no transpose of the keys, which with its multiply-adds was the pairs path's cost (58-77 ns a
+ * key and KV head from L2 at seven query heads on Sapphire Rapids; its 256 bytes of KV stream
+ * in ~25 ns on one core).
  *   scores^T [16 keys, 16 rows] = K [16 keys, 32 dims] · Q^T, the keys tile-loaded from the
  *            cache where they lie (a row stride of every KV head), Q^T built once per item;
  *   softmax  per row = per lane: the max and the sum are lane-wise over key vectors, no

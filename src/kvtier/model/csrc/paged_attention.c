@@ -580,6 +580,29 @@ static inline void amx_rows(const Args *a, AmxScratch *s, int64_t nc, int64_t c0
     }
 }
 
+/* Scores^T of a chunk into tile C (tile registers are named in the instruction, so C is a
+ * literal): K from src (rows `stride` bytes apart) in tiles 1 and 2 by turns, against Q^T in
+ * tiles 4.., stored to sc. */
+#define AMX_SCORES(C)                                                                              \
+    do {                                                                                           \
+        _tile_zero(C);                                                                             \
+        _tile_loadd(1, src, stride);                                                               \
+        _tile_dpbf16ps(C, 1, 4);                                                                   \
+        if (KB > 1) {                                                                              \
+            _tile_loadd(2, src + 32, stride);                                                      \
+            _tile_dpbf16ps(C, 2, 5);                                                               \
+        }                                                                                          \
+        if (KB > 2) {                                                                              \
+            _tile_loadd(1, src + 64, stride);                                                      \
+            _tile_dpbf16ps(C, 1, 6);                                                               \
+        }                                                                                          \
+        if (KB > 3) {                                                                              \
+            _tile_loadd(2, src + 96, stride);                                                      \
+            _tile_dpbf16ps(C, 2, 7);                                                               \
+        }                                                                                          \
+        _tile_stored(C, sc, 64);                                                                   \
+    } while (0)
+
 /* One KV head of one sequence over its keys [kmin, kmax) for rows = nq × G ≤ 16 query rows
  * (ordered (query, g); q[row] points at each): writes the rows' unnormalized outputs to s->acc
  * [16][D] and their softmax sums to l [16]. */
@@ -624,42 +647,11 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
                 src = s->kb, stride = 2 * D;
             }
             float *sc = s->scores + nc * 256;
-            if (nc % 2 == 0) { /* two score tiles in turn: a chunk's product need not wait for
-                                  the previous chunk's store */
-                _tile_zero(0);
-                _tile_loadd(1, src, stride);
-                _tile_dpbf16ps(0, 1, 4);
-                if (KB > 1) {
-                    _tile_loadd(2, src + 32, stride);
-                    _tile_dpbf16ps(0, 2, 5);
-                }
-                if (KB > 2) {
-                    _tile_loadd(1, src + 64, stride);
-                    _tile_dpbf16ps(0, 1, 6);
-                }
-                if (KB > 3) {
-                    _tile_loadd(2, src + 96, stride);
-                    _tile_dpbf16ps(0, 2, 7);
-                }
-                _tile_stored(0, sc, 64);
-            } else {
-                _tile_zero(3);
-                _tile_loadd(1, src, stride);
-                _tile_dpbf16ps(3, 1, 4);
-                if (KB > 1) {
-                    _tile_loadd(2, src + 32, stride);
-                    _tile_dpbf16ps(3, 2, 5);
-                }
-                if (KB > 2) {
-                    _tile_loadd(1, src + 64, stride);
-                    _tile_dpbf16ps(3, 1, 6);
-                }
-                if (KB > 3) {
-                    _tile_loadd(2, src + 96, stride);
-                    _tile_dpbf16ps(3, 2, 7);
-                }
-                _tile_stored(3, sc, 64);
-            }
+            if (nc % 2 == 0) /* two score tiles in turn: a chunk's product need not wait for
+                                the previous chunk's store */
+                AMX_SCORES(0);
+            else
+                AMX_SCORES(3);
             const uint16_t *vh = kh + bs * row_size;
             uint16_t *vt = s->vt + (nc / 2) * DB * 512 + (nc % 2) * 8 * 32;
             amx_values(vh, row_size, cn, KB, vt);

@@ -12,8 +12,8 @@ without FMA contraction so float32 rounds as torch's separate ops do. `linear.c`
 linears for few rows on AMX tiles or AVX512-BF16 (`tile_linear`), and float32 linears whose
 rows do not depend on their batch (`f32_linear`). `layer.c`: a decoder layer's step as one call
 into the others (`model/fused_layer.py`). `pool.c`: the helper threads every library's calls
-share (bound to each at load; `pool.h` its interface). Shared header `vexp.h` (the AVX-512
-exponential)."""
+share (bound to each at load; `pool.h` its interface). Shared headers `vexp.h` (the AVX-512
+exponential) and `amx.h` (the tile state's grant and configuration)."""
 
 from __future__ import annotations
 

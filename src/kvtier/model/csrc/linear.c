@@ -74,36 +74,12 @@ static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux grants a process the AMX tile state on request (once for all its threads). */
-static int amx_granted(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
+#include "amx.h"
 
 /* tiles 0–3: accumulators (rows × 16 float32); 4: x rows × 32 bf16; 5, 6: weight tiles */
 static void configure(int rows) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.rows[t] = (uint8_t)rows;
-        cfg.colsb[t] = 64;
-    }
-    cfg.rows[5] = cfg.rows[6] = 16;
-    cfg.colsb[5] = cfg.colsb[6] = 64;
-    _tile_loadconfig(&cfg);
+    const uint8_t r = (uint8_t)rows, tiles[8] = {r, r, r, r, r, 16, 16, 0};
+    amx_configure(tiles);
 }
 
 #define AMX_AHEAD 8 /* k blocks ahead the first row block prefetches its weight tiles into L1 */

@@ -454,8 +454,7 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define AMX_PATH 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 /* Decode and short drafts on AMX tiles: a work item's query rows (≤ 16, its queries × the group)
  * are the 16 columns of every tile product, so the keys go into tiles as they lie in the cache —
@@ -473,12 +472,6 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
 #define AMX_SEG 16
 #define AMX_MAX_D 128 /* Q^T in four tile registers at most */
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 typedef struct { /* attend_amx's buffers, one per work item's thread */
     uint32_t *bq;     /* [D / 32][16 pairs][16 rows] the queries as B tiles */
     float *scores;    /* [AMX_SEG][16][16]: a chunk's scores tile, then its rows' scores */
@@ -495,22 +488,10 @@ static _Atomic int amx_on = -1; /* -1: not asked yet; 0: off; 1: on (the OS gran
  * Returns whether the tiles are in use. */
 int kvtier_attention_amx(int want) {
     static _Atomic int granted = -1;
-    if (granted < 0) /* Linux grants the tile state once for all of a process's threads */
-        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    if (granted < 0) granted = amx_granted();
     if (want >= 0) amx_on = want && granted;
     else if (amx_on < 0) amx_on = granted;
     return amx_on;
-}
-
-static void amx_configure(void) { /* eight tiles of 16 rows × 64 bytes */
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* Lays attend_amx's buffers out from p (64-byte aligned; NULL: lays nothing out) and returns
@@ -880,7 +861,8 @@ static void run(Args *a) {
                         break;
                     }
                     amx_scratch(amx_buf, D, &amx_s);
-                    amx_configure();
+                    static const uint8_t tiles[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+                    amx_configure(tiles);
                 }
                 float sums[16];
                 attend_amx(a, qrows, nq, G, row0, table, h, kmin, kmax, &amx_s, sums);

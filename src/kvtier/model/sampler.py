@@ -128,7 +128,7 @@ def sample(
     else:
         processed = processed_logits(logits, batch)
         # softmax, not exp(log_softmax): torch's exp of the filtered tokens' -inf takes ~4 ns
-        # each (64 × 32,000: 8–12 ms against softmax's ~1.2 ms for the whole)
+        # each (64 × 32,000 at top-p 0.9: 15.5 ms against 3.9 for the softmax; README)
         probs = torch.softmax(processed, dim=-1)  # [n, vocab]; 0 where filtered out
         tokens = _inverse_cdf(probs, _uniforms(batch, generator, logits.device))
         if batch.any_greedy:

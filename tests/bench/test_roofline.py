@@ -36,9 +36,40 @@ def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
     # the compute bound: 3 rows take 3 times one row's multiply-adds at the measured rate
     assert res["matmul_macs_s"] > 0
     assert three["compute_ms"] == pytest.approx(3 * one["compute_ms"]) and one["compute_ms"] > 0
+    # the rate is the best of one measurement before each batch size
+    assert len(res["matmul_macs_s_samples"]) == 2
+    assert res["matmul_macs_s"] == max(res["matmul_macs_s_samples"])
     for r in res["rows"]:
         higher = max(r["roofline_ms"], r["compute_ms"])
         assert abs(r["fraction_of_bound"] - higher / r["step_ms"]) < 1e-9
+        # the linears alone: every weight the step multiplies, the tied LM head once, so their
+        # bytes are the step's weights less the norms' vectors; timed, and the rest is the step's
+        assert 0.9 * r["weight_bytes"] < r["linear_bytes"] < r["weight_bytes"]
+        assert r["linear_ms"] > 0
+        assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["linear_ms"])
+        bound = r["linear_bytes"] / res["copy_bandwidth_bytes_s"] * 1e3
+        assert r["linear_roofline_ms"] == pytest.approx(bound)
+        assert r["linear_fraction_of_roofline"] == pytest.approx(bound / r["linear_ms"])
+
+
+def test_linears_are_every_weight_once_and_a_pass_runs_them_all(tmp_path: Path) -> None:
+    qwen = load_model(write_tiny_model(tmp_path / "q", "qwen2", window=4), dtype="bfloat16")
+    layers = roofline.linears(qwen)
+    cfg = qwen.config  # q, k, v, o, gate, up, down a layer (or fused) and the tied LM head
+    weights = {id(m.weight) for m in layers}
+    assert len(weights) == len(layers)
+    assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    assert id(qwen.lm_head.weight) in weights
+    per_layer = sum(m.weight.numel() for m in layers if m is not qwen.lm_head) // cfg.num_layers
+    h, inter = cfg.hidden_size, cfg.hf_config["intermediate_size"]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert per_layer == h * (q + 2 * kv) + q * h + 3 * h * inter
+    calls: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: calls.append(o.shape[0])) for m in layers]
+    assert roofline.linear_pass_s(layers, 3, repeats=2) > 0
+    for hook in hooks:
+        hook.remove()
+    assert calls == [3] * 3 * len(layers)  # a warm-up pass and two timed, 3 rows each
 
 
 def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> None:

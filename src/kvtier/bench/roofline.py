@@ -7,8 +7,14 @@ roofline reached (roofline_ms / step_ms) per batch size; prints a table and save
 
 A large batch is bound by arithmetic, not memory: every weight multiplies every row. So it also
 reports `compute_ms`, the step's multiply-adds (weights × rows, plus attention's) at this
-machine's measured bfloat16 matmul rate (oneDNN's large linear: the best the CPU's matrix
-instructions give here), and the fraction of the higher of the two bounds (`fraction_of_bound`)."""
+machine's measured bfloat16 matmul rate (the best of oneDNN's and the tile kernel's large linear,
+measured before every batch size: the best the CPU's matrix instructions gave in the run), and the
+fraction of the higher of the two bounds (`fraction_of_bound`).
+
+Where a step's time goes is the question a missed roofline raises, so each batch size also times
+the model's linear layers alone on that many rows (`linear_ms`: every `Linear` once, through the
+same kernels as the step) against their weights' bytes at the copy bandwidth; `rest_ms` is the
+step's other work (attention, norms and activations, sampling, what the host adds)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ import torch
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
+from kvtier.model import native
 from kvtier.model.layers import Linear
 from kvtier.model.served import ServedDecoder
 
@@ -62,21 +70,58 @@ def copy_bandwidth(mib: int, repeats: int = 5) -> float:
 
 def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
     """Multiply-adds per second of the best of `repeats` large linears ([512, 4096] by a
-    [4096, 4096] weight) through `Linear`, as the model's run (bfloat16: oneDNN's prepacked
-    layout at this size): the rate no step's matrix products can beat on this CPU."""
+    [4096, 4096] weight) through `Linear` as the model's run (bfloat16: oneDNN's prepacked layout
+    at this size) and, in bfloat16 where it is built, through the tile kernel the model's decode
+    linears use (`native.Kernels.linear_bf16`): the rate no step's matrix products beat here."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 4096, generator=gen).to(dtype)
     w = torch.randn(4096, 4096, generator=gen).to(dtype)
     layer = Linear(4096, 4096, bias=False).to(dtype)
+    kernels = native.kernels()
     with torch.no_grad():
         layer.weight.copy_(w)
-        layer(x)  # pack the weight
+        paths: list[Callable[[], object]] = [lambda: layer(x)]
+        if dtype == torch.bfloat16 and kernels is not None and kernels.tile_linear:
+            tiles = layer.tiles(kernels)
+            paths.append(lambda: kernels.linear_bf16(x, tiles, 4096, None))
         best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            layer(x)
-            best = min(best, time.perf_counter() - t0)
+        for path in paths:
+            path()  # pack the weight, warm the kernel
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                path()
+                best = min(best, time.perf_counter() - t0)
     return x.shape[0] * w.numel() / best
+
+
+def linears(model: torch.nn.Module) -> list[Linear]:
+    """The model's linear layers, each weight once (a tied LM head is the embedding's table)."""
+    seen: set[int] = set()
+    found = []
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            found.append(module)
+    return found
+
+
+def linear_pass_s(layers: list[Linear], batch: int, repeats: int = 5) -> float:
+    """Seconds of one pass over `layers` on `batch` rows of random input each (the median of
+    `repeats` passes after a warm-up): the decode step's matrix products alone, through the same
+    kernels (plus a Python call each, a few µs, which the step's one-call layers do not pay)."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = layers[0].weight.dtype
+    widths = sorted({m.in_features for m in layers})
+    xs = {n: torch.randn(batch, n, generator=gen).to(dtype) for n in widths}
+    times = []
+    with torch.no_grad():
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(xs[layer.in_features])
+            if r:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def step_macs(model: Any, batch: int, weights: int, kv: float) -> float:
@@ -144,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
         path = models.model_path(args.model, Path(tmp))
         threads = configure_torch_threads(args.threads, path)  # the engine's choice unless told
         bandwidth = copy_bandwidth(args.copy_mib)
-        rate = matmul_rate(getattr(torch, args.dtype))
+        dtype = getattr(torch, args.dtype)
+        rates = [matmul_rate(dtype)]
         print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
-              f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s")  # fmt: skip
+              f"{args.dtype} matmul {2 * rates[0] / 1e12:.2f} TFLOP/s")  # fmt: skip
         for batch in args.batch_sizes:
             llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
@@ -161,10 +207,15 @@ def run(args: argparse.Namespace) -> int:
             weights = weight_bytes(model, model.spec.tie_word_embeddings)
             kv = kv_bytes(model, batch, context)
             roofline = (weights + kv) / bandwidth
-            compute = step_macs(model, batch, weights, kv) / rate
+            if batch != args.batch_sizes[0]:  # the box's load moves: the best rate seen so far
+                rates.append(matmul_rate(dtype))
+            compute = step_macs(model, batch, weights, kv) / max(rates)
             steps = [decode_step_s(llm, batch, args, vocab, args.seed + 100 * r)
                      for r in range(args.rounds)]  # fmt: skip
             step = statistics.median(steps)
+            layers = linears(model)
+            linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+            linear = linear_pass_s(layers, batch)
             row = {
                 "batch": batch,
                 "weight_bytes": weights,
@@ -175,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
                 "fraction_of_roofline": roofline / step,
                 "compute_ms": compute * 1e3,
                 "fraction_of_bound": max(roofline, compute) / step,
+                "linear_bytes": linear_bytes,
+                "linear_ms": linear * 1e3,
+                "linear_roofline_ms": linear_bytes / bandwidth * 1e3,
+                "linear_fraction_of_roofline": linear_bytes / bandwidth / linear,
+                "rest_ms": (step - linear) * 1e3,
                 "output_tok_s": batch / step,
                 "torch_threads": llm.engine.torch_threads,
             }
@@ -184,7 +240,12 @@ def run(args: argparse.Namespace) -> int:
                 f"roofline {row['roofline_ms']:7.2f} ms, decode step {row['step_ms']:7.2f} ms "
                 f"→ {row['fraction_of_roofline']:.0%} of the roofline "
                 f"({row['output_tok_s']:.0f} tok/s); compute bound {row['compute_ms']:.2f} ms "
-                f"→ {row['fraction_of_bound']:.0%} of the higher bound",
+                f"→ {row['fraction_of_bound']:.0%} of the higher bound\n"
+                f"           linears alone {row['linear_ms']:7.2f} ms "
+                f"({row['linear_ms'] / row['step_ms']:.0%} of the step) against their "
+                f"{linear_bytes / 1e6:.1f} MB's {row['linear_roofline_ms']:.2f} ms → "
+                f"{row['linear_fraction_of_roofline']:.0%} of their roofline; the rest of the "
+                f"step {row['rest_ms']:.2f} ms",
                 flush=True,
             )
             del llm
@@ -193,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         "config": config,
         "threads": threads,
         "copy_bandwidth_bytes_s": bandwidth,
-        "matmul_macs_s": rate,
+        "matmul_macs_s": max(rates),
+        "matmul_macs_s_samples": rates,
         "rows": rows,
     }
     print(f"saved {save_json(payload, args.out)}")

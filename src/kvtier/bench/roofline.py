@@ -14,7 +14,10 @@ fraction of the higher of the two bounds (`fraction_of_bound`).
 Where a step's time goes is the question a missed roofline raises, so each batch size also times
 the model's linear layers alone on that many rows (`linear_ms`: every `Linear` once, through the
 same kernels as the step) against their weights' bytes at the copy bandwidth; `rest_ms` is the
-step's other work (attention, norms and activations, sampling, what the host adds)."""
+step's other work (attention, norms and activations, sampling, what the host adds): a difference
+of two timings taken a few seconds apart, so near zero, even a little below, where the step is
+all linears (batch 1; the pass also pays a Python call a layer that the step's one-call layers
+do not)."""
 
 from __future__ import annotations
 

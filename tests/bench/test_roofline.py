@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.bench import roofline
 from kvtier.cli import main
@@ -14,7 +15,15 @@ from kvtier.model.loader import load_model
 from kvtier.model.testing import write_tiny_model
 
 
-def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
+def test_roofline_rows_per_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = roofline.matmul_rate
+    samples: list[float] = []
+
+    def rising(dtype: torch.dtype) -> float:  # the box got faster between the two measurements
+        samples.append(measured(dtype) * (1 + len(samples)))
+        return samples[-1]
+
+    monkeypatch.setattr(roofline, "matmul_rate", rising)
     out = tmp_path / "rl.json"
     rc = main(
         [
@@ -36,9 +45,10 @@ def test_roofline_rows_per_batch_size(tmp_path: Path) -> None:
     # the compute bound: 3 rows take 3 times one row's multiply-adds at the measured rate
     assert res["matmul_macs_s"] > 0
     assert three["compute_ms"] == pytest.approx(3 * one["compute_ms"]) and one["compute_ms"] > 0
-    # the rate is the best of one measurement before each batch size
-    assert len(res["matmul_macs_s_samples"]) == 2
-    assert res["matmul_macs_s"] == max(res["matmul_macs_s_samples"])
+    # the rate is the best of one measurement before each batch size, the same for every row
+    assert res["matmul_macs_s_samples"] == samples and len(samples) == 2
+    assert res["matmul_macs_s"] == samples[1] > samples[0]
+    assert one["compute_ms"] == pytest.approx(one["macs"] / samples[1] * 1e3)
     for r in res["rows"]:
         higher = max(r["roofline_ms"], r["compute_ms"])
         assert abs(r["fraction_of_bound"] - higher / r["step_ms"]) < 1e-9

@@ -16,14 +16,20 @@ from kvtier.model.testing import write_tiny_model
 
 
 def test_roofline_rows_per_batch_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    measured = roofline.matmul_rate
+    measured, copied = roofline.matmul_rate, roofline.copy_bandwidth
     samples: list[float] = []
+    copies: list[float] = []
 
     def rising(dtype: torch.dtype) -> float:  # the box got faster between the two measurements
         samples.append(measured(dtype) * (1 + len(samples)))
         return samples[-1]
 
+    def falling(mib: int) -> float:  # and its memory slower
+        copies.append(copied(mib) / (1 + len(copies)))
+        return copies[-1]
+
     monkeypatch.setattr(roofline, "matmul_rate", rising)
+    monkeypatch.setattr(roofline, "copy_bandwidth", falling)
     out = tmp_path / "rl.json"
     rc = main(
         [
@@ -45,21 +51,37 @@ def test_roofline_rows_per_batch_size(tmp_path: Path, monkeypatch: pytest.Monkey
     # the compute bound: 3 rows take 3 times one row's multiply-adds at the measured rate
     assert res["matmul_macs_s"] > 0
     assert three["compute_ms"] == pytest.approx(3 * one["compute_ms"]) and one["compute_ms"] > 0
-    # the rate is the best of one measurement before each batch size, the same for every row
+    # each bound is the best of one measurement before each batch size, the same for every row
     assert res["matmul_macs_s_samples"] == samples and len(samples) == 2
     assert res["matmul_macs_s"] == samples[1] > samples[0]
     assert one["compute_ms"] == pytest.approx(one["macs"] / samples[1] * 1e3)
+    assert res["copy_bandwidth_samples"] == copies and len(copies) == 2
+    assert res["copy_bandwidth_bytes_s"] == copies[0] > copies[1]
+    bytes_one = one["weight_bytes"] + one["kv_bytes"]
+    assert one["roofline_ms"] == pytest.approx(bytes_one / copies[0] * 1e3)
     for r in res["rows"]:
         higher = max(r["roofline_ms"], r["compute_ms"])
         assert abs(r["fraction_of_bound"] - higher / r["step_ms"]) < 1e-9
         # the linears alone: every weight the step multiplies, the tied LM head once, so their
         # bytes are the step's weights less the norms' vectors; timed, and the rest is the step's
         assert 0.9 * r["weight_bytes"] < r["linear_bytes"] < r["weight_bytes"]
-        assert r["linear_ms"] > 0
+        assert r["linear_ms"] > 0 and len(r["linear_ms_rounds"]) == len(r["step_ms_rounds"]) == 1
         assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["linear_ms"])
         bound = r["linear_bytes"] / res["copy_bandwidth_bytes_s"] * 1e3
         assert r["linear_roofline_ms"] == pytest.approx(bound)
         assert r["linear_fraction_of_roofline"] == pytest.approx(bound / r["linear_ms"])
+
+
+def test_bounds_from_one_row_s_timings() -> None:
+    row = {"step_ms": 50.0, "linear_ms": 40.0, "weight_bytes": 900, "kv_bytes": 100,
+           "linear_bytes": 800, "macs": 2e6}  # fmt: skip
+    out = roofline.with_bounds(row, bandwidth=1e5, rate=1e8)  # bytes/s, multiply-adds/s
+    assert out["roofline_ms"] == pytest.approx(10.0) and out["compute_ms"] == pytest.approx(20.0)
+    assert out["fraction_of_roofline"] == pytest.approx(0.2)
+    assert out["fraction_of_bound"] == pytest.approx(0.4)  # the compute bound is the higher
+    assert out["linear_roofline_ms"] == pytest.approx(8.0)
+    assert out["linear_fraction_of_roofline"] == pytest.approx(0.2)
+    assert out.items() >= row.items()
 
 
 def test_linears_are_every_weight_once_and_a_pass_runs_them_all(tmp_path: Path) -> None:

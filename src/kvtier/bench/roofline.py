@@ -1,6 +1,7 @@
 """`kvtier bench roofline`: how close decode comes to the memory-bandwidth limit. A decode step must
 read every weight once and each sequence's KV; at this machine's copy bandwidth (measured here: a
-large tensor copy, bytes read + written per second) that takes `roofline_ms`. The engine's decode
+large tensor copy, bytes read + written per second, before every batch size; the best of the run
+is every row's) that takes `roofline_ms`. The engine's decode
 step time is timed on the engine's own steps once every prompt of the batch is prefilled (new
 prompts each round): elapsed time over decode steps. Reports the fraction of the
 roofline reached (roofline_ms / step_ms) per batch size; prints a table and saves JSON.
@@ -9,15 +10,16 @@ A large batch is bound by arithmetic, not memory: every weight multiplies every 
 reports `compute_ms`, the step's multiply-adds (weights × rows, plus attention's) at this
 machine's measured bfloat16 matmul rate (the best of oneDNN's and the tile kernel's large linear,
 measured before every batch size: the best the CPU's matrix instructions gave in the run), and the
-fraction of the higher of the two bounds (`fraction_of_bound`).
+fraction of the higher of the two bounds (`fraction_of_bound`). On a shared machine either
+measurement can catch a slow minute; the best of the run is the closest to what the hardware gives.
 
 Where a step's time goes is the question a missed roofline raises, so each batch size also times
 the model's linear layers alone on that many rows (`linear_ms`: every `Linear` once, through the
 same kernels as the step) against their weights' bytes at the copy bandwidth; `rest_ms` is the
 step's other work (attention, norms and activations, sampling, what the host adds): a difference
-of two timings taken a few seconds apart, so near zero, even a little below, where the step is
-all linears (batch 1; the pass also pays a Python call a layer that the step's one-call layers
-do not)."""
+of two medians, each round's linears timed right after its steps, so near zero, even a little
+below, where the step is all linears (batch 1; the pass also pays a Python call a layer that the
+step's one-call layers do not)."""
 
 from __future__ import annotations
 
@@ -182,21 +184,39 @@ def decode_step_s(llm: Any, batch: int, args: argparse.Namespace, vocab: int, se
     return elapsed / max(tokens / batch, 1.0)
 
 
+def with_bounds(row: dict[str, Any], bandwidth: float, rate: float) -> dict[str, Any]:
+    """`row`'s timings (step, linears) against the bounds at the run's best copy bandwidth and
+    matmul rate: the roofline, the compute bound, and the fractions of them reached."""
+    step, linear = row["step_ms"] / 1e3, row["linear_ms"] / 1e3
+    roofline = (row["weight_bytes"] + row["kv_bytes"]) / bandwidth
+    compute = row["macs"] / rate
+    return row | {
+        "roofline_ms": roofline * 1e3,
+        "fraction_of_roofline": roofline / step,
+        "compute_ms": compute * 1e3,
+        "fraction_of_bound": max(roofline, compute) / step,
+        "linear_roofline_ms": row["linear_bytes"] / bandwidth * 1e3,
+        "linear_fraction_of_roofline": row["linear_bytes"] / bandwidth / linear,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.engine import LLM
 
     if args.output_len < 2 or args.rounds < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--output-len must be ≥ 2, --rounds and --batch-sizes ≥ 1")
     rows = []
+    bandwidths: list[float] = []
+    rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(args.model, Path(tmp))
         threads = configure_torch_threads(args.threads, path)  # the engine's choice unless told
-        bandwidth = copy_bandwidth(args.copy_mib)
         dtype = getattr(torch, args.dtype)
-        rates = [matmul_rate(dtype)]
-        print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
-              f"{args.dtype} matmul {2 * rates[0] / 1e12:.2f} TFLOP/s")  # fmt: skip
         for batch in args.batch_sizes:
+            # the box's load moves from minute to minute: the bounds are measured before every
+            # batch size and the best of the run taken for all (after the loop)
+            bandwidths.append(copy_bandwidth(args.copy_mib))
+            rates.append(matmul_rate(dtype))
             llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
                       max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed,
@@ -209,60 +229,51 @@ def run(args: argparse.Namespace) -> int:
             context = args.input_len + args.output_len / 2  # mean over the decode steps
             weights = weight_bytes(model, model.spec.tie_word_embeddings)
             kv = kv_bytes(model, batch, context)
-            roofline = (weights + kv) / bandwidth
-            if batch != args.batch_sizes[0]:  # the box's load moves: the best rate of the run
-                rates.append(matmul_rate(dtype))
-            steps = [decode_step_s(llm, batch, args, vocab, args.seed + 100 * r)
-                     for r in range(args.rounds)]  # fmt: skip
-            step = statistics.median(steps)
             layers = linears(model)
-            linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-            linear = linear_pass_s(layers, batch)
-            row = {
+            steps, passes = [], []
+            for r in range(args.rounds):  # the linears alone right after each round's steps
+                steps.append(decode_step_s(llm, batch, args, vocab, args.seed + 100 * r))
+                passes.append(linear_pass_s(layers, batch))
+            step, linear = statistics.median(steps), statistics.median(passes)
+            rows.append({
                 "batch": batch,
                 "weight_bytes": weights,
                 "kv_bytes": kv,
-                "roofline_ms": roofline * 1e3,
                 "step_ms": step * 1e3,
                 "step_ms_rounds": [s * 1e3 for s in steps],
-                "fraction_of_roofline": roofline / step,
-                "macs": step_macs(model, batch, weights, kv),  # compute_ms: after the loop
-                "linear_bytes": linear_bytes,
+                "macs": step_macs(model, batch, weights, kv),
+                "linear_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
                 "linear_ms": linear * 1e3,
-                "linear_roofline_ms": linear_bytes / bandwidth * 1e3,
-                "linear_fraction_of_roofline": linear_bytes / bandwidth / linear,
+                "linear_ms_rounds": [s * 1e3 for s in passes],
                 "rest_ms": (step - linear) * 1e3,
                 "output_tok_s": batch / step,
                 "torch_threads": llm.engine.torch_threads,
-            }
-            rows.append(row)
-            print(
-                f"batch {batch:3d}: {(weights + kv) / 1e6:7.1f} MB/step (KV {kv / 1e6:.1f}) → "
-                f"roofline {row['roofline_ms']:7.2f} ms, decode step {row['step_ms']:7.2f} ms "
-                f"→ {row['fraction_of_roofline']:.0%} of the roofline "
-                f"({row['output_tok_s']:.0f} tok/s)\n"
-                f"           linears alone {row['linear_ms']:7.2f} ms "
-                f"({row['linear_ms'] / row['step_ms']:.0%} of the step) against their "
-                f"{linear_bytes / 1e6:.1f} MB's {row['linear_roofline_ms']:.2f} ms → "
-                f"{row['linear_fraction_of_roofline']:.0%} of their roofline; the rest of the "
-                f"step {row['rest_ms']:.2f} ms",
-                flush=True,
-            )
+            })  # fmt: skip
+            print(f"batch {batch:3d}: decode step {step * 1e3:7.2f} ms ({batch / step:.0f} tok/s), "
+                  f"linears alone {linear * 1e3:7.2f} ms", flush=True)  # fmt: skip
             del llm
-    rate = max(rates)
-    print(f"compute bound at the best {args.dtype} matmul rate of the run, "
-          f"{2 * rate / 1e12:.2f} TFLOP/s:")  # fmt: skip
+    bandwidth, rate = max(bandwidths), max(rates)
+    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
+          f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s (the best of the run)")  # fmt: skip
+    rows = [with_bounds(row, bandwidth, rate) for row in rows]
     for row in rows:
-        compute = row["macs"] / rate
-        bound = max(row["roofline_ms"] / 1e3, compute)
-        row |= {"compute_ms": compute * 1e3, "fraction_of_bound": bound * 1e3 / row["step_ms"]}
-        print(f"batch {row['batch']:3d}: {row['compute_ms']:7.2f} ms → "
-              f"{row['fraction_of_bound']:.0%} of the higher bound")  # fmt: skip
+        print(
+            f"batch {row['batch']:3d}: {(row['weight_bytes'] + row['kv_bytes']) / 1e6:7.1f} MB/step "
+            f"(KV {row['kv_bytes'] / 1e6:.1f}) → roofline {row['roofline_ms']:7.2f} ms, decode "
+            f"step {row['step_ms']:7.2f} ms → {row['fraction_of_roofline']:.0%} of the roofline; "
+            f"compute bound {row['compute_ms']:.2f} ms → {row['fraction_of_bound']:.0%} of the "
+            f"higher bound\n           linears alone {row['linear_ms']:7.2f} ms "
+            f"({row['linear_ms'] / row['step_ms']:.0%} of the step) against their "
+            f"{row['linear_bytes'] / 1e6:.1f} MB's {row['linear_roofline_ms']:.2f} ms → "
+            f"{row['linear_fraction_of_roofline']:.0%} of their roofline; the rest of the "
+            f"step {row['rest_ms']:.2f} ms"
+        )
     config = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {
         "config": config,
         "threads": threads,
         "copy_bandwidth_bytes_s": bandwidth,
+        "copy_bandwidth_samples": bandwidths,
         "matmul_macs_s": rate,
         "matmul_macs_s_samples": rates,
         "rows": rows,

@@ -4,7 +4,7 @@ accepted), rounds of a batch, and the end-of-run check."""
 
 from __future__ import annotations
 
-from kvtier.engine import LLM, SamplingParams
+from kvtier.engine import LLM, EngineCore, FinishedRequest, SamplingParams, StepOutput
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -35,3 +35,44 @@ def check_clean(llm: LLM) -> None:
     assert engine.stats().num_hazards == 0
     engine.check_integrity()
     assert engine.stats().is_idle
+
+
+class Watchdog:
+    """The liveness invariant (architecture.md §Progress): while the engine has work, no request
+    goes more than `bound` engine steps without a token. Feed it every `step()`'s outputs."""
+
+    def __init__(self, engine: EngineCore, bound: int) -> None:
+        self.engine = engine
+        self.bound = bound
+        self.num_steps = 0
+        self.last_token: dict[str, int] = {}  # unfinished request → step of its last token
+
+    def add(self, req_id: str) -> None:
+        self.last_token[req_id] = self.num_steps
+
+    def forget(self, req_id: str) -> None:
+        self.last_token.pop(req_id, None)
+
+    def step(self) -> list[StepOutput]:
+        """One engine step; AssertionError naming the request that starved past the bound."""
+        outs = self.engine.step()
+        self.num_steps += 1
+        for out in outs:
+            if out.finished:
+                self.forget(out.req_id)
+            elif out.new_token_ids:
+                self.last_token[out.req_id] = self.num_steps
+        for req_id, seen in self.last_token.items():
+            waited = self.num_steps - seen
+            assert waited <= self.bound, (
+                f"{req_id} got no token in {waited} steps (bound {self.bound}): no progress; "
+                f"{self.engine.stats().num_preemptions} preemptions so far"
+            )
+        return outs
+
+    def drain(self) -> dict[str, FinishedRequest]:
+        """Step until nothing is unfinished, checking liveness; the finished requests by id."""
+        done: dict[str, FinishedRequest] = {}
+        while self.engine.has_unfinished_requests():
+            done |= {o.req_id: o.result for o in self.step() if o.result is not None}
+        return done

@@ -142,26 +142,41 @@ class Admission:
     ) -> list[PlannedTransfer]:
         """`head` cannot get its blocks and nothing runs, so no block will come back by itself:
         if requests whose load completed wait behind it holding their blocks, nothing ever moves
-        (each waits on the other). Take those blocks back — they are published, so they stay
-        prefix hits — and let the requests look up again when their turn comes. Returns the
-        stores planned first (what is settled, as on preemption)."""
-        transfers: list[PlannedTransfer] = []
+        (each waits on the other). Take those blocks back (`release_loaded`)."""
         if running:
-            return transfers  # running requests finish and free blocks: the head's wait ends
+            return []  # running requests finish and free blocks: the head's wait ends
+        return self.release_loaded(waiting, keep=head)
+
+    def can_release_loaded(self, waiting: RequestQueue, keep: Request | None = None) -> bool:
+        """True if a waiting request other than `keep` holds the blocks of a completed load and
+        no step in flight (no side effects)."""
+        return any(self._holds_loaded(r, keep) for r in waiting)
+
+    def release_loaded(
+        self, waiting: RequestQueue, keep: Request | None = None
+    ) -> list[PlannedTransfer]:
+        """Take back the blocks of waiting requests (other than `keep`) whose load completed
+        (mutates those requests and the tables; freed at once, no step reads them): they are
+        published, so they stay prefix hits, and the requests look up again when their turn
+        comes. The rule of architecture.md §Progress. Returns the stores planned first (what is
+        settled, as on preemption)."""
+        transfers: list[PlannedTransfer] = []
         for request in waiting:
-            rid = request.request_id
-            if (
-                request is head
-                or request.status is not RequestStatus.WAITING
-                or request.ledger.records
-                or not self.kv.has_request(rid)
-            ):
+            if not self._holds_loaded(request, keep):
                 continue
             if self.tier is not None:
                 transfers += [t.planned() for t in self.tier.preempt_request(request)]
             self.lifetimes.free(request)
             request.num_computed_tokens = 0
         return transfers
+
+    def _holds_loaded(self, request: Request, keep: Request | None) -> bool:
+        return (
+            request is not keep
+            and request.status is RequestStatus.WAITING
+            and not request.ledger.records
+            and self.kv.has_request(request.request_id)
+        )
 
     def _try_load(
         self,

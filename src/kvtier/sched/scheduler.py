@@ -272,7 +272,8 @@ class Scheduler:
         blocks the steps in flight return (the quarantine's, earlier victims' included, and those
         of requests they end by length) are counted: if they cover the shortfall, wait for them.
         The victim is the policy's choice among every running request; one already scheduled in
-        this step is taken back first.
+        this step is taken back first. Before a request would preempt itself, waiting requests
+        whose load completed give their blocks back (architecture.md §Progress).
         """
         end = request.num_computed_tokens + n
         if not self.lifetimes.needs_allocation(request, end):
@@ -290,6 +291,12 @@ class Scheduler:
             victim = running[v]
             if victim is request and request.ledger.num_live_in_flight_tokens:
                 return None  # its own steps will settle and free window blocks: wait, don't drop
+            if victim is request and self.admission.can_release_loaded(self.waiting):
+                # Loaded requests wait holding blocks no step uses: take those back before the
+                # request drops itself, or it re-enters ahead of them and starves forever
+                # (architecture.md §Progress).
+                self._transfers += self.admission.release_loaded(self.waiting)
+                continue
             running.pop(v)
             if victim.request_id in step.num_scheduled:
                 step.take_back(victim, self.processed_step_seq)

@@ -8,6 +8,7 @@ engine on the same disk folder finds the first one's blocks."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,45 @@ def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
     finally:
         redis_server.resume()
         llm.engine.close()
+
+
+def test_an_orphaned_read_past_its_deadline_runs_no_empty_steps(
+    llama: Path, redis_server: RedisServer
+) -> None:
+    """Issue 41's busy spin (architecture.md §Progress): `gone`'s read of a hung Redis is
+    orphaned by an abort and passes its deadline; while `b` then waits on a read of its own,
+    every `step()` scheduled an empty step (hundreds in b's wait) instead of waiting for b's
+    read. Now the steps are the ones b's tokens need."""
+    rng = random.Random(7)
+    batch = [[rng.randrange(3, 300) for _ in range(20)] for _ in range(2)]  # no common block
+    timeout = 0.5  # Redis reads end as misses after 4 × this: after b's deadline
+    kwargs = BASE | SMALL | {"kv_tier_timeout_s": timeout, "kv_remote_url": redis_server.url}
+    first = LLM(str(llama), **kwargs)
+    try:
+        expected = generate(first, batch)
+    finally:
+        first.engine.close()  # flushes its Redis writes
+    llm = LLM(str(llama), **kwargs)
+    engine = llm.engine
+    redis_server.pause()
+    try:
+        engine.add_request("gone", batch[0], GREEDY)
+        assert engine.step() == []  # its read starts
+        assert engine.abort("gone") is not None
+        time.sleep(1.5 * timeout)  # the orphaned read passes its deadline, still hung
+        before = engine.queue.num_steps
+        engine.add_request("b", batch[1], GREEDY)
+        done: dict[str, list[int]] = {}
+        while "b" not in done:
+            done |= {o.req_id: o.result.token_ids for o in engine.step() if o.result}
+        # the step whose lookup starts b's read, one prefill, a step per further token, and
+        # one for the last host stores; each step() meanwhile waited for b's read
+        assert engine.queue.num_steps - before <= 3 + GREEDY.max_tokens
+    finally:
+        redis_server.resume()
+    assert done["b"] == expected[1]
+    engine.drain()
+    engine.close()
 
 
 def test_a_step_never_blocks_on_a_lower_tier_read(

@@ -435,17 +435,23 @@ class TierChain:
         return {rid for rid, st in self._reqs.items() if st.fetch or st.waiting_on}
 
     def wait_for_io(self, max_wait_s: float) -> bool:
-        """Block up to `max_wait_s` until a read in flight finishes or a deadline passes (for an
-        engine with nothing else to do: cheaper than stepping empty forwards). True when one has
-        (the next lookup makes progress), False when all still wait. Mutates nothing."""
-        if any(f.future.done() for f in self._fetches):
-            return True
-        if not self._fetches:
+        """Block up to `max_wait_s` until a read some request waits on finishes or its deadline
+        passes (for an engine with nothing else to do: cheaper than stepping empty forwards).
+        True when one has (the next lookup makes progress), False when all still wait. Reads no
+        request waits on any more (aborted, or its lookup timed out) end no wait: past their
+        deadline they would end every wait at once, a busy spin (architecture.md §Progress);
+        they are staged whenever a later step finds them landed. Mutates nothing."""
+        awaited = {
+            id(f): f for st in self._reqs.values() for f in (st.fetch, st.waiting_on) if f
+        }.values()
+        if not awaited:
             return False
-        deadline = min(f.deadline for f in self._fetches)
+        if any(f.future.done() for f in awaited):
+            return True
+        deadline = min(f.deadline for f in awaited)
         timeout = min(max_wait_s, max(0.0, deadline - self.clock()))
-        wait([f.future for f in self._fetches], timeout, FIRST_COMPLETED)
-        return any(f.future.done() for f in self._fetches) or self.clock() >= deadline
+        wait([f.future for f in awaited], timeout, FIRST_COMPLETED)
+        return any(f.future.done() for f in awaited) or self.clock() >= deadline
 
     # ---- lifecycle and stats ---------------------------------------------------------------------
 

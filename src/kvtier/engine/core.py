@@ -20,6 +20,7 @@ from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
+from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
@@ -142,7 +143,12 @@ class EngineCore:
             order_copies_after_compute="event" in args.protect,
             logprobs_mode=args.logprobs_mode,
         )
-        self._requests: dict[str, RequestState] = {}  # added, final output not yet handed out
+        # Added, final output not yet handed out: by the id the scheduler knows it by, and the
+        # caller's id → that id. They differ only for a caller's id reused while an aborted
+        # request's steps, load or stores still go by it (`_sched_id`).
+        self._requests: dict[ReqId, RequestState] = {}
+        self._ids: dict[str, ReqId] = {}
+        self._num_renamed = 0
         self.num_draft_tokens = 0  # drafts verified, over every step processed
         self.num_accepted_tokens = 0
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
@@ -207,7 +213,7 @@ class EngineCore:
         of the scheduler, such as max_model_len, are checked only by `add_request`.)"""
         if not isinstance(req_id, str):
             raise TypeError(f"request id must be a string, got {type(req_id).__name__}")
-        if req_id in self._requests:
+        if req_id in self._ids:
             raise ValueError(f"request id {req_id!r} is already in use")
         try:
             return check_request(
@@ -228,7 +234,8 @@ class EngineCore:
         use_ngram = self.args.num_speculative_tokens > 0
         stop = params.stop_conditions(self.eos_token_id, use_ngram)
         draw = params.draw_params()
-        request = Request(req_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
+        sched_id = self._sched_id(req_id)
+        request = Request(sched_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
         detok = IncrementalDetokenizer(
             self.tokenizer,
@@ -238,18 +245,37 @@ class EngineCore:
             prompt_token_ids,
             params.min_tokens,
         )
-        state = RequestState(request, params, detok)
+        state = RequestState(req_id, request, params, detok)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
-        self._requests[req_id] = state
+        self._requests[sched_id] = state
+        self._ids[req_id] = sched_id
+
+    def _sched_id(self, req_id: str) -> ReqId:
+        """The id the scheduler and the layers below know a new request by: the caller's, unless
+        the scheduler still knows a request by it (an aborted one whose steps are in flight) or
+        the host tier still loads for one — then a fresh one, so the caller may reuse an id as
+        soon as `abort` hands the request back."""
+        sched_id = req_id
+        while self._id_held(sched_id):
+            self._num_renamed += 1
+            sched_id = f"{req_id}#{self._num_renamed}"
+        return sched_id
+
+    def _id_held(self, sched_id: ReqId) -> bool:
+        if sched_id in self.scheduler.requests:  # every unfinished request, and drained ones
+            return True
+        # a cancelled load in flight still claims its prefix under the old request's id
+        return self.host_tier is not None and self.host_tier.is_loading(sched_id)
 
     def abort(self, req_id: str) -> FinishedRequest | None:
         """Stop a request now and forget it; returns it as it ended (None: unknown, or already
         handed out as finished). Its blocks return once no step in flight can touch them."""
-        state = self._requests.pop(req_id, None)
-        if state is None:
+        sched_id = self._ids.pop(req_id, None)
+        if sched_id is None:
             return None
-        self.scheduler.abort(req_id)
+        state = self._requests.pop(sched_id)
+        self.scheduler.abort(sched_id)
         state.finish_reason = "abort"
         return state.finished()
 
@@ -320,7 +346,7 @@ class EngineCore:
                     state.stop_reason = self._stop_token_reason(state)
             if finished:
                 new_text += state.detok.flush()
-            step_out = StepOutput(out.req_id, kept, new_text, finished)
+            step_out = StepOutput(state.req_id, kept, new_text, finished)
             if state.params.logprobs is not None:
                 step_out.new_logprobs = state.logprobs[num_logprobs:]
             if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
@@ -328,6 +354,7 @@ class EngineCore:
                 step_out.prompt_logprobs = list(state.prompt_logprobs)
             if finished:
                 del self._requests[out.req_id]
+                del self._ids[state.req_id]
                 step_out.result = state.finished()
             outs.append(step_out)
         if self.args.check_integrity:

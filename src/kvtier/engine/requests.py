@@ -54,6 +54,7 @@ class StepOutput:
 class RequestState:
     """Engine-side view of one request: its text so far and what the user asked for."""
 
+    req_id: str  # the caller's (`request.request_id` is the scheduler's: see `EngineCore`)
     request: Request
     params: SamplingParams
     detok: IncrementalDetokenizer
@@ -81,7 +82,7 @@ class RequestState:
         asked = self.params.logprobs is not None
         prompt = self.prompt_logprobs
         return FinishedRequest(
-            req_id=request.request_id,
+            req_id=self.req_id,
             prompt_token_ids=request.all_token_ids[: request.num_prompt_tokens],
             token_ids=list(self.token_ids),
             text=self.detok.text,

@@ -263,7 +263,7 @@ class EngineCore:
         return sched_id
 
     def _id_held(self, sched_id: ReqId) -> bool:
-        if sched_id in self.scheduler.requests:  # every unfinished request, and drained ones
+        if sched_id in self.scheduler.requests:  # unfinished, or finished with steps in flight
             return True
         # a cancelled load in flight still claims its prefix under the old request's id
         return self.host_tier is not None and self.host_tier.is_loading(sched_id)

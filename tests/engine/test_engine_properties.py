@@ -1,7 +1,8 @@
 """Random workloads through the whole engine on the sim device, with the race sanitizer raising at
 the first hazard and NaN poison in recycled blocks: every completion must equal the same prompt run
 alone, synchronously, without prefix caching — whatever the async depth, drafts, pool size, chunk
-budget, host tier, arrival pattern and aborts."""
+budget, host tier, arrival pattern and aborts — and no request may wait more than a bounded number
+of steps for a token (architecture.md §Progress): a livelock fails the run instead of hanging it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 
 from kvtier.engine import EngineArgs, EngineCore, FinishedRequest, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import Watchdog
 
 MODEL = {}
+BOUND = 500  # steps without a token: far above any schedule of six short requests
 
 
 def model_path(tmp_root: Path) -> Path:
@@ -111,6 +114,7 @@ def check_workload(
         )
     )
     pending = sorted(enumerate(workload), key=lambda item: item[1][2])
+    dog = Watchdog(engine, BOUND)
     step = 0
     aborted: set[str] = set()
     done: dict[str, FinishedRequest] = {}
@@ -119,14 +123,16 @@ def check_workload(
             i, (prompt, max_tokens, _, abort) = pending.pop(0)
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             engine.add_request(f"r{i}", list(prompt), params)
+            dog.add(f"r{i}")
             if abort and step % 2:
                 aborted.add(f"r{i}")
-        done |= {out.req_id: out.result for out in engine.step() if out.result is not None}
+        done |= {out.req_id: out.result for out in dog.step() if out.result is not None}
         assert engine.num_unfinished_requests() == engine.stats().num_unfinished_requests
         step += 1
         if step == 3:
             for req_id in aborted:
                 result = engine.abort(req_id)
+                dog.forget(req_id)
                 if result is not None:
                     done[req_id] = result
     engine.check_integrity()

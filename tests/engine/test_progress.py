@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.config import ModelConfig
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.kv.plan import plan_kv
 from kvtier.model.testing import write_tiny_model
 from tests.engine.workloads import Watchdog
 
@@ -90,3 +92,118 @@ def test_prompt_logprobs_do_not_starve_behind_a_loaded_request(
         assert done[name].token_ids == alone(mistral, prompt, 4), name
     e.check_integrity()
     assert e.stats().is_idle
+
+
+# ---- random workloads on minimal pools: progress and tokens --------------------------------------
+
+ADMISSIONS = ("shared", "per-request", "optimistic")
+REFERENCES: dict[tuple[Path, int], EngineCore] = {}
+
+
+@pytest.fixture(scope="module")
+def models(mistral: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("gemma3-progress")
+    gemma3 = write_tiny_model(folder, "gemma3", hidden_size=32, vocab_size=300, window=8)
+    return [mistral, gemma3]
+
+
+def reference(path: Path, max_model_len: int, prompt: list[int], max_tokens: int) -> list[int]:
+    """The prompt alone: synchronous, no prefix caching, a roomy pool (one engine per model and
+    length limit, one request at a time)."""
+    if (path, max_model_len) not in REFERENCES:
+        REFERENCES[path, max_model_len] = engine(
+            path,
+            max_model_len=max_model_len,
+            num_host_blocks=None,
+            num_device_blocks=64,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            scheduler_reserve_full_isl=True,
+        )
+    e = REFERENCES[path, max_model_len]
+    e.add_request("alone", prompt, greedy(max_tokens))
+    return e.drain()["alone"].token_ids
+
+
+def minimal_pool(path: Path, args: dict[str, object]) -> int:
+    """Device blocks of the smallest pool the engine accepts: one request at max length."""
+    probe = EngineArgs.from_kwargs(str(path), **{**args, "num_device_blocks": 1 << 12})
+    plan = plan_kv(ModelConfig.from_pretrained(path), probe.cache, probe.scheduler)
+    return plan.blocks_per_request(plan.max_model_len) + 1
+
+
+def check_minimal_pool_workload(models: list[Path], seed: int) -> None:
+    """One random run: first-chunk admission, a host tier holding an evicted prefix, prompt
+    logprobs, aborts and arrivals over time, on the smallest pool the engine accepts. Every
+    request that was not aborted gets the tokens of its prompt alone; none starves."""
+    rng = random.Random(seed)
+    path = rng.choice(models)
+    depth = rng.choice([1, 2, 3])
+    max_model_len = rng.choice([16, 20, 24])
+    args: dict[str, object] = {
+        **MINIMAL,
+        "device": "cpu" if rng.random() < 0.2 else "sim",
+        "max_model_len": max_model_len,
+        "block_size": rng.choice([4, 5]),
+        "max_num_batched_tokens": rng.choice([4, 5, 8]),
+        "async_scheduling": depth > 1,
+        "async_depth": max(depth, 2),
+        "num_speculative_tokens": rng.choice([0, 0, 2]),
+        "admission": rng.choice(ADMISSIONS),
+        "num_host_blocks": rng.choice([8, 15, 40]),
+    }
+    if args["device"] == "sim":
+        args |= {"sanitize": True, "poison": True}
+    args["num_device_blocks"] = minimal_pool(path, args)
+    e = EngineCore(EngineArgs.from_kwargs(str(path), **args))
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 290) for _ in range(n)]
+
+    prefix = toks(rng.choice([4, 8, 10]))
+    e.add_request("owner", prefix, greedy(2))
+    e.drain()
+    e.add_request("churn", toks(max_model_len // 2), greedy(2))  # evicts the prefix
+    e.drain()
+    requests = []
+    for i in range(rng.randint(2, 4)):
+        own = toks(rng.randint(1, max_model_len - 1 - len(prefix)))
+        prompt = (prefix + own) if rng.random() < 0.6 else toks(rng.randint(1, max_model_len - 1))
+        logprobs = 1 if rng.random() < 0.4 else None
+        arrive, abort = rng.randint(0, 3), (rng.randint(0, 12) if rng.random() < 0.15 else None)
+        requests.append((f"r{i}", prompt, rng.randint(1, 8), logprobs, arrive, abort))
+    dog = Watchdog(e, 1000)
+    done = {}
+    aborted = set()
+    step = 0
+    while step <= 3 or e.has_unfinished_requests():
+        for rid, prompt, max_tokens, logprobs, arrive, abort in requests:
+            if arrive == step:
+                e.add_request(rid, prompt, greedy(max_tokens, prompt_logprobs=logprobs))
+                dog.add(rid)
+            if abort is not None and arrive + abort == step and rid not in done:
+                result = e.abort(rid)
+                dog.forget(rid)
+                if result is not None:
+                    done[rid], _ = result, aborted.add(rid)
+        done |= {o.req_id: o.result for o in dog.step() if o.result is not None}
+        step += 1
+    for rid, prompt, max_tokens, _, _, _ in requests:
+        want = reference(path, max_model_len, prompt, max_tokens)
+        got = done[rid].token_ids
+        assert got == (want[: len(got)] if rid in aborted else want), (rid, args)
+    e.check_integrity()
+    assert e.stats().is_idle
+    assert e.stats().num_hazards == 0
+    e.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_on_minimal_pools_progress(models: list[Path], seed: int) -> None:
+    check_minimal_pool_workload(models, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6, 2006))
+def test_random_workloads_on_minimal_pools_soak(models: list[Path], seed: int) -> None:
+    check_minimal_pool_workload(models, seed)

@@ -19,14 +19,19 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def rounds(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, n: int
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, n: int, bound: int = 1000
 ) -> list[list[tuple[int, ...]]]:
-    """`n` rounds of `prompts` as one batch each: each round's tokens per prompt."""
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    return [
-        [tuple(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-        for _ in range(n)
-    ]
+    """`n` rounds of `prompts` as one batch each: each round's tokens per prompt. No request
+    may wait more than `bound` steps for a token (`Watchdog`)."""
+    engine, out = llm.engine, []
+    for r in range(n):
+        dog = Watchdog(engine, bound)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"round{r}-{i}", prompt, params)
+            dog.add(f"round{r}-{i}")
+        done = dog.drain()
+        out.append([tuple(done[f"round{r}-{i}"].token_ids) for i in range(len(prompts))])
+    return out
 
 
 def check_clean(llm: LLM) -> None:

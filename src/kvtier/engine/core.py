@@ -255,7 +255,7 @@ class EngineCore:
         """The id the scheduler and the layers below know a new request by: the caller's, unless
         the scheduler still knows a request by it (an aborted one whose steps are in flight) or
         the host tier still loads for one — then a fresh one, so the caller may reuse an id as
-        soon as `abort` hands the request back."""
+        soon as `abort` hands the request back (architecture.md §Progress)."""
         sched_id = req_id
         while self._id_held(sched_id):
             self._num_renamed += 1

@@ -206,7 +206,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         kv = self.s.kv
         assert kv.pool.num_quarantined_refs == 0 and kv.num_free_blocks == kv.pool.num_blocks - 1
 
-
     def drain(self) -> None:
         """Engine steps, no arrival and no abort, until nothing is unfinished or in flight; fails
         when a request waits more than LIVENESS_BOUND steps for a token."""

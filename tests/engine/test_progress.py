@@ -198,7 +198,8 @@ def check_minimal_pool_workload(models: list[Path], seed: int) -> None:
     e.close()
 
 
-@pytest.mark.parametrize("seed", range(6))
+# Seeds 2, 66 and 100 livelocked before the rule of §Progress (a request preempting itself forever)
+@pytest.mark.parametrize("seed", [*range(6), 66, 100])
 def test_random_workloads_on_minimal_pools_progress(models: list[Path], seed: int) -> None:
     check_minimal_pool_workload(models, seed)
 

@@ -208,3 +208,31 @@ def test_random_workloads_on_minimal_pools_progress(models: list[Path], seed: in
 @pytest.mark.parametrize("seed", range(6, 2006))
 def test_random_workloads_on_minimal_pools_soak(models: list[Path], seed: int) -> None:
     check_minimal_pool_workload(models, seed)
+
+
+def test_a_head_request_takes_back_the_blocks_of_a_loaded_request_behind_it(
+    mistral: Path,
+) -> None:
+    """With nothing running, `h` (ranked first) cannot get its blocks while `b`, whose host load
+    completed, waits behind it holding them: admission takes them back (each would otherwise
+    wait on the other forever)."""
+    rng = random.Random(3)
+    e = engine(mistral, policy="priority", scheduler_reserve_full_isl=True)
+    prefix = [rng.randrange(3, 290) for _ in range(10)]
+    e.add_request("owner", prefix, greedy(2))
+    e.drain()
+    for i in range(2):  # evict the prefix from the device: it is on the host only
+        e.add_request(f"churn{i}", [rng.randrange(3, 290) for _ in range(15)], greedy(2))
+        e.drain()
+    prompts = {"b": prefix + [rng.randrange(3, 290) for _ in range(3)]}
+    prompts["h"] = [rng.randrange(3, 290) for _ in range(15)]
+    dog = Watchdog(e, BOUND)
+    e.add_request("b", prompts["b"], greedy(4), priority=1)
+    dog.add("b")
+    dog.step()  # b's load starts
+    e.add_request("h", prompts["h"], greedy(4), priority=0)
+    dog.add("h")
+    done = dog.drain()
+    for name, prompt in prompts.items():
+        assert done[name].token_ids == alone(mistral, prompt, 4), name
+    assert e.stats().is_idle

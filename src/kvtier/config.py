@@ -18,18 +18,18 @@ from kvtier.checks import check_float, check_int, check_strs, is_int, show
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-# Bytes per element of every dtype kvtier sizes or stores (fp8 is for KV sizing only: no device
-# buffer holds it yet). The one table; the device layer reads it too.
+# Bytes per element of every dtype kvtier sizes or stores: the one table, the device layer reads
+# it too. A dtype enters it only with a buffer that holds it (the plan sizes what is allocated).
 DTYPE_BYTES = {
     "float64": 8,
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
-    "fp8": 1,
     "int64": 8,
     "int32": 4,
 }
-KV_DTYPES = ("float64", "float32", "bfloat16", "float16", "fp8")  # a model's or KV cache's dtype
+KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # --kv-cache-dtype: auto is the model's (run) dtype
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
@@ -339,8 +339,7 @@ class CacheConfig:
             raise ValueError(f"--num-device-blocks must be ≥ 2, got {self.num_device_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("--kv-cache-memory-bytes must be positive")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(KV_DTYPES)}")
+        self._check_kv_cache_dtype()
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
@@ -365,6 +364,24 @@ class CacheConfig:
             raise ValueError(
                 f"--admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        value = self.kv_cache_dtype
+        if value is None or value in KV_CACHE_DTYPES:
+            return
+        why = "is not a dtype the KV pool stores"
+        if value.startswith("fp8") or value.startswith("int8"):
+            # The plan would size 1 byte per element while the pool holds the model's dtype.
+            why = "asks for an 8-bit KV cache, which kvtier does not have yet"
+        raise ValueError(
+            f"--kv-cache-dtype {value} {why}; use auto (the model's dtype, the default) or one "
+            f"the pool allocates: {', '.join(KV_DTYPES)}"
+        )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The dtype the KV pool holds for a model run in `model_dtype` (auto: that one)."""
+        value = self.kv_cache_dtype
+        return model_dtype if value in (None, "auto") else value
 
     @property
     def has_host_tier(self) -> bool:
@@ -493,7 +510,10 @@ FLAG_HELP = {
     "block_size": "tokens per KV block",
     "num_device_blocks": "device KV blocks (overrides --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
-    "kv_cache_dtype": "KV dtype (default: the model's)",
+    "kv_cache_dtype": (
+        "dtype the KV pool stores: auto (the model's, default), float32, bfloat16, float16 or "
+        "float64; 8-bit KV caches are refused (none exists yet)"
+    ),
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
     "kv_offloading_size": "host-memory KV tier size in GiB (needs prefix caching)",

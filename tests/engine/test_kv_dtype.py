@@ -39,9 +39,7 @@ def assert_plan_is_allocated(eng: EngineCore, dtype: str) -> None:
         assert {t.dtype for t in eng.device.kv(tier.name)} == {TORCH_DTYPES[dtype]}  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    "kv_dtype", [None, "auto", "float64", "float32", "bfloat16", "float16"]
-)
+@pytest.mark.parametrize("kv_dtype", [None, "auto", "float64", "float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("budget", [{"num_device_blocks": 40}, {"kv_cache_memory_bytes": 1 << 20}])
 def test_the_plans_bytes_are_the_pools_bytes(
     llama: Path, kv_dtype: str | None, budget: dict[str, int]

@@ -13,7 +13,8 @@ logs=${GPU_CHECK_LOGS:-/tmp/kvtier-gpu-check}
 mkdir -p "$logs"
 
 NEEDS="torch transformers safetensors tokenizers xxhash tqdm numpy pytest hypothesis"
-GPU_TESTS="tests/device/test_device_cuda.py tests/gpu/test_cuda_engine.py"  # the files the checks select
+# the files the checks select
+GPU_TESTS="tests/device/test_device_cuda.py tests/gpu/test_cuda_engine.py tests/gpu/test_moe_cuda.py"
 CLI_MODULES="kvtier.cli kvtier.bench.garble kvtier.bench.throughput"  # every bench below
 # shellcheck disable=SC2086  # the lists are words
 if ! python3 tools/gpu_preflight.py --needs $NEEDS --modules $CLI_MODULES --tests $GPU_TESTS \
@@ -64,6 +65,7 @@ check device-races 90 pytest_gpu tests/device/test_device_cuda.py
 check goldens-fp32-bf16 120 pytest_gpu tests/gpu/test_cuda_engine.py -k "transformers"
 check modes-sanitized 150 pytest_gpu tests/gpu/test_cuda_engine.py -k "scheduling_mode"
 check offload-on-off 60 pytest_gpu tests/gpu/test_cuda_engine.py -k "offload"
+check moe-no-sync 60 pytest_gpu tests/gpu/test_moe_cuda.py
 check garble-none-vs-all 150 python3 -m kvtier.cli bench garble --device cuda --dtype float64 \
     --num-prompts 48 --rounds 2 --concurrency 16 --max-tokens 96 --variants none,all \
     --out "$logs/garble.json"

@@ -65,7 +65,7 @@ def experts_by_expert(
     """x [T, H], experts / weights [T, k] → [T, H], computing only the (token, expert) pairs
     routed: the fewest FLOPs, but it reads which experts were chosen (a device sync on cuda)."""
     out = torch.zeros_like(x)
-    for e in experts.unique().tolist():
+    for e in torch.unique(experts).tolist():
         rows, slot = torch.nonzero(experts == e, as_tuple=True)
         g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(g) * u, down[e]) * weights[rows, slot, None]

@@ -112,7 +112,7 @@ def test_validation_names_the_flag(make: object, flag: str) -> None:
 def test_in_flight_bound_follows_depth() -> None:
     assert SchedulerConfig(max_num_batched_tokens=512).max_in_flight_tokens == 1024
     assert SchedulerConfig(max_num_batched_tokens=512, async_depth=3).max_in_flight_tokens == 1536
-    sync = SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False, async_depth=3)
+    sync = SchedulerConfig(max_num_batched_tokens=512, async_scheduling=False)
     assert sync.max_in_flight_tokens == 512
 
 
@@ -157,3 +157,34 @@ def test_hash_names_match_the_hash_functions() -> None:
     from kvtier.kv.hashing import HASH_FUNCTIONS
 
     assert sorted(HASH_ALGOS) == sorted(HASH_FUNCTIONS)
+
+
+@pytest.mark.parametrize(
+    ("make", "flags"),
+    [
+        (
+            lambda: CacheConfig(num_device_blocks=64, kv_cache_memory_bytes=1 << 20),
+            ("--num-device-blocks", "--kv-cache-memory-bytes"),
+        ),
+        (
+            lambda: CacheConfig(num_host_blocks=64, kv_offloading_size=1.0),
+            ("--num-host-blocks", "--kv-offloading-size"),
+        ),
+        (
+            lambda: SchedulerConfig(async_scheduling=False, async_depth=3),
+            ("--async-depth", "--no-async-scheduling"),
+        ),
+    ],
+)
+def test_a_flag_another_would_override_is_refused(make: object, flags: tuple[str, ...]) -> None:
+    """Two flags for one quantity (or a depth with synchronous scheduling): before, the second
+    was accepted and silently had no effect."""
+    with pytest.raises(ValueError) as err:
+        make()  # type: ignore[operator]
+    assert all(f in str(err.value) for f in flags)
+
+
+def test_async_depth_defaults_to_two_and_one_is_synchronous_either_way() -> None:
+    assert SchedulerConfig().depth == 2 and SchedulerConfig(async_depth=3).depth == 3
+    assert SchedulerConfig(async_scheduling=False).depth == 1
+    assert SchedulerConfig(async_scheduling=False, async_depth=1).depth == 1

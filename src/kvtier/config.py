@@ -18,21 +18,22 @@ from kvtier.checks import check_float, check_int, check_strs, is_int, show
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-# Bytes per element of every dtype kvtier sizes or stores (fp8 is for KV sizing only: no device
-# buffer holds it yet). The one table; the device layer reads it too.
+# Bytes per element of every dtype kvtier sizes or stores: the one table, the device layer reads
+# it too. A dtype enters it only with a buffer that holds it (the plan sizes what is allocated).
 DTYPE_BYTES = {
     "float64": 8,
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
-    "fp8": 1,
     "int64": 8,
     "int32": 4,
 }
-KV_DTYPES = ("float64", "float32", "bfloat16", "float16", "fp8")  # a model's or KV cache's dtype
+KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # --kv-cache-dtype: auto is the model's (run) dtype
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
+DEFAULT_ASYNC_DEPTH = 2
 PROTECTIONS = ("event", "settled", "quarantine")  # architecture.md §Protections
 STORE_MODES = ("eager", "lazy")  # when the host tier stores device blocks (vLLM's lazy_offload)
 HASH_ALGOS = ("sha256", "xxhash")  # prefix-cache block hashes (kv/hashing.py's HASH_FUNCTIONS)
@@ -314,13 +315,13 @@ class CacheConfig:
     """Device KV cache: block geometry and budget (blocks or bytes), caching and protections."""
 
     block_size: int = 16
-    num_device_blocks: int | None = None  # wins over kv_cache_memory_bytes when set
+    num_device_blocks: int | None = None  # or kv_cache_memory_bytes, never both
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str | None = None  # default: the model's dtype
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_offloading_size: float | None = None  # host tier, GiB
-    num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
+    num_host_blocks: int | None = None  # host tier in blocks (or kv_offloading_size, not both)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
     admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
     # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL, and
@@ -332,6 +333,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        for blocks, size in (
+            ("num_device_blocks", "kv_cache_memory_bytes"),
+            ("num_host_blocks", "kv_offloading_size"),
+        ):
+            if getattr(self, blocks) is not None and getattr(self, size) is not None:
+                raise ValueError(
+                    f"{flag(blocks)} and {flag(size)} both size one KV tier and only one could "
+                    "take effect; give one of them"
+                )
         self._check_lower_tiers()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
@@ -339,8 +349,7 @@ class CacheConfig:
             raise ValueError(f"--num-device-blocks must be ≥ 2, got {self.num_device_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("--kv-cache-memory-bytes must be positive")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: use {list(KV_DTYPES)}")
+        self._check_kv_cache_dtype()
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError("--kv-offloading-size must be a positive number of GiB")
         if self.num_host_blocks is not None and self.num_host_blocks < 2:
@@ -365,6 +374,24 @@ class CacheConfig:
             raise ValueError(
                 f"--admission must be one of {', '.join(ADMISSION_POLICIES)}, got {self.admission!r}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        value = self.kv_cache_dtype
+        if value is None or value in KV_CACHE_DTYPES:
+            return
+        why = "is not a dtype the KV pool stores"
+        if value.startswith("fp8") or value.startswith("int8"):
+            # The plan would size 1 byte per element while the pool holds the model's dtype.
+            why = "asks for an 8-bit KV cache, which kvtier does not have yet"
+        raise ValueError(
+            f"--kv-cache-dtype {value} {why}; use auto (the model's dtype, the default) or one "
+            f"the pool allocates: {', '.join(KV_DTYPES)}"
+        )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The dtype the KV pool holds for a model run in `model_dtype` (auto: that one)."""
+        value = self.kv_cache_dtype
+        return model_dtype if value in (None, "auto") else value
 
     @property
     def has_host_tier(self) -> bool:
@@ -432,7 +459,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool = True
-    async_depth: int = 2  # unprocessed steps allowed at once when async_scheduling is on
+    # Unprocessed steps allowed at once with async scheduling (None: DEFAULT_ASYNC_DEPTH)
+    async_depth: int | None = None
     # Admit a request only when its whole prompt fits (vLLM's flag), not only its first chunk
     scheduler_reserve_full_isl: bool = True
 
@@ -444,13 +472,21 @@ class SchedulerConfig:
             raise ValueError("--max-num-batched-tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be positive, got {self.max_model_len}")
-        if not 1 <= self.async_depth <= MAX_ASYNC_DEPTH:
-            raise ValueError(f"--async-depth must be 1, 2 or 3, got {self.async_depth}")
+        depth = self.async_depth
+        if depth is not None and not 1 <= depth <= MAX_ASYNC_DEPTH:
+            raise ValueError(f"--async-depth must be 1, 2 or 3, got {depth}")
+        if depth not in (None, 1) and not self.async_scheduling:
+            raise ValueError(
+                f"--async-depth {depth} needs async scheduling: with --no-async-scheduling "
+                "each step is processed before the next is scheduled (depth 1); drop one of them"
+            )
 
     @property
     def depth(self) -> int:
         """Steps that may be unprocessed at once (1 = synchronous)."""
-        return self.async_depth if self.async_scheduling else 1
+        if not self.async_scheduling:
+            return 1
+        return DEFAULT_ASYNC_DEPTH if self.async_depth is None else self.async_depth
 
     @property
     def max_in_flight_tokens(self) -> int:
@@ -491,14 +527,17 @@ FLAG_HELP = {
         "--no-engine-process runs it on a thread of the server's process"
     ),
     "block_size": "tokens per KV block",
-    "num_device_blocks": "device KV blocks (overrides --kv-cache-memory-bytes)",
+    "num_device_blocks": "device KV blocks (instead of --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
-    "kv_cache_dtype": "KV dtype (default: the model's)",
+    "kv_cache_dtype": (
+        "dtype the KV pool stores: auto (the model's, default), float32, bfloat16, float16 or "
+        "float64; 8-bit KV caches are refused (none exists yet)"
+    ),
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
     "kv_offloading_size": "host-memory KV tier size in GiB (needs prefix caching)",
     "num_host_blocks": (
-        "host-memory KV tier size in blocks (overrides --kv-offloading-size; needs prefix caching)"
+        "host-memory KV tier size in blocks (instead of --kv-offloading-size; needs prefix caching)"
     ),
     "kv_offload_store_mode": (
         "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
@@ -526,7 +565,7 @@ FLAG_HELP = {
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's max positions)",
     "async_scheduling": "schedule the next step while the device runs this one",
-    "async_depth": "unprocessed steps allowed at once with async scheduling (1-3)",
+    "async_depth": "unprocessed steps allowed at once with async scheduling (1-3, default 2)",
     "scheduler_reserve_full_isl": (
         "admit a request only when the blocks of its whole prompt fit (not only its first chunk)"
     ),

@@ -105,7 +105,7 @@ def check_workload(
             max_model_len=64,
             block_size=4,
             async_scheduling=depth > 1,
-            async_depth=max(depth, 2),
+            async_depth=depth,
             num_speculative_tokens=num_spec,
             num_device_blocks=num_blocks,
             max_num_batched_tokens=budget,

@@ -109,7 +109,8 @@ class PlacementAudit:
         if any(accel):
             index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
             masks = [t for t in _tensors(index) if t.dtype == torch.bool and self.on_accel(t)]
-            if name in HOST_READS or masks:  # a boolean mask's result size is data-dependent
+            if (name in HOST_READS and not _sized(name, args, kwargs)) or masks:
+                # a boolean mask's result size is data-dependent
                 self.violations.append(Violation("host-read", name, _caller()))
             host = [t for t, a in zip(inputs, accel, strict=True) if not a and t.dim()]
             if host and name not in TRANSFERS | MODULE_MOVES:
@@ -141,6 +142,15 @@ class _Mode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return self.audit.call(func, args, kwargs or {})
+
+
+def _sized(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A `repeat_interleave` whose output size follows from shapes (int repeats, or output_size
+    given) reads nothing back; with a tensor of repeats it must sum them on the host."""
+    if name != "repeat_interleave":
+        return False
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    return isinstance(repeats, int) or kwargs.get("output_size") is not None
 
 
 def _target_device(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -65,6 +65,19 @@ def test_steps_keep_every_tensor_on_the_device_and_never_read_it_back(
     assert got == run(gemma3, PARAMS[name], **kw)
 
 
+def test_a_mixture_of_experts_hybrid_never_reads_its_routing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GraniteMoeHybrid (Mamba2 and attention layers, 4 routed experts): on a device the experts
+    run under a dense routing matrix, giving the plain cpu run's tokens (its expert loop read the
+    chosen experts back: `unique`, `tolist`, `nonzero`, a sync per layer on cuda)."""
+    model = write_tiny_model(tmp_path / "granite", "granite_hybrid")
+    kw = {"async_depth": 2, "num_host_blocks": 64, "num_device_blocks": 120}
+    got, violations = audited_run(monkeypatch, model, PARAMS["seeded-top-k-p"], **kw)
+    assert [str(v) for v in violations] == []
+    assert got == run(model, PARAMS["seeded-top-k-p"], **kw)
+
+
 def test_drafts_read_tokens_back_only_to_accept_and_propose(
     gemma3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,7 +95,11 @@ def test_the_audit_catches_a_host_tensor_in_a_device_op_and_a_host_read() -> Non
         _ = on_device + torch.ones(4).to(ACCEL)  # fine: moved first
         _ = on_device * torch.tensor(2.0)  # fine: a 0-dim host scalar
         _ = on_device.to("cpu").tolist()  # fine: an explicit copy, then a host read
+        _ = on_device.repeat_interleave(2, dim=0)  # fine: its size follows from the shape
+        counts = torch.ones(4, dtype=torch.long, device=ACCEL)
+        _ = on_device.repeat_interleave(counts)  # sums the device's repeats on the host
     assert [(v.kind, v.call) for v in audit.violations] == [
         ("mix", "add"),
         ("host-read", "tolist"),
+        ("host-read", "repeat_interleave"),
     ]

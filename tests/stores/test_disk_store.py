@@ -215,3 +215,12 @@ def test_a_full_disk_drops_writes_counts_errors_and_never_crashes_tmpfs(tmp_path
     result = _full_disk_run(cmd, str(mnt / "store"), 0, [20_000] * 40)
     assert result["errors"] >= 1 and result["puts"] >= 5  # some fit in 256 KiB, then ENOSPC
     assert result["hits"] == result["puts"] == 40 - result["dropped"]
+
+
+def test_close_twice_is_harmless(tmp_path: Path) -> None:
+    """`EngineCore.close` is idempotent, and it closes its stores each time: a second close
+    used to unlock a lock file already closed (ValueError)."""
+    store = DiskStore(tmp_path, 1 << 20)
+    store.close()
+    store.close()
+    DiskStore(tmp_path, 1 << 20).close()  # the folder is free again

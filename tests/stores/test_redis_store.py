@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import redis.utils
 
-from kvtier.stores import RedisStore, StoreKey, StoreLayout, chain_keys
+from kvtier.stores import StoreKey, StoreLayout, chain_keys
+from kvtier.stores.redis_store import RedisStore
 from tests.stores.servers import RedisServer, start_cluster, wait_until
 
 LAYOUT = StoreLayout("0123456789abcdef0123456789abcdef", 1, "bfloat16", 16)

@@ -80,7 +80,7 @@ def run_one(
         max_model_len=max_model_len(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=depth > 1,
-        async_depth=depth if depth > 1 else 2,  # unused when synchronous
+        async_depth=depth,
         protect="event,settled,quarantine" if quarantine else "event,settled",
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -18,7 +18,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
 }
-assert set(TORCH_DTYPES) == set(DTYPE_BYTES) - {"fp8"}  # fp8 sizes KV only
+assert set(TORCH_DTYPES) == set(DTYPE_BYTES)  # the plan sizes only what a buffer holds
 
 Alloc = Callable[[tuple[int, ...], torch.dtype, Tier], torch.Tensor]
 

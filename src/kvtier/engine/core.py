@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.config import KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
@@ -56,6 +56,7 @@ class EngineCore:
         self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
         self.plan = self._plan(dtype_name)
+        kv_dtype = self.args.cache.kv_dtype(dtype_name)  # what the plan sized the blocks in
         sched_cfg = args.scheduler
         num_blocks = self.plan.tiers[0].num_blocks
         self.kv = KVCacheManager(
@@ -77,7 +78,7 @@ class EngineCore:
             self.plan.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            dtype_name,
+            kv_dtype,
             page_bytes=self.plan.page_bytes if self.plan.state_page_bytes else 0,
         )
         sanitize = args.sanitize if args.sanitize is not None else args.device == "sim"
@@ -113,7 +114,7 @@ class EngineCore:
             else None
         )
         self.tier_chain = (
-            build_chain(args.cache, self.host_tier, self.device, path, dtype_name)
+            build_chain(args.cache, self.host_tier, self.device, path, kv_dtype)
             if self.host_tier is not None and args.cache.has_lower_tiers
             else None
         )
@@ -156,9 +157,10 @@ class EngineCore:
     def _plan(self, dtype_name: str) -> KVPlan:
         args, cfg = self.args, self.model_config
         cache = args.cache
-        if cache.kv_cache_dtype is None and dtype_name in KV_DTYPES:
-            cache = replace(cache, kv_cache_dtype=dtype_name)
-        if cfg.mamba is not None and cache.kv_cache_dtype not in (None, dtype_name):
+        # The pool is allocated in the dtype the plan sizes (architecture.md §Pages): resolve
+        # auto here, once, and build the device layout from the same value.
+        cache = replace(cache, kv_cache_dtype=cache.kv_dtype(dtype_name))
+        if cfg.mamba is not None and cache.kv_cache_dtype != dtype_name:
             raise ValueError(
                 f"kv_cache_dtype (--kv-cache-dtype) {cache.kv_cache_dtype} differs from the "
                 f"hybrid model's dtype {dtype_name}: its Mamba states share the KV pages in the "

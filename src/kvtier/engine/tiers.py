@@ -13,8 +13,7 @@ from kvtier.offload.chain import TierChain
 from kvtier.offload.fetch import LowerTier
 from kvtier.offload.tier import HostTier
 from kvtier.runner.host_io import LAYOUT_VERSION, HostBlockIO
-from kvtier.stores import DiskStore, RedisStore, StoreLayout, model_fingerprint
-from kvtier.stores.redis_store import redis_url
+from kvtier.stores import DiskStore, StoreLayout, model_fingerprint
 
 log = logging.getLogger("kvtier.engine")
 
@@ -55,6 +54,13 @@ def _add_stores(cache: CacheConfig, lowers: list[LowerTier]) -> None:
             disk.num_blocks,
         )
     if cache.kv_remote_url is not None:
+        try:  # the client is an extra: only an engine with a remote tier imports it
+            from kvtier.stores.redis_store import RedisStore, redis_url
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"--kv-remote-url needs the Redis client ({exc.name} is not installed): "
+                "pip install 'kvtier[redis]', or drop --kv-remote-url"
+            ) from exc
         try:
             remote = RedisStore(
                 cache.kv_remote_url, get_timeout_s=REDIS_GET_TIMEOUTS * cache.kv_tier_timeout_s

@@ -141,7 +141,7 @@ def group_layers(
 
 def plan_kv(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPlan:
     """Compute the plan; raises ValueError naming the flag to change if no request fits."""
-    dtype = cache.kv_cache_dtype or model.dtype
+    dtype = cache.kv_dtype(model.dtype)
     block_size = hybrid_block_size(model, cache.block_size, dtype)
     kinds = {kind for _, kind in model.cache_layers()}
     attention_page = 2 * block_size_bytes(model, block_size, dtype) if kinds != {"mamba"} else 0

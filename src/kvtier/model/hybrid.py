@@ -28,7 +28,11 @@ from kvtier.model.transformer import Attention
 
 class SparseMoE(nn.Module):
     """Top-k routed experts: softmax over the k best router logits weights each expert's
-    down(act(gate(x)) * up(x)). Expert weights are stacked [E, 2I, H] and [E, H, I]."""
+    down(act(gate(x)) * up(x)). Expert weights are stacked [E, 2I, H] and [E, H, I].
+
+    On the host CPU the experts a step routes to run one by one (`experts_by_expert`); on an
+    accelerator every expert runs on every token under a dense routing matrix
+    (`experts_dense`), so no op reads the routing back and waits for the device."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -41,13 +45,55 @@ class SparseMoE(nn.Module):
         logits = self.router(x).float()  # [T, E]
         best, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
         weights = torch.softmax(best, dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            rows, slot = torch.nonzero(experts == e, as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
-        return out
+        route = experts_by_expert if x.device == HOST else experts_dense
+        return route(x, experts, weights, self.gate_up_proj, self.down_proj)
+
+
+HOST = torch.device("cpu")
+# Elements of one token chunk's expert activations [E, chunk, 2I] in the dense route: bounds
+# its memory whatever the batch; the chunk count follows from shapes, not data.
+DENSE_CHUNK_ELEMENTS = 1 << 24
+
+
+def experts_by_expert(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], experts / weights [T, k] → [T, H], computing only the (token, expert) pairs
+    routed: the fewest FLOPs, but it reads which experts were chosen (a device sync on cuda)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.nonzero(experts == e, as_tuple=True)
+        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[rows, slot, None]
+        out.index_add_(0, rows, y)
+    return out
+
+
+def experts_dense(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """`experts_by_expert`'s result with shapes fixed by T and E alone: every expert on every
+    token (E / k times the routed FLOPs), summed under a [T, E] routing matrix that is zero
+    where a token did not choose the expert. Nothing is read back to the host."""
+    num_tokens = x.shape[0]
+    num_experts, width, _ = gate_up.shape
+    route = x.new_zeros(num_tokens, num_experts).scatter_(1, experts, weights)  # [T, E]
+    chunk = max(1, DENSE_CHUNK_ELEMENTS // (num_experts * width))
+    pieces = []
+    for start in range(0, num_tokens, chunk):
+        xs = x[start : start + chunk]  # [t, H]
+        g, u = torch.matmul(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, t, I] each
+        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [E, t, H]
+        pieces.append(torch.einsum("eth,te->th", y, route[start : start + chunk]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class HybridLayer(nn.Module):

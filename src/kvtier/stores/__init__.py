@@ -2,7 +2,8 @@
 that name model, layout, dtype, block size and group (`keys.py`), the checked frame every stored
 block is wrapped in (`frame.py`), `DiskStore` (files in a folder), `RedisStore` (Redis or Valkey,
 standalone or Cluster), their counters (`metrics.py`) and the model fingerprint. Torch-free; imports
-nothing of kvtier (architecture.md §Layers)."""
+nothing of kvtier (architecture.md §Layers). `RedisStore` needs the optional redis client, so it is
+imported from `kvtier.stores.redis_store` by whoever configures a remote tier, never from here."""
 
 from kvtier.stores.base import BlockStore
 from kvtier.stores.disk import DiskStore
@@ -10,7 +11,6 @@ from kvtier.stores.fingerprint import model_fingerprint
 from kvtier.stores.frame import CorruptFrame, decode_frame, encode_frame
 from kvtier.stores.keys import SEGMENT_BLOCKS, StoreKey, StoreLayout, chain_keys
 from kvtier.stores.metrics import Histogram, StoreMetrics, StoreStats
-from kvtier.stores.redis_store import RedisStore
 
 __all__ = [
     "SEGMENT_BLOCKS",
@@ -18,7 +18,6 @@ __all__ = [
     "CorruptFrame",
     "DiskStore",
     "Histogram",
-    "RedisStore",
     "StoreKey",
     "StoreLayout",
     "StoreMetrics",

@@ -274,7 +274,8 @@ class DiskStore:
             return len(self._index)
 
     def close(self) -> None:
-        """Finish queued writes, stop the threads, release the folder."""
+        """Finish queued writes, stop the threads, release the folder (idempotent)."""
         self._writer.close()
-        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-        self._lock_file.close()
+        if not self._lock_file.closed:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()

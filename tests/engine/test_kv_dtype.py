@@ -1,0 +1,104 @@
+"""The KV dtype the plan sizes is the dtype the pool stores: for every `--kv-cache-dtype` the
+engine accepts, the plan's bytes per tier equal the bytes of that tier's pool tensors; a value
+it cannot store (fp8: no 8-bit KV cache exists yet) is refused where it is given. Before, fp8
+was sized at one byte per element and allocated in the model's dtype: twice the budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.config import CacheConfig
+from kvtier.device.buffers import TORCH_DTYPES
+from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.model.testing import write_tiny_model
+
+ARGS = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 32}
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")  # float32 weights
+
+
+@pytest.fixture(scope="module")
+def falcon_h1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("falcon"), "falcon_h1")
+
+
+def pool_bytes(eng: EngineCore, tier: str) -> int:
+    return sum(t.numel() * t.element_size() for t in eng.device.kv(tier))  # type: ignore[arg-type]
+
+
+def assert_plan_is_allocated(eng: EngineCore, dtype: str) -> None:
+    for tier in eng.plan.tiers:
+        assert pool_bytes(eng, tier.name) == tier.total_bytes, (tier, dtype)
+        assert {t.dtype for t in eng.device.kv(tier.name)} == {TORCH_DTYPES[dtype]}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "auto", "float64", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("budget", [{"num_device_blocks": 40}, {"kv_cache_memory_bytes": 1 << 20}])
+def test_the_plans_bytes_are_the_pools_bytes(
+    llama: Path, kv_dtype: str | None, budget: dict[str, int]
+) -> None:
+    kw = {**ARGS, **budget, "kv_cache_dtype": kv_dtype, "num_host_blocks": 24}
+    eng = EngineCore(EngineArgs.from_kwargs(str(llama), **kw))
+    stored = "float32" if kv_dtype in (None, "auto") else kv_dtype
+    assert_plan_is_allocated(eng, stored)
+    if "kv_cache_memory_bytes" in budget:
+        assert pool_bytes(eng, "device") <= budget["kv_cache_memory_bytes"]
+    eng.add_request("a", [5, 6, 7, 8, 9], GREEDY)  # the pool in its own dtype serves requests
+    assert len(eng.drain()["a"].token_ids) == 4
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "auto", "bfloat16"])
+def test_a_hybrids_plan_is_its_pool(falcon_h1: Path, kv_dtype: str | None) -> None:
+    kw = {**ARGS, "dtype": "bfloat16", "kv_cache_dtype": kv_dtype, "num_host_blocks": 8}
+    eng = EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, num_device_blocks=16))
+    assert_plan_is_allocated(eng, "bfloat16")
+
+
+def test_a_kv_dtype_other_than_a_hybrids_is_refused(falcon_h1: Path) -> None:
+    kw = {**ARGS, "dtype": "bfloat16", "kv_cache_dtype": "float32"}
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, num_device_blocks=16))
+
+
+def test_bfloat16_kv_halves_a_float32_models_pool_and_keeps_its_greedy_tokens(
+    llama: Path,
+) -> None:
+    """The pool really holds bfloat16: half the bytes, and K/V read back rounded (the tokens of
+    a tiny random model stay those of the float32 pool on this short greedy run)."""
+    engines = {
+        d: EngineCore(EngineArgs.from_kwargs(str(llama), **ARGS, kv_cache_dtype=d))
+        for d in ("float32", "bfloat16")
+    }
+    assert pool_bytes(engines["bfloat16"], "device") * 2 == pool_bytes(engines["float32"], "device")
+    tokens = {}
+    for d, eng in engines.items():
+        eng.add_request("a", [5, 6, 7, 8, 9], GREEDY)
+        tokens[d] = eng.drain()["a"].token_ids
+        assert eng.device.kv("device")[0].abs().sum() > 0  # K/V were written in that dtype
+    assert tokens["bfloat16"] == tokens["float32"]
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_a_kv_dtype_the_pool_cannot_store_is_refused_naming_the_flag_and_the_fix(
+    value: str,
+) -> None:
+    with pytest.raises(ValueError, match="--kv-cache-dtype") as err:
+        CacheConfig(kv_cache_dtype=value)
+    assert "auto" in str(err.value) and "bfloat16" in str(err.value)
+
+
+def test_plan_refuses_fp8_too(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--kv-cache-dtype", "fp8"]) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_an_engine_refuses_fp8_before_loading_anything(llama: Path) -> None:
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):
+        EngineArgs.from_kwargs(str(llama), kv_cache_dtype="fp8")

@@ -323,11 +323,12 @@ class CacheConfig:
     num_host_blocks: int | None = None  # host tier in blocks (wins over kv_offloading_size)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
     admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
-    # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL, and
-    # how long a lookup of 64 blocks may wait for them (longer batches wait proportionally).
+    # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL (and
+    # the expiry of its keys), and how long a lookup of 64 blocks may wait for them.
     kv_disk_path: str | None = None
     kv_disk_size: float | None = None  # GiB (default DEFAULT_DISK_GIB with a disk path)
     kv_remote_url: str | None = None  # redis://host:port/db (valkey:// too)
+    kv_remote_ttl_s: float | None = None  # None: keys never expire
     kv_tier_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -391,6 +392,13 @@ class CacheConfig:
                 f"--kv-remote-url {url!r} must start with redis://, rediss://, unix://, valkey:// "
                 "or valkeys://, e.g. redis://127.0.0.1:6379/0"
             )
+        if self.kv_remote_ttl_s is not None:
+            if url is None:
+                raise ValueError("--kv-remote-ttl-s needs --kv-remote-url (the keys it expires)")
+            if not self.kv_remote_ttl_s > 0:
+                raise ValueError(
+                    f"--kv-remote-ttl-s must be positive seconds, got {self.kv_remote_ttl_s}"
+                )
         if not self.kv_tier_timeout_s > 0:
             raise ValueError(
                 f"--kv-tier-timeout-s must be positive seconds, got {self.kv_tier_timeout_s}"
@@ -512,6 +520,10 @@ FLAG_HELP = {
     "kv_remote_url": (
         "remote KV tier on Redis or Valkey shared by replicas, redis://host:port/db; needs a host "
         "tier and sha256 block hashes"
+    ),
+    "kv_remote_ttl_s": (
+        "expiry of each remote KV block in seconds (default: none); needed for Redis to evict "
+        "under a volatile-* maxmemory policy"
     ),
     "kv_tier_timeout_s": (
         "longest a lookup of 64 blocks waits for the disk and remote tiers (longer lookups wait "

@@ -287,6 +287,31 @@ def test_a_hung_redis_times_out_to_recompute(
         llm.engine.close()
 
 
+def test_remote_keys_expire_after_the_ttl_flag_and_reads_wait_the_tier_timeout(
+    llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
+) -> None:
+    """--kv-remote-ttl-s reaches every key (`volatile-*` policies can evict them); one Redis read
+    waits --kv-tier-timeout-s, never a multiple of it."""
+    llm = LLM(
+        str(llama),
+        **(BASE | {"kv_tier_timeout_s": 0.25}),
+        **SMALL,
+        kv_remote_url=redis_server.url,
+        kv_remote_ttl_s=600,
+    )
+    try:
+        assert rounds(llm, 1) == reference[:1]
+        chain = llm.engine.tier_chain
+        assert chain is not None
+        assert [getattr(t.store, "get_timeout_s", None) for t in chain.lowers] == [0.25]
+        with redis_server.client() as c:
+            keys = c.keys("*")
+            assert keys
+            assert all(0 < c.ttl(k) <= 600 for k in keys)
+    finally:
+        llm.engine.close()
+
+
 def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
@@ -438,6 +463,11 @@ def test_a_restarted_engine_finds_its_blocks_on_disk(
             ["--kv-offload-store-mode", "eager"],
         ),
         ({"kv_tier_timeout_s": 0.0}, ["--kv-tier-timeout-s"]),
+        ({"kv_remote_ttl_s": 60.0, "num_host_blocks": 8}, ["--kv-remote-ttl-s", "--kv-remote-url"]),
+        (
+            {"kv_remote_url": "redis://h:1/0", "num_host_blocks": 8, "kv_remote_ttl_s": 0.0},
+            ["--kv-remote-ttl-s", "positive"],
+        ),
     ],
 )
 def test_bad_tier_flags_name_the_flag_and_the_fix(kwargs: dict[str, Any], names: list[str]) -> None:

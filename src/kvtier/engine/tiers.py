@@ -42,7 +42,10 @@ def build_chain(
 
 def _add_stores(cache: CacheConfig, lowers: list[LowerTier]) -> None:
     if cache.kv_disk_path is not None:
-        disk = DiskStore(cache.kv_disk_path, cache.disk_size_bytes)
+        try:
+            disk = DiskStore(cache.kv_disk_path, cache.disk_size_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--kv-disk-path: {exc}") from None
         lowers.append(LowerTier("disk", disk, cheap_contains=True))
         log.info(
             "disk KV tier: %s, %.3g GiB (%d blocks found)",

@@ -477,6 +477,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     log_level: str = "info"
     engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
+    engine_iteration_timeout_s: float = 30.0  # /health 503 past this without an engine loop pass
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -486,6 +487,11 @@ class ServerConfig:
             raise ValueError("--max-waiting-requests must be ≥ 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be ≥ 1")
+        if not self.engine_iteration_timeout_s > 0:
+            raise ValueError(
+                "--engine-iteration-timeout-s must be positive seconds, got "
+                f"{self.engine_iteration_timeout_s}"
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
@@ -497,6 +503,10 @@ FLAG_HELP = {
     "engine_process": (
         "run the engine in a process of its own, beside the HTTP server's (default); "
         "--no-engine-process runs it on a thread of the server's process"
+    ),
+    "engine_iteration_timeout_s": (
+        "/health answers 503 once the engine loop has not advanced for this many seconds (a "
+        "hung step, a stopped or stuck engine process); longer than your slowest step"
     ),
     "block_size": "tokens per KV block",
     "num_device_blocks": "device KV blocks (overrides --kv-cache-memory-bytes)",

@@ -143,7 +143,7 @@ class RedisStore:
         }
         plain = redis.Redis.from_url(self.url, **kwargs)
         try:
-            plain.execute_command("CLUSTER", "INFO")
+            plain.cluster("INFO")
         except (NoPermissionError, ResponseError) as exc:
             # "cluster support disabled", or a user without CLUSTER: standalone either way
             log.debug("redis %s: standalone (CLUSTER INFO: %s)", self.where, exc)

@@ -42,6 +42,7 @@ T = TypeVar("T")
 Client = redis.Redis | RedisCluster
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "valkey": "redis"}
 _SCHEMES["valkeys"] = "rediss"
+_WARN_EVERY_S = 10.0
 
 
 class _Unavailable(Exception):
@@ -112,6 +113,7 @@ class RedisStore:
         self._max_backoff_s = max_backoff_s
         self._oom_pause_s = oom_pause_s
         self._refuse_until = 0.0  # stores are refused before this (after an out-of-memory reply)
+        self._last_warning = -_WARN_EVERY_S
         self._lock = threading.Lock()  # the read counts; never held across I/O
         self._conn_lock = threading.Lock()  # the connection state; held by I/O threads only
         # INVARIANT: `_client` is None while `_down_until` lies ahead (after a failure).
@@ -202,6 +204,13 @@ class RedisStore:
         self._down = True
         self.metrics.count(num_errors=1)
 
+    def _warn(self, message: str) -> None:
+        """Log `message`, at most once per `_WARN_EVERY_S` (a refusal repeats on every call)."""
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning(message)
+
     def _read(self, fn: Callable[[Client], T]) -> T | None:
         """`fn` run on a reader thread; None if it failed or missed the get deadline."""
         with self._lock:
@@ -225,7 +234,7 @@ class RedisStore:
             self.metrics.count(num_timeouts=1)
         except ResponseError as exc:
             self.metrics.count(num_errors=1)
-            log.warning("redis %s: read refused: %s", self.where, exc)
+            self._warn(f"redis {self.where}: read refused: {exc}")
         except (_Unavailable, RedisError, OSError):
             pass  # counted by _failed
         return None
@@ -329,11 +338,9 @@ class RedisStore:
         failed = len(frames) - len(written) - full
         if full:
             self._refuse_until = time.monotonic() + self._oom_pause_s
-            log.warning(
-                "redis %s: out of memory (maxmemory with noeviction or volatile-* and no "
-                "expiring keys); pausing stores for %.2f s",
-                self.where,
-                self._oom_pause_s,
+            self._warn(
+                f"redis {self.where}: out of memory (maxmemory under noeviction, or volatile-* "
+                "without --kv-remote-ttl-s); stores are refused and paused while it lasts"
             )
         if failed:
             first = next(
@@ -341,7 +348,7 @@ class RedisStore:
                 for r in replies
                 if isinstance(r, Exception) and not isinstance(r, OutOfMemoryError)
             )
-            log.warning("redis %s: %d sets refused: %s", self.where, failed, first)
+            self._warn(f"redis {self.where}: {failed} sets refused: {first}")
         self.metrics.count(
             num_puts=len(written),
             num_refused=full,

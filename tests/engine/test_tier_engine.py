@@ -330,8 +330,13 @@ def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
         # whose lookup starts the read and one completing the last host stores (it took 739
         # steps when the engine stepped empty forwards while the read waited)
         assert llm.engine.queue.num_steps <= 3 + GREEDY.max_tokens
-        assert llm.engine.tier_chain is not None
-        assert llm.engine.tier_chain.metrics.num_fetch_timeouts == 1
+        chain = llm.engine.tier_chain
+        assert chain is not None
+        # the store's read deadline is the lookup's own: either may end the one wait
+        remote = tier(llm.engine.stats(), "remote").store.num_timeouts
+        assert (
+            chain.metrics.num_fetch_timeouts <= 1 and chain.metrics.num_fetch_timeouts + remote >= 1
+        )
     finally:
         redis_server.resume()
         llm.engine.close()

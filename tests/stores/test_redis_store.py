@@ -152,8 +152,9 @@ def mget_calls(server: RedisServer) -> int:
 def test_a_hung_redis_costs_one_deadline_not_one_per_read(server: RedisServer) -> None:
     """While the first read past its deadline still hangs, later reads answer misses at once and
     never reach Redis: after SIGCONT the server has run the stuck MGET and the first read that
-    succeeds, nothing more (counted on the server, not timed)."""
-    store = RedisStore(server.url, get_timeout_s=0.2, io_timeout_s=30)
+    succeeds, nothing more (counted on the server, not timed; the deadline is long enough that
+    the first read surely starts on its reader thread before its caller gives up)."""
+    store = RedisStore(server.url, get_timeout_s=2.0, io_timeout_s=60)
     keys = chain(4)
     stored(store, keys)
     before = mget_calls(server)

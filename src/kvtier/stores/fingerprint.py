@@ -97,6 +97,7 @@ def model_fingerprint(folder: str | Path) -> str:
         stamp: dict[str, int | str] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         entry = entries.get(str(target))
         if entry is None or {k: entry.get(k) for k in stamp} != stamp:
+            log.info("model fingerprint: hashing %s (%d bytes), once per file", target, st.st_size)
             entry = stamp | {"digest": _file_digest(target)}
             entries[str(target)] = entry
             changed = True

@@ -324,11 +324,12 @@ class CacheConfig:
     num_host_blocks: int | None = None  # host tier in blocks (or kv_offloading_size, not both)
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
     admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
-    # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL, and
-    # how long a lookup of 64 blocks may wait for them (longer batches wait proportionally).
+    # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL (and
+    # the expiry of its keys), and how long a lookup of 64 blocks may wait for them.
     kv_disk_path: str | None = None
     kv_disk_size: float | None = None  # GiB (default DEFAULT_DISK_GIB with a disk path)
     kv_remote_url: str | None = None  # redis://host:port/db (valkey:// too)
+    kv_remote_ttl_s: float | None = None  # None: keys never expire
     kv_tier_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -418,6 +419,13 @@ class CacheConfig:
                 f"--kv-remote-url {url!r} must start with redis://, rediss://, unix://, valkey:// "
                 "or valkeys://, e.g. redis://127.0.0.1:6379/0"
             )
+        if self.kv_remote_ttl_s is not None:
+            if url is None:
+                raise ValueError("--kv-remote-ttl-s needs --kv-remote-url (the keys it expires)")
+            if not self.kv_remote_ttl_s > 0:
+                raise ValueError(
+                    f"--kv-remote-ttl-s must be positive seconds, got {self.kv_remote_ttl_s}"
+                )
         if not self.kv_tier_timeout_s > 0:
             raise ValueError(
                 f"--kv-tier-timeout-s must be positive seconds, got {self.kv_tier_timeout_s}"
@@ -505,6 +513,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     log_level: str = "info"
     engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
+    engine_iteration_timeout_s: float = 30.0  # /health 503 past this without an engine loop pass
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -514,6 +523,11 @@ class ServerConfig:
             raise ValueError("--max-waiting-requests must be ≥ 0")
         if self.max_request_body_bytes < 1:
             raise ValueError("--max-request-body-bytes must be ≥ 1")
+        if not self.engine_iteration_timeout_s > 0:
+            raise ValueError(
+                "--engine-iteration-timeout-s must be positive seconds, got "
+                f"{self.engine_iteration_timeout_s}"
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
@@ -525,6 +539,10 @@ FLAG_HELP = {
     "engine_process": (
         "run the engine in a process of its own, beside the HTTP server's (default); "
         "--no-engine-process runs it on a thread of the server's process"
+    ),
+    "engine_iteration_timeout_s": (
+        "/health answers 503 once the engine loop has not advanced for this many seconds (a "
+        "hung step, a stopped or stuck engine process); longer than your slowest step"
     ),
     "block_size": "tokens per KV block",
     "num_device_blocks": "device KV blocks (instead of --kv-cache-memory-bytes)",
@@ -551,6 +569,10 @@ FLAG_HELP = {
     "kv_remote_url": (
         "remote KV tier on Redis or Valkey shared by replicas, redis://host:port/db; needs a host "
         "tier and sha256 block hashes"
+    ),
+    "kv_remote_ttl_s": (
+        "expiry of each remote KV block in seconds (default: none); needed for Redis to evict "
+        "under a volatile-* maxmemory policy"
     ),
     "kv_tier_timeout_s": (
         "longest a lookup of 64 blocks waits for the disk and remote tiers (longer lookups wait "

@@ -69,15 +69,18 @@ def start_server(
     max_waiting_requests: int = 64,
     fail_at_step: int | None = None,
     engine_process: bool = False,
+    iteration_timeout_s: float = 30.0,
     **engine_kwargs: Any,
 ) -> ServerHandle:
     kwargs = {"max_model_len": 512, "torch_threads": 1} | engine_kwargs
     args = EngineArgs.from_kwargs(None, **kwargs)
     engine: EngineClient
     if engine_process:
-        engine = EngineProcess(args, max_waiting_requests, fail_at_step, "warning")
+        engine = EngineProcess(
+            args, max_waiting_requests, fail_at_step, "warning", iteration_timeout_s
+        )
     else:
-        engine = EngineLoop(args, max_waiting_requests, fail_at_step=fail_at_step)
+        engine = EngineLoop(args, max_waiting_requests, fail_at_step, None, iteration_timeout_s)
     engine.start()
     app = build_app(engine, MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -120,6 +120,51 @@ def test_temp_files_of_a_crashed_write_are_removed_at_start(tmp_path: Path) -> N
     reopened.close()
 
 
+def test_a_non_empty_folder_it_did_not_make_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """Pointed at a folder of someone else's files (`--kv-disk-path ~/data`), the store refuses
+    with the path and the fix, and deletes, moves and creates nothing there."""
+    (tmp_path / "ab").mkdir()
+    theirs = [tmp_path / "ab" / "draft.tmp", tmp_path / "notes.txt"]
+    for f in theirs:
+        f.write_text("keep me")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError) as err:
+        DiskStore(tmp_path, 1 << 20)
+    assert str(tmp_path) in str(err.value) and "empty" in str(err.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert all(f.read_text() == "keep me" for f in theirs)
+
+
+def test_an_empty_folder_is_claimed_and_reopened(tmp_path: Path) -> None:
+    (tmp_path / "kv").mkdir()
+    store = DiskStore(tmp_path / "kv", 1 << 20)
+    keys = chain(2)
+    stored(store, keys)
+    store.close()
+    reopened = DiskStore(tmp_path / "kv", 1 << 20)
+    assert reopened.get(keys) == [payload(k) for k in keys]
+    reopened.close()
+
+
+def test_only_its_own_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    """Inside its own folder, a file it did not name is never touched, even a *.tmp."""
+    store = DiskStore(tmp_path, 1 << 20)
+    key = chain(1)[0]
+    stored(store, [key])
+    final = store._path(key.digest().hex())
+    store.close()
+    mine = final.with_name(final.stem + ".1234.tmp")
+    mine.write_bytes(b"torn")
+    other = [final.with_name("backup.tmp"), tmp_path / "zz" / "x.tmp", final.with_name("a.kvb")]
+    other[1].parent.mkdir()
+    for f in other:
+        f.write_text("not the store's")
+    reopened = DiskStore(tmp_path, 1 << 20)
+    assert not mine.exists() and all(f.read_text() == "not the store's" for f in other)
+    assert reopened.num_blocks == 1 and reopened.get([key]) == [payload(key)]
+    reopened.close()
+
+
 def test_the_size_limit_holds_and_evicts_a_chain_from_its_tail(tmp_path: Path) -> None:
     size = frame_size(chain(1)[0], 1000)
     store = DiskStore(tmp_path, 6 * size)

@@ -4,9 +4,12 @@ damage to a frame is detected, and fingerprints are stable but change with the m
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from kvtier.stores import (
     CorruptFrame,
@@ -91,11 +94,26 @@ def test_a_frame_round_trips_and_every_damage_is_detected() -> None:
             pytest.fail(what)
 
 
-def _model(folder: Path, weight: bytes = b"w" * 64) -> Path:
+def _model(folder: Path, seed: int = 0) -> Path:
+    """A model folder with a real safetensors file (header + two tensors)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
-    (folder / "model.safetensors").write_bytes(weight)
+    rng = np.random.default_rng(seed)
+    tensors = {"a.weight": rng.standard_normal((8, 8), dtype=np.float32), "b": np.arange(16.0)}
+    save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fingerprint cache goes under this test's own $XDG_CACHE_HOME."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _touch_all(folder: Path, ns: int) -> None:
+    for f in folder.iterdir():
+        os.utime(f, ns=(ns, ns))
 
 
 def test_fingerprint_is_stable_and_changes_with_config_or_weights(tmp_path: Path) -> None:
@@ -107,35 +125,65 @@ def test_fingerprint_is_stable_and_changes_with_config_or_weights(tmp_path: Path
     assert model_fingerprint(m) == first
     (m / "config.json").write_text('{"model_type": "llama", "hidden_size": 16}')
     assert model_fingerprint(m) != first
-    other = _model(tmp_path / "o")
-    st = os.stat(other / "model.safetensors")
-    os.utime(other / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert model_fingerprint(other) != model_fingerprint(_model(tmp_path / "p"))
+    assert model_fingerprint(_model(tmp_path / "o", seed=1)) != model_fingerprint(
+        _model(tmp_path / "p", seed=2)
+    )
 
 
-def test_content_fingerprint_ignores_mtime_and_sees_bytes(tmp_path: Path) -> None:
-    a, b = _model(tmp_path / "a"), _model(tmp_path / "b")
-    os.utime(b / "model.safetensors", ns=(1, 1))
-    assert model_fingerprint(a, content=True) == model_fingerprint(b, content=True)
-    assert model_fingerprint(a) != model_fingerprint(b)
-    c = _model(tmp_path / "c", b"x" * 64)  # same size, other bytes
-    assert model_fingerprint(c, content=True) != model_fingerprint(a, content=True)
+def test_a_copied_folder_with_new_mtimes_shares_and_one_weight_byte_does_not(
+    tmp_path: Path,
+) -> None:
+    """Replicas deploy copies (`cp -r`, images, rsync without -t): the fingerprint is the
+    weights' content, so a copy with other mtimes keys the same blocks."""
+    a = _model(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    _touch_all(b, 10**18)
+    assert model_fingerprint(b) == model_fingerprint(a)
+    weights = b / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one byte of the last tensor
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(2 * 10**18, 2 * 10**18))
+    assert model_fingerprint(b) != model_fingerprint(a)
 
 
-def test_a_hub_cache_symlink_is_named_by_its_blob_hash(tmp_path: Path) -> None:
-    blobs = tmp_path / "blobs"
-    blobs.mkdir()
-    blob = blobs / ("ab" * 32)
-    blob.write_bytes(b"w" * 64)
-    prints = []
-    for name in ("snap1", "snap2"):
-        snap = tmp_path / name
-        snap.mkdir()
-        (snap / "config.json").write_text("{}")
-        (snap / "model.safetensors").symlink_to(blob)
-        prints.append(model_fingerprint(snap))
-        os.utime(blob, ns=(5, 5 + len(prints)))  # a touched blob keeps its hash name
-    assert prints[0] == prints[1]
+def test_weights_are_read_once_then_cached_by_path_size_and_mtime(
+    tmp_path: Path, _cache_home: Path
+) -> None:
+    """A restart reads no weight again: an in-place edit that keeps size and mtime goes unseen
+    (the cache's one-sided failure), and dropping the cache file reads the bytes anew."""
+    m = _model(tmp_path / "m")
+    first = model_fingerprint(m)
+    caches = list(_cache_home.glob("kvtier/**/*"))
+    assert [c.name for c in caches if c.is_file()] == ["fingerprints.json"]
+    weights = m / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_fingerprint(m) == first
+    for c in caches:
+        c.unlink()
+    assert model_fingerprint(m) != first
+
+
+def test_an_unwritable_cache_still_fingerprints(tmp_path: Path, _cache_home: Path) -> None:
+    _cache_home.write_text("a file where the cache folder should be")
+    m = _model(tmp_path / "m")
+    assert model_fingerprint(m) == model_fingerprint(m)
+
+
+def test_a_hub_cache_symlink_and_a_dereferenced_copy_share(tmp_path: Path) -> None:
+    blob_dir = _model(tmp_path / "blobs")
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "config.json").write_text((blob_dir / "config.json").read_text())
+    (snap / "model.safetensors").symlink_to(blob_dir / "model.safetensors")
+    copy = tmp_path / "copy"
+    shutil.copytree(snap, copy, symlinks=False)
+    assert model_fingerprint(snap) == model_fingerprint(copy) == model_fingerprint(blob_dir)
 
 
 def test_fingerprint_needs_config_and_weights(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """`RedisStore` against real redis-server processes (free loopback ports, started and stopped
 here): round trips with hiredis, a corrupted value, an evicted key, Redis killed, hung and
-restarted mid-run (misses within the deadline, dropped sets, automatic reconnect), and a
+restarted mid-run (misses within the deadline, dropped sets, automatic reconnect), Redis out of
+memory under `noeviction` (refused stores, reads unharmed), an ACL'd user without INFO, and a
 three-master Redis Cluster where a chain segment's batch is one MGET on one node."""
 
 from __future__ import annotations
@@ -141,6 +142,83 @@ def test_a_hung_redis_answers_misses_at_the_deadline_and_drops_sets(server: Redi
         server.resume()
     assert store.flush(60)
     wait_until(lambda: store.get(keys[:1]) == [payload(keys[0])])
+    store.close()
+
+
+def mget_calls(server: RedisServer) -> int:
+    with server.client() as c:
+        return int(c.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def test_a_hung_redis_costs_one_deadline_not_one_per_read(server: RedisServer) -> None:
+    """While the first read past its deadline still hangs, later reads answer misses at once and
+    never reach Redis: after SIGCONT the server has run the stuck MGET and the first read that
+    succeeds, nothing more (counted on the server, not timed; the deadline is long enough that
+    the first read surely starts on its reader thread before its caller gives up)."""
+    store = RedisStore(server.url, get_timeout_s=2.0, io_timeout_s=60)
+    keys = chain(4)
+    stored(store, keys)
+    before = mget_calls(server)
+    server.pause()
+    try:
+        for _ in range(6):
+            assert store.get(keys) == [None] * 4
+        assert store.contains(keys) == [False] * 4
+        assert store.stats().num_timeouts == 7
+    finally:
+        server.resume()
+    wait_until(lambda: store.get(keys) == [payload(k) for k in keys])
+    assert mget_calls(server) - before == 2
+    store.close()
+
+
+def test_out_of_memory_under_noeviction_refuses_stores_and_keeps_reads(tmp_path: Path) -> None:
+    """`maxmemory` + `noeviction`: Redis answers OOM to every SET. That is a refused store
+    (counted, stores paused), not a lost connection: the keys present stay readable. The long
+    backoff makes a store that dropped its connection on OOM read misses throughout."""
+    extra = ["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]
+    server = RedisServer(tmp_path / "redis", extra).start()
+    try:
+        store = fast_store(server.url, min_backoff_s=60, max_backoff_s=60, oom_pause_s=600)
+        present = chain(10)
+        stored(store, present)
+        filler = chain(60, salt=1)
+        for i in range(0, 60, 4):  # 60 × 64 KB cannot fit in 2 MB
+            store.put([(k, payload(k, 64_000)) for k in filler[i : i + 4]])
+            assert store.flush(30)
+        for _ in range(6):
+            assert store.get(present) == [payload(k) for k in present]
+        s = store.stats()
+        assert s.num_refused > 0 and s.num_errors == 0
+        # Memory freed, but the pause holds: a store now is refused without reaching Redis.
+        with server.client() as c:
+            c.delete(*[k.name for k in filler])
+        late = chain(2, salt=2)
+        stored(store, late)
+        assert store.stats().num_refused == s.num_refused + 2
+        with server.client() as c:
+            assert c.exists(*[k.name for k in late]) == 0
+        assert store.stats().num_errors == 0
+        store.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("denied", [["-info"], ["-info", "-cluster"]])
+def test_an_acl_user_without_info_connects_and_round_trips(
+    server: RedisServer, denied: list[str]
+) -> None:
+    with server.client() as c:
+        c.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", *denied)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis(host="127.0.0.1", port=server.port, username="kv", password="pw").info()
+    store = fast_store(
+        f"redis://kv:pw@127.0.0.1:{server.port}/0", min_backoff_s=60, max_backoff_s=60
+    )
+    keys = chain(3)
+    stored(store, keys)
+    assert store.get(keys) == [payload(k) for k in keys]
+    assert not store.is_cluster and store.stats().num_errors == 0
     store.close()
 
 

@@ -1,6 +1,6 @@
 """The tiers below the host, built from `CacheConfig` (`--kv-disk-path`, `--kv-disk-size`,
-`--kv-remote-url`, `--kv-tier-timeout-s`): their stores, the store layout of each KV-cache group
-and the `TierChain` the scheduler talks to (architecture.md §Chain)."""
+`--kv-remote-url`, `--kv-remote-ttl-s`, `--kv-tier-timeout-s`): their stores, the store layout of
+each KV-cache group and the `TierChain` the scheduler talks to (architecture.md §Chain)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,6 @@ from kvtier.runner.host_io import LAYOUT_VERSION, HostBlockIO
 from kvtier.stores import DiskStore, StoreLayout, model_fingerprint
 
 log = logging.getLogger("kvtier.engine")
-
-# The I/O thread stops waiting on one Redis batch after this many --kv-tier-timeout-s (a lookup
-# stops waiting for its answer at the chain's own, batch-scaled deadline first).
-REDIS_GET_TIMEOUTS = 4.0
 
 
 def build_chain(
@@ -45,7 +41,10 @@ def build_chain(
 
 def _add_stores(cache: CacheConfig, lowers: list[LowerTier]) -> None:
     if cache.kv_disk_path is not None:
-        disk = DiskStore(cache.kv_disk_path, cache.disk_size_bytes)
+        try:
+            disk = DiskStore(cache.kv_disk_path, cache.disk_size_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--kv-disk-path: {exc}") from None
         lowers.append(LowerTier("disk", disk, cheap_contains=True))
         log.info(
             "disk KV tier: %s, %.3g GiB (%d blocks found)",
@@ -62,8 +61,11 @@ def _add_stores(cache: CacheConfig, lowers: list[LowerTier]) -> None:
                 "pip install 'kvtier[redis]', or drop --kv-remote-url"
             ) from exc
         try:
+            # A lookup waits --kv-tier-timeout-s in total: one Redis read never waits longer.
             remote = RedisStore(
-                cache.kv_remote_url, get_timeout_s=REDIS_GET_TIMEOUTS * cache.kv_tier_timeout_s
+                cache.kv_remote_url,
+                get_timeout_s=cache.kv_tier_timeout_s,
+                ttl_s=cache.kv_remote_ttl_s,
             )
         except ValueError as exc:
             raise ValueError(f"--kv-remote-url: {exc}") from None

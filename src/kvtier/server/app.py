@@ -84,8 +84,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_alive:
-            raise APIError(f"engine is not running: {engine.error}", 503, kind="server_error")
+        reason = engine.unhealthy()  # failed, exited, hung or stopped (a heartbeat's age)
+        if reason is not None:
+            raise APIError(reason, 503, kind="server_error")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -70,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(cfg.log_level)
     loop: EngineClient
     eargs, fail_at = engine_args(args), _fail_at_step()
+    timeout_s = cfg.engine_iteration_timeout_s
     if cfg.engine_process:
-        loop = EngineProcess(eargs, cfg.max_waiting_requests, fail_at, cfg.log_level)
+        loop = EngineProcess(eargs, cfg.max_waiting_requests, fail_at, cfg.log_level, timeout_s)
     else:
-        loop = EngineLoop(eargs, cfg.max_waiting_requests, fail_at)
+        loop = EngineLoop(eargs, cfg.max_waiting_requests, fail_at, iteration_timeout_s=timeout_s)
     loop.start()
     log.info(loop.layout_summary)
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME

@@ -1,6 +1,7 @@
 """The engine thread: the only thread that touches `EngineCore`. HTTP handlers (or, in an engine
 process, its pipe reader) send it commands through a thread-safe queue and receive events through
-their sinks (`server/events.py`); it never blocks on them."""
+their sinks (`server/events.py`); it never blocks on them. It warms the engine up before it says
+ready and stamps a heartbeat on every pass (`server/liveness.py`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from kvtier.server.events import (
     engine_failed,
     put_all,
 )
+from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason, warm_up
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.protocol import APIError
 
@@ -52,13 +54,17 @@ METRICS_INTERVAL_S = 0.05  # the Prometheus gauges' staleness bound while reques
 
 
 class EngineLoop:
-    """Owns an `EngineCore` on a daemon thread; `start()` builds it there and waits until ready."""
+    """Owns an `EngineCore` on a daemon thread; `start()` builds and warms it up there and waits
+    until ready. `heartbeat`: stamped on every pass (an engine process passes in the one its HTTP
+    process reads); `iteration_timeout_s`: the longest pass `unhealthy` tolerates."""
 
     def __init__(
         self,
         args: EngineArgs,
         max_waiting_requests: int,
         fail_at_step: int | None = None,
+        heartbeat: Heartbeat | None = None,
+        iteration_timeout_s: float = ITERATION_TIMEOUT_S,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
@@ -85,6 +91,9 @@ class EngineLoop:
         # through an engine process's pipe instead of one more per admitted request.
         self._outbox: list[tuple[Sink, Event]] = []
         self._metrics_due = 0.0  # monotonic time of the next metrics snapshot under load
+        self.heartbeat = heartbeat or Heartbeat()
+        self.iteration_timeout_s = iteration_timeout_s
+        self._idle_wait_s = min(1.0, iteration_timeout_s / 4)  # an idle loop still beats
 
     # ---- called from other threads ---------------------------------------------------------------
 
@@ -110,6 +119,13 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def unhealthy(self) -> str | None:
+        """Why `/health` should answer 503 (failed, gone, or no pass within the deadline); None
+        when healthy."""
+        if not self.is_alive:
+            return f"engine is not running: {self.error}"
+        return stall_reason(self.heartbeat, self.iteration_timeout_s)
 
     def submit(self, sub: Submission) -> None:
         with self._failure_lock:  # INVARIANT: nothing is queued after the failure drain
@@ -153,6 +169,16 @@ class EngineLoop:
             self.error = exc
             self._ready.set()
             return
+        try:
+            warm_up(engine)
+        except BaseException as exc:
+            log.exception("the engine's warm-up forward failed")
+            with contextlib.suppress(Exception):  # release the disk folder and connections
+                engine.close()
+            self.error = exc
+            self._ready.set()
+            return
+        self.heartbeat.beat()
         self._ready.set()
         try:
             self._loop(engine)
@@ -186,9 +212,11 @@ class EngineLoop:
 
     def _loop(self, engine: EngineCore) -> None:
         while True:
+            self.heartbeat.beat()
             busy = engine.has_unfinished_requests()
             try:
-                cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=1.0)
+                wait = self._idle_wait_s
+                cmd = self._commands.get_nowait() if busy else self._commands.get(timeout=wait)
             except queue.Empty:
                 cmd = None
             while cmd is not None:

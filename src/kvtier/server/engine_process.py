@@ -8,7 +8,9 @@ One duplex pipe (`multiprocessing.connection`, pickled tuples) carries, from the
 `("call", call_id, fn)`, `("metrics", call_id)`, `("stop",)`; and back: `("ready", facts)` or
 `("start_failed", error)` once, then `("events", [(req_id, event), ...])` once per engine step,
 `("reply", call_id, ok, value)`, and `("failed", error)` after the engine loop has answered every
-request in flight. Requests are routed back by id; the HTTP process holds their sinks."""
+request in flight. Requests are routed back by id; the HTTP process holds their sinks. The engine
+loop's heartbeat (`server/liveness.py`) lives in shared memory beside the pipe: a stopped or hung
+engine process sends nothing, and its beat's age says so."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kvtier.engine.params import EngineArgs
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_failed, put_all
+from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason
 from kvtier.server.protocol import APIError
 
 log = logging.getLogger("kvtier.server")
@@ -49,6 +52,7 @@ class EngineProcess:
         max_waiting_requests: int,
         fail_at_step: int | None = None,
         log_level: str = "info",
+        iteration_timeout_s: float = ITERATION_TIMEOUT_S,
     ) -> None:
         self.args = args
         self.max_model_len = 0
@@ -56,11 +60,14 @@ class EngineProcess:
         self.tokenizer: Tokenizer | None = None
         self.layout_summary = ""
         self.error: BaseException | None = None
+        self.iteration_timeout_s = iteration_timeout_s
+        self._heartbeat = Heartbeat()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
+        liveness = (self._heartbeat, iteration_timeout_s)
         self._proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, args, max_waiting_requests, fail_at_step, log_level),
+            args=(child_conn, args, max_waiting_requests, fail_at_step, log_level, liveness),
             name="kvtier-engine",
             daemon=True,  # never outlives this process
         )
@@ -119,6 +126,13 @@ class EngineProcess:
     @property
     def is_alive(self) -> bool:
         return self._proc.is_alive() and self.error is None
+
+    def unhealthy(self) -> str | None:
+        """Why `/health` should answer 503 (failed, exited, or its loop silent past the
+        deadline: hung or stopped); None when healthy."""
+        if not self.is_alive:
+            return f"engine is not running: {self.error or 'its process has exited'}"
+        return stall_reason(self._heartbeat, self.iteration_timeout_s)
 
     @property
     def pid(self) -> int | None:
@@ -284,6 +298,7 @@ def _child_main(
     max_waiting_requests: int,
     fail_at_step: int | None,
     log_level: str,
+    liveness: tuple[Heartbeat, float],
 ) -> None:
     # The HTTP process owns shutdown: a Ctrl-C or SIGTERM to the process group reaches it, and it
     # stops this one with "stop" after uvicorn has drained (the tiers then finish their writes).
@@ -296,7 +311,7 @@ def _child_main(
         with send_lock:
             conn.send(msg)
 
-    loop = EngineLoop(args, max_waiting_requests, fail_at_step)
+    loop = EngineLoop(args, max_waiting_requests, fail_at_step, *liveness)
     try:
         loop.start()
     except BaseException as exc:

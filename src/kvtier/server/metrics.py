@@ -122,7 +122,8 @@ class EngineMetrics:
         )
         self.tier_blocks = Counter(
             "kvtier:kv_tier_blocks",
-            "KV blocks promoted from, demoted to, or dropped (back-pressure) by a lower tier",
+            "KV blocks promoted from, demoted to, dropped (back-pressure) by, or refused (Redis "
+            "out of memory) by a lower tier",
             ["tier", "op"],
             registry=r,
         )
@@ -190,6 +191,7 @@ class EngineMetrics:
             ("promoted", m.num_promoted_blocks),
             ("demoted", m.num_demoted_blocks),
             ("dropped", m.num_dropped_blocks + s.num_dropped),
+            ("refused", s.num_refused),
         )
         for op, n in blocks:
             self.tier_blocks.labels(name, op).inc(self._delta(f"{name}k{op}", n))

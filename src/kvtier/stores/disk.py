@@ -6,7 +6,8 @@ small thread pool (temp file + rename, so a reader sees a whole file or none); a
 frame checks is deleted and read as a miss. An in-memory LRU index, rebuilt at start from the
 files' modification times, keeps the total within `size_bytes`; hits and writes stamp the files
 so that a chain's head is newer than its tail (evicted last, as in the host tier). One process
-per folder: a second one is refused.
+per folder: a second one is refused. The store claims only an empty folder (writing its marker
+file, `MARKER`) or one that bears its marker, and touches only files named as it names them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +32,11 @@ from kvtier.stores.writer import BoundedWriter
 log = logging.getLogger("kvtier.stores")
 
 SUFFIX = ".kvb"
+MARKER = ".kvtier-disk-tier"  # written into a folder the store claims; its content: _MARKER_TEXT
+_MARKER_TEXT = "kvtier disk KV tier: block files under two-hex-digit folders; safe to delete\n"
+_SUB = re.compile(r"^[0-9a-f]{2}$")
+_BLOCK = re.compile(r"^([0-9a-f]{32})\.kvb$")
+_TMP = re.compile(r"^[0-9a-f]{32}\.[0-9]+\.tmp$")  # `_write_file`'s temp names
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit
 _WARN_EVERY_S = 10.0
 
@@ -52,7 +59,7 @@ class DiskStore:
         self.root = Path(path)
         self.size_bytes = size_bytes
         self.metrics = StoreMetrics()
-        self.root.mkdir(parents=True, exist_ok=True)
+        _claim(self.root)
         self._lock_file = (self.root / ".lock").open("a")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -236,14 +243,15 @@ class DiskStore:
         """Rebuild the index from the files present (oldest first); delete torn temp files."""
         found: list[tuple[int, str, int]] = []
         for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+            if not _SUB.match(sub.name) or not sub.is_dir():
                 continue
             for f in sub.iterdir():
-                if f.name.endswith(".tmp"):
-                    f.unlink(missing_ok=True)  # a write cut off by a crash
-                elif f.suffix == SUFFIX and f.stem[:2] == sub.name:
+                block = _BLOCK.match(f.name)
+                if _TMP.match(f.name):
+                    f.unlink(missing_ok=True)  # a write of ours cut off by a crash
+                elif block and block[1][:2] == sub.name and f.is_file():
                     st = f.stat()
-                    found.append((st.st_mtime_ns, f.stem, st.st_size))
+                    found.append((st.st_mtime_ns, block[1], st.st_size))
         for _, hx, size in sorted(found):
             self._index[hx] = size
             self._total += size
@@ -279,3 +287,21 @@ class DiskStore:
         if not self._lock_file.closed:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
+
+
+def _claim(root: Path) -> None:
+    """Create `root` with the store's marker, or check that an existing one is the store's:
+    a non-empty folder without the marker is someone else's and is refused untouched."""
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / MARKER
+    if marker.is_file():
+        return
+    if any(root.iterdir()):
+        raise ValueError(
+            f"{root} is not empty and has no {MARKER} marker, so it is not a kvtier "
+            "disk tier and its files are not kvtier's to delete: give an empty or new folder "
+            f"(an older kvtier's tier folder: delete it, its blocks are only a cache)"
+        )
+    tmp = root / f"{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(_MARKER_TEXT)
+    os.replace(tmp, marker)

@@ -1,24 +1,34 @@
-"""A model's fingerprint for store keys: the same folder gives the same hex digest across restarts,
-another model (or the same one with changed weights) another one.
+"""A model's fingerprint for store keys: the bytes of `config.json` and of every weight file
+(safetensors headers and tensors alike), so every copy of a model keys the same blocks, wherever
+it lives and whatever its files' times, and changed weights key others.
 
-Default (`content=False`, cheap at every start): the bytes of `config.json`, and per weight file
-its name, size and modification time, except that a weight file that is a symlink to a blob named
-by its SHA-256 (the Hugging Face cache layout) is named by that hash instead. The failure modes are
-one-sided: copying a folder without keeping mtimes changes the fingerprint (old blocks become misses
-and are recomputed, then age out); only an in-place edit that keeps a file's size and mtime could
-keep it, which no normal tool does. `content=True` hashes the weight bytes themselves, for folders
-whose mtimes do not survive deployment, at the price of reading every weight at each start.
+Reading every weight at every start would be slow, so each file's digest is cached by its resolved
+path, size and modification time in `$XDG_CACHE_HOME/kvtier/fingerprints.json` (`~/.cache` when
+unset). The cache's failure is one-sided: only an in-place edit that keeps a file's size and mtime
+could keep a stale digest, which no normal tool does. An unwritable cache only costs the reading.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 
 import xxhash
 
+log = logging.getLogger("kvtier.stores")
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 16 << 20
+
+
+def cache_file() -> Path:
+    """Where weight digests are cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtier" / "fingerprints.json"
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -27,22 +37,43 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
-def _identity(path: Path, content: bool, h: xxhash.xxh3_128) -> None:
-    h.update(path.name.encode() + b"\0")
-    target = path.resolve()
-    if content:
-        with target.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return
-    st = target.stat()
-    if path.is_symlink() and _SHA256.match(target.name):
-        h.update(f"sha256={target.name};size={st.st_size}\0".encode())
-    else:
-        h.update(f"size={st.st_size};mtime_ns={st.st_mtime_ns}\0".encode())
+def _file_digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def model_fingerprint(folder: str | Path, content: bool = False) -> str:
+def _load(cache: Path) -> dict[str, dict[str, int | str]]:
+    try:
+        data = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save(cache: Path, entries: dict[str, dict[str, int | str]]) -> None:
+    """Replace the cache file whole (a concurrent start sees the old one or the new one),
+    without the entries of files that are gone."""
+    kept = {path: e for path, e in entries.items() if os.path.isfile(path)}
+    tmp: str | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".fingerprints.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.info(
+            "fingerprint cache %s not written (%s): weights are read at each start", cache, exc
+        )
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def model_fingerprint(folder: str | Path) -> str:
     """32 hex digits naming the model in `folder` (see the module docstring); raises ValueError
     when the folder has no config.json or no weight file."""
     root = Path(folder)
@@ -54,9 +85,23 @@ def model_fingerprint(folder: str | Path, content: bool = False) -> str:
         raise ValueError(
             f"{root} has no weight file ({', '.join(WEIGHT_SUFFIXES)}); pass a model folder"
         )
+    cache = cache_file()
+    entries = _load(cache)
+    changed = False
     h = xxhash.xxh3_128()
-    h.update(b"kvtier-model-fingerprint:v1\0" + (b"content\0" if content else b"meta\0"))
+    h.update(b"kvtier-model-fingerprint:v2\0")
     h.update(config.read_bytes() + b"\0")
     for path in weights:
-        _identity(path, content, h)
+        target = path.resolve()
+        st = target.stat()
+        stamp: dict[str, int | str] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        entry = entries.get(str(target))
+        if entry is None or {k: entry.get(k) for k in stamp} != stamp:
+            log.info("model fingerprint: hashing %s (%d bytes), once per file", target, st.st_size)
+            entry = stamp | {"digest": _file_digest(target)}
+            entries[str(target)] = entry
+            changed = True
+        h.update(f"{path.name}\0{entry['digest']}\0".encode())
+    if changed:
+        _save(cache, entries)
     return h.hexdigest()

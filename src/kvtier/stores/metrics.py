@@ -48,6 +48,7 @@ class StoreStats:
     num_hits: int = 0  # keys found intact
     num_puts: int = 0  # blocks written
     num_dropped: int = 0  # blocks not written: back-pressure, full disk, errors, too large
+    num_refused: int = 0  # blocks not written because the server is full (Redis out of memory)
     num_errors: int = 0  # failed I/O operations (a batch counts once)
     num_timeouts: int = 0  # batches answered with misses because their deadline passed
     num_corrupt: int = 0  # stored values that failed their frame checks (then deleted)

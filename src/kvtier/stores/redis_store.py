@@ -1,14 +1,16 @@
 """`RedisStore`: KV blocks in Redis or Valkey (standalone or Cluster), shared by every replica
 that points at the same server.
 
-Values are frames (`stores/frame.py`); a missing, evicted (Redis `maxmemory` with an LRU policy
-does the evicting) or corrupt value is a miss. The caller's thread never talks to Redis: gets run
-on reader threads and the caller waits at most `get_timeout_s`, then reads misses; sets run on a
-writer thread behind a queue bounded in bytes and are dropped past it. A failed connection is
-closed and retried after a backoff doubling up to `max_backoff_s` (until then every operation
-answers at once: misses, drops); losing and regaining Redis is logged. A Cluster is detected at
-connect (`INFO cluster`); keys carry a hash tag per chain segment (`keys.chain_keys`), so a batch
-within a segment is one MGET on one node.
+Values are frames (`stores/frame.py`); a missing, evicted or corrupt value is a miss. The caller's
+thread never talks to Redis: gets run on reader threads and the caller waits at most
+`get_timeout_s`, then reads misses; while a read that missed its deadline still hangs, later reads
+answer misses at once (a hung server costs one deadline, not one per lookup). Sets run on a writer
+thread behind a queue bounded in bytes and are dropped past it. A lost connection is closed and
+retried after a doubling backoff (until then every operation answers at once: misses, drops). An
+out-of-memory reply (`maxmemory` under `noeviction` or `volatile-*`) is a refused store: counted,
+the connection kept, reads unaffected, and stores paused for `oom_pause_s`. A Cluster is detected
+at connect with `CLUSTER INFO` (never `INFO`, which ACL'd users may lack); keys carry a hash tag
+per chain segment (`keys.chain_keys`), so a batch within a segment is one MGET on one node.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError, ResponseError
 from redis.retry import Retry
 
 from kvtier.stores.frame import CorruptFrame, decode_frame, encode_frame, frame_size
@@ -40,10 +42,21 @@ T = TypeVar("T")
 Client = redis.Redis | RedisCluster
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "unix": "unix", "valkey": "redis"}
 _SCHEMES["valkeys"] = "rediss"
+_WARN_EVERY_S = 10.0
 
 
 class _Unavailable(Exception):
     """Redis failed recently; no new attempt before the backoff ends."""
+
+
+class _Read:
+    """One read on a reader thread. Fields change under the store's `_lock`."""
+
+    __slots__ = ("finished", "late")
+
+    def __init__(self) -> None:
+        self.finished = False  # the reader thread is done with it
+        self.late = False  # its caller stopped waiting while it still ran
 
 
 def redis_url(url: str) -> tuple[str, str]:
@@ -63,8 +76,9 @@ def redis_url(url: str) -> tuple[str, str]:
 class RedisStore:
     """A `BlockStore` on a Redis or Valkey server or cluster (see the module docstring).
 
-    `ttl_s`: expiry of each stored block (None: none; Redis's `maxmemory` policy evicts).
-    `io_timeout_s`: socket timeout of one command on the I/O threads.
+    `ttl_s`: expiry of each stored block (None: none; an `allkeys-*` `maxmemory` policy evicts,
+    a `volatile-*` one needs it). `io_timeout_s`: socket timeout of one command on the I/O
+    threads. `oom_pause_s`: how long stores are refused after Redis answered out of memory.
     """
 
     def __init__(
@@ -79,9 +93,11 @@ class RedisStore:
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         num_readers: int = 2,
+        oom_pause_s: float = 1.0,
     ) -> None:
         self.url, self.where = redis_url(url)
-        for name, value in (("get_timeout_s", get_timeout_s), ("io_timeout_s", io_timeout_s)):
+        positive = ("get_timeout_s", get_timeout_s), ("io_timeout_s", io_timeout_s)
+        for name, value in (*positive, ("oom_pause_s", oom_pause_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if ttl_s is not None and not ttl_s > 0:
@@ -95,7 +111,10 @@ class RedisStore:
         self._connect_timeout_s = connect_timeout_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._lock = threading.Lock()  # the pending-read count; never held across I/O
+        self._oom_pause_s = oom_pause_s
+        self._refuse_until = 0.0  # stores are refused before this (after an out-of-memory reply)
+        self._last_warning = -_WARN_EVERY_S
+        self._lock = threading.Lock()  # the read counts; never held across I/O
         self._conn_lock = threading.Lock()  # the connection state; held by I/O threads only
         # INVARIANT: `_client` is None while `_down_until` lies ahead (after a failure).
         self._client: Client | None = None
@@ -104,6 +123,7 @@ class RedisStore:
         self._down = False
         self._max_pending_reads = 4 * num_readers
         self._pending_reads = 0
+        self._num_late = 0  # reads whose caller stopped waiting, still running
         self._readers = ThreadPoolExecutor(num_readers, thread_name_prefix="kvtier-redis-get")
         self._writer: BoundedWriter[Callable[[], None]] = BoundedWriter(
             "kvtier-redis-set", lambda job: job(), 1, max_pending_bytes
@@ -125,8 +145,11 @@ class RedisStore:
         }
         plain = redis.Redis.from_url(self.url, **kwargs)
         try:
-            if not plain.info("cluster").get("cluster_enabled"):
-                return plain
+            plain.cluster("INFO")
+        except (NoPermissionError, ResponseError) as exc:
+            # "cluster support disabled", or a user without CLUSTER: standalone either way
+            log.debug("redis %s: standalone (CLUSTER INFO: %s)", self.where, exc)
+            return plain
         except BaseException:
             plain.close()
             raise
@@ -148,6 +171,8 @@ class RedisStore:
                 raise
         try:
             result = fn(client)
+        except ResponseError:
+            raise  # Redis answered (an error reply): the connection is sound
         except (RedisError, OSError) as exc:
             with self._conn_lock:
                 if self._client is client:
@@ -179,31 +204,49 @@ class RedisStore:
         self._down = True
         self.metrics.count(num_errors=1)
 
+    def _warn(self, message: str) -> None:
+        """Log `message`, at most once per `_WARN_EVERY_S` (a refusal repeats on every call)."""
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning(message)
+
     def _read(self, fn: Callable[[Client], T]) -> T | None:
         """`fn` run on a reader thread; None if it failed or missed the get deadline."""
         with self._lock:
-            if self._pending_reads >= self._max_pending_reads:  # readers stuck on a slow Redis
+            # A read past its deadline still hangs: Redis is stuck, so answer at once.
+            if self._num_late or self._pending_reads >= self._max_pending_reads:
                 self.metrics.count(num_timeouts=1)
                 return None
             self._pending_reads += 1
-        fut: Future[T] = self._readers.submit(self._run_read, fn)
+        read = _Read()
+        fut: Future[T] = self._readers.submit(self._run_read, fn, read)
         try:
             return fut.result(timeout=self.get_timeout_s)
         except FutureTimeout:
-            if fut.cancel():  # never started: _run_read will not count it down
-                with self._lock:
+            cancelled = fut.cancel()  # never started: _run_read will not count it down
+            with self._lock:
+                if cancelled:
                     self._pending_reads -= 1
+                elif not read.finished:
+                    read.late = True
+                    self._num_late += 1
             self.metrics.count(num_timeouts=1)
+        except ResponseError as exc:
+            self.metrics.count(num_errors=1)
+            self._warn(f"redis {self.where}: read refused: {exc}")
         except (_Unavailable, RedisError, OSError):
             pass  # counted by _failed
         return None
 
-    def _run_read(self, fn: Callable[[Client], T]) -> T:
+    def _run_read(self, fn: Callable[[Client], T], read: _Read) -> T:
         try:
             return self._call(fn)
         finally:
             with self._lock:
                 self._pending_reads -= 1
+                read.finished = True
+                self._num_late -= read.late
 
     # -- the store -----------------------------------------------------------------------------
 
@@ -276,19 +319,43 @@ class RedisStore:
         start = time.perf_counter()
         frames = [(k.name, encode_frame(k, p)) for k, p in items]
 
-        def pipeline(client: Client) -> None:
+        def pipeline(client: Client) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for name, frame in frames:
                 pipe.set(name, frame, px=self.ttl_ms)
-            pipe.execute()
+            return pipe.execute(raise_on_error=False)
 
+        if time.monotonic() < self._refuse_until:  # Redis is full: let reads have it
+            self.metrics.count(num_refused=len(frames))
+            return
         try:
-            self._call(pipeline)
+            replies = self._call(pipeline)
         except (_Unavailable, RedisError, OSError):
             self.metrics.count(num_dropped=len(frames))
             return
-        nbytes = sum(len(f) for _, f in frames)
-        self.metrics.count(num_puts=len(frames), bytes_in=nbytes)
+        written = [f for (_, f), r in zip(frames, replies) if not isinstance(r, Exception)]
+        full = sum(isinstance(r, OutOfMemoryError) for r in replies)
+        failed = len(frames) - len(written) - full
+        if full:
+            self._refuse_until = time.monotonic() + self._oom_pause_s
+            self._warn(
+                f"redis {self.where}: out of memory (maxmemory under noeviction, or volatile-* "
+                "without --kv-remote-ttl-s); stores are refused and paused while it lasts"
+            )
+        if failed:
+            first = next(
+                r
+                for r in replies
+                if isinstance(r, Exception) and not isinstance(r, OutOfMemoryError)
+            )
+            self._warn(f"redis {self.where}: {failed} sets refused: {first}")
+        self.metrics.count(
+            num_puts=len(written),
+            num_refused=full,
+            num_dropped=failed,
+            num_errors=int(failed > 0),
+            bytes_in=sum(len(f) for f in written),
+        )
         self.metrics.observe("put", time.perf_counter() - start)
 
     def _delete(self, names: list[str]) -> None:

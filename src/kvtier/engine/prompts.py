@@ -73,12 +73,12 @@ def encode_prompt(
     template gets the tokenizer's). `max_num_tokens`: PromptTooLong for a text found longer
     before it is tokenized whole (the caller checks the exact count). `truncate_prompt_tokens`:
     only the prompt's last that many tokens (vLLM's left truncation), a long text's tail alone
-    tokenized."""
+    tokenized, and the text left out (it is not the prompt's any more)."""
     limit = None if truncate_prompt_tokens is not None else max_num_tokens
     if isinstance(prompt, str):
         special = True if add_special_tokens is None else add_special_tokens
         ids = _encode(tokenizer, prompt, name, special, limit, truncate_prompt_tokens)
-        return PromptTokens(prompt, ids)
+        return PromptTokens(prompt if truncate_prompt_tokens is None else None, ids)
     if isinstance(prompt, dict):
         return _encode_dict(tokenizer, prompt, vocab_size, name)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -87,7 +87,7 @@ def encode_prompt(
         text = render_chat(tokenizer, messages, opts)
         special = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
         ids = _encode(tokenizer, text, name, special, limit, truncate_prompt_tokens)
-        return PromptTokens(text, ids)
+        return PromptTokens(text if truncate_prompt_tokens is None else None, ids)
     if isinstance(prompt, list):
         ids = check_prompt_ids(prompt, vocab_size, name)
         return PromptTokens(

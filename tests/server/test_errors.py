@@ -137,6 +137,10 @@ def test_backlog_beyond_free_slots_is_429_with_retry_after() -> None:
         assert exc.value.response.headers["retry-after"] == "1"
         assert _error(exc.value.response.json())["code"] == "rate_limit_exceeded"
         assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 1
+        # a refused request counts once, however many choices it asked for
+        status, _ = handle.post("/v1/completions", COMPLETION | {"n": 2})
+        assert status == 429
+        assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 2
         running.close()
         waiting.close()
         wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests == 0))

@@ -113,7 +113,7 @@ INT64 = 2**63
 # The most token entries one response may carry, counted before anything runs: every choice's
 # max_tokens × (1 + logprobs), plus its echoed or scored prompt tokens × (1 + prompt_logprobs).
 # An entry renders as tens of bytes of JSON, so this bounds what the HTTP process builds for one
-# request to tens of MB (docs/serving.md §Limits).
+# request to tens of MB (listed in docs/serving.md).
 MAX_RESPONSE_TOKENS = 1 << 21
 
 # Fields of vLLM's, sglang-router's and vllm-router's bodies that this engine cannot honour:

@@ -61,17 +61,22 @@ def build_app(
     # every refusal is counted once per HTTP request (never per choice), the 413s too
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes, on_refuse=engine.rejected)
 
+    def refused(request: Request, status: int) -> None:
+        """Count a refused API request (a health probe's 503 is no refusal)."""
+        if request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            engine.rejected(status)
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
+    async def api_error(request: Request, exc: APIError) -> Response:
         if not exc.admitted:
-            engine.rejected(exc.status)
+            refused(request, exc.status)
         return exc.response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         # a bug of ours, logged with its traceback; the client still gets an OpenAI-shaped body
         log.error("unhandled error in a request handler", exc_info=exc)
-        engine.rejected(500)
+        refused(request, 500)
         return APIError(f"internal error: {exc}", 500, kind="server_error").response()
 
     @app.exception_handler(ClientDisconnected)
@@ -79,13 +84,13 @@ def build_app(
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        engine.rejected(400)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        refused(request, 400)
         return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        engine.rejected(exc.status_code)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        refused(request, exc.status_code)
         headers = dict(exc.headers) if exc.headers else None
         return APIError(str(exc.detail), exc.status_code, headers=headers).response()
 

@@ -63,7 +63,10 @@ def encode(
     except (TypeError, ValueError) as exc:
         raise APIError(str(exc), param=param) from None
     if tokens.text is None:
-        return PromptTokens(tokenizer.decode(tokens.token_ids), tokens.token_ids)
+        ids = tokens.token_ids
+        if max_model_len is not None and len(ids) + room > max_model_len:
+            return PromptTokens("", ids)  # `resolve_max_tokens` refuses it: never decoded
+        return PromptTokens(tokenizer.decode(ids), ids)
     return tokens
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.app import chat_logprobs, completion_logprobs
 from kvtier.server.events import TokenLogprob
+from kvtier.server.logprobs import chat_logprobs, completion_logprobs
 from kvtier.server.protocol import dumps
 from tests.server.conftest import MODEL, ServerHandle
 

@@ -6,17 +6,14 @@ access here."""
 from __future__ import annotations
 
 import json
-import logging
 import math
-import threading
 from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine.params import SamplingParams
-
-log = logging.getLogger("kvtier.server")
+from kvtier.server.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, NEUTRAL, unsupported_field
 
 # vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
 MIN_LOGPROB = -9999.0
@@ -116,89 +113,6 @@ INT64 = 2**63
 # request to tens of MB (listed in docs/serving.md).
 MAX_RESPONSE_TOKENS = 1 << 21
 
-# Fields of vLLM's, sglang-router's and vllm-router's bodies that this engine cannot honour:
-# accepted at their neutral values (what the routers send when the client did not set them), a
-# 400 naming them otherwise, never ignored while they would change the answer.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1.0),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "length_penalty": (None, 1.0),
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "best_of": (None, 1),
-    "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "logits_processors": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structural_tag": (None,),
-    "structured_outputs": (None,),
-    "spaces_between_special_tokens": (None, True),
-    "cache_salt": (None,),
-    "vllm_xargs": (None, {}),
-    "kv_transfer_params": (None,),
-    "prompt_embeds": (None,),
-    "mm_processor_kwargs": (None, {}),
-    # sglang-router and vllm-router extensions
-    "no_stop_trim": (None, False),
-    "return_hidden_states": (None, False),
-    "regex": (None,),
-    "ebnf": (None,),
-    "json_schema": (None,),
-    "lora_path": (None,),
-    "sampling_seed": (None,),
-}
-_CHAT_NEUTRAL = _NEUTRAL | {
-    "echo": (None, False),
-    "chat_template": (None,),
-    "documents": (None, []),
-}
-_COMPLETION_NEUTRAL = _NEUTRAL | {"suffix": (None, "")}
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    for v in neutral:
-        if v is None:
-            if value is None:
-                return True
-        elif isinstance(v, float):  # 1 and 1.0 alike, but never True for 1.0
-            if isinstance(value, int | float) and not isinstance(value, bool) and value == v:
-                return True
-        elif type(value) is type(v) and value == v:
-            return True
-    return False
-
-
-def check_extras(extras: dict[str, Any], neutral: dict[str, tuple[Any, ...]]) -> None:
-    """APIError (400) naming the first field of `extras` that would change the answer; every
-    other unknown field is logged once per name (as vLLM warns) and ignored."""
-    for name, value in extras.items():
-        if name in neutral:
-            if not _is_neutral(value, neutral[name]):
-                allowed = " or ".join(json.dumps(v) for v in neutral[name])
-                raise APIError(
-                    f"{name} is not supported by this server; omit it or send {allowed}",
-                    param=name,
-                    code="unsupported_parameter",
-                )
-            continue
-        with _warned_lock:
-            if name in _warned:
-                continue
-            _warned.add(name)
-        log.warning("request field %r is not used by this server and was ignored", name)
-
 
 class _Body(BaseModel):
     # JSON's NaN / Infinity literals (Python's parser accepts them) are refused in every field;
@@ -240,7 +154,7 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool | None = None
 
-    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = _NEUTRAL
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL
 
     def check_unsupported(self) -> None:
         check_extras(self.extras(), self._neutral)
@@ -311,7 +225,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # vLLM extension
 
-    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = _COMPLETION_NEUTRAL
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_NEUTRAL
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -376,7 +290,7 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: bool = False  # on top of what the chat template writes
     chat_template_kwargs: dict[str, Any] | None = None
 
-    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = _CHAT_NEUTRAL
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_NEUTRAL
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -460,6 +374,19 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def check_extras(extras: dict[str, Any], neutral: dict[str, tuple[Any, ...]]) -> None:
+    """APIError (400) naming the first field of `extras` that would change the answer; every
+    other unknown field is logged once per name and ignored (`server/fields.py`)."""
+    bad = unsupported_field(extras, neutral)
+    if bad is not None:
+        name, allowed = bad
+        raise APIError(
+            f"{name} is not supported by this server; omit it or send {allowed}",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
 def validation_error(errors: list[Any]) -> APIError:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvtier import LLM, SamplingParams
 from kvtier.engine.params import EngineArgs
 from kvtier.engine.prompts import ChatOptions, render_chat
 from kvtier.model.tokenizer import Tokenizer
@@ -204,17 +205,24 @@ def test_add_special_tokens_and_truncate_prompt_tokens(server: ServerHandle) -> 
 
 
 def test_prompt_logprobs_in_vllm_shape(server: ServerHandle) -> None:
-    tok = server.engine.call(lambda e: e.tokenizer)
-    ids = tok.encode(PROMPT)
+    """Per prompt token (null for the first): the token's and the top candidates' logprobs,
+    equal to the offline engine's, each with its rank and decoded text."""
     body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
-    choice = _post_ok(server, "/v1/completions", body)["choices"][0]
-    plps = choice["prompt_logprobs"]
-    assert len(plps) == len(ids) and plps[0] is None
-    for token_id, entry in zip(ids[1:], plps[1:], strict=True):
-        assert str(token_id) in entry and 2 <= len(entry) <= 3
-        ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
-        assert ranks[:2] == [1, 2] or ranks[0] == 1
-        assert entry[str(token_id)]["decoded_token"] == tok.decode([token_id], False)
+    plps = _post_ok(server, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    llm = LLM(max_model_len=512)
+    offline = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    ids, expected = offline[0].prompt_token_ids, offline[0].prompt_logprobs
+    tok = llm.get_tokenizer()
+    assert expected is not None and len(plps) == len(ids) and plps[0] is None
+    for token_id, entry, want in zip(ids[1:], plps[1:], expected[1:], strict=True):
+        assert want is not None and {int(k) for k in entry} == set(want)
+        values = [e["logprob"] for e in entry.values()]
+        for key, e in entry.items():
+            assert e["logprob"] == pytest.approx(want[int(key)], abs=1e-5)
+            assert e["decoded_token"] == tok.decode([int(key)], skip_special_tokens=False)
+            rank = 1 + sum(v > e["logprob"] for v in values)
+            # the prompt token's own rank is unknown (null) when it may lie below the top 2
+            assert e["rank"] == rank or (int(key) == token_id and e["rank"] is None)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}
     out = _post_ok(server, "/v1/chat/completions", chat)
     assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) > 2

@@ -325,6 +325,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     `arguments` parsed to objects), a tool's `tool_call_id`, and `name` where given."""
     out = []
     for i, m in enumerate(messages):
+        check_extras(m.extras(), {})  # e.g. a reasoning model's `reasoning_content`: logged
         d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages.{i}")}
         if m.role == "assistant" and m.tool_calls is not None:
             d["tool_calls"] = [

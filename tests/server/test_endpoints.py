@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -73,7 +74,14 @@ def test_tokenize_errors(
 def test_version_and_model_card(server: ServerHandle) -> None:
     assert _get(server, "/version") == (200, {"version": kvtier.__version__})
     card = server.client().models.retrieve(MODEL)
-    assert card.id == MODEL and card.model_extra == {"max_model_len": 512}
+    assert card.id == MODEL and card.owned_by == "kvtier" and card.created > 0
+    extra = card.model_extra or {}
+    assert set(extra) == {"max_model_len", "root", "parent", "permission"}
+    assert extra["max_model_len"] == 512 and extra["parent"] is None
+    # vLLM's `vllm bench serve` loads its tokenizer from `root` when it has no --model
+    assert (Path(extra["root"]) / "tokenizer.json").is_file()
+    (perm,) = extra["permission"]
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] is True
     with pytest.raises(openai.NotFoundError) as exc:
         server.client().models.retrieve("gpt-4o")
     assert exc.value.code == "model_not_found"

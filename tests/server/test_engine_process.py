@@ -222,3 +222,19 @@ def test_ctrl_c_to_the_process_group_shuts_down_cleanly(tmp_path: Path) -> None:
             proc.wait(10)
     text = Path(log.name).read_text()
     assert "exited unexpectedly" not in text and "Traceback" not in text, text
+
+
+def test_refusals_of_the_http_process_reach_the_engine_processs_counter(
+    proc_server: ServerHandle,
+) -> None:
+    """The rejection counter lives with the engine's metrics in the engine process: the HTTP
+    layer's refusals are sent there, once per request."""
+    key = ("kvtier:request_rejected_total", (("status", "400"),))
+    before = proc_server.metrics().get(key, 0.0)
+    status, payload = proc_server.post(
+        "/v1/completions", {"prompt": "x", "n": 32, "max_tokens": 2, "prompt_logprobs": -1}
+    )
+    assert status == 400, payload
+    status, payload = proc_server.post("/v1/completions", {"prompt": ["a"] * 3, "n": 32})
+    assert status == 400 and _error(payload)["code"] == "too_many_choices"
+    assert proc_server.metrics()[key] == before + 2

@@ -36,7 +36,15 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         ("/v1/completions", {"top_p": 0.0}, None),
         ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"prompt": [5, 999_999]}, "prompt"),
-        ("/v1/completions", {"frobnicate": True}, "frobnicate"),
+        ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/completions", {"repetition_penalty": True}, "repetition_penalty"),
+        ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"no_stop_trim": True}, "no_stop_trim"),
+        ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"truncate_prompt_tokens": 512}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": None}, "prompt"),
         ("/v1/completions", {"prompt": [[]]}, "prompt"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
@@ -45,7 +53,19 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
         ("/v1/chat/completions", {"max_completion_tokens": -5}, "max_completion_tokens"),
-        ("/v1/chat/completions", {"tools": []}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0",
+        ),
     ],
 )
 def test_bad_parameters_are_400(
@@ -71,7 +91,7 @@ def test_openai_client_raises_the_matching_errors(server: ServerHandle) -> None:
         client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     assert bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", extra_body={"best_ofx": 1})
+        client.completions.create(model=MODEL, prompt="x", extra_body={"use_beam_search": True})
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert missing.value.code == "model_not_found"
@@ -117,6 +137,10 @@ def test_backlog_beyond_free_slots_is_429_with_retry_after() -> None:
         assert exc.value.response.headers["retry-after"] == "1"
         assert _error(exc.value.response.json())["code"] == "rate_limit_exceeded"
         assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 1
+        # a refused request counts once, however many choices it asked for
+        status, _ = handle.post("/v1/completions", COMPLETION | {"n": 2})
+        assert status == 429
+        assert handle.metrics()[("kvtier:request_rejected_total", (("status", "429"),))] == 2
         running.close()
         waiting.close()
         wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests == 0))

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.app import chat_logprobs, completion_logprobs
 from kvtier.server.events import TokenLogprob
+from kvtier.server.logprobs import chat_logprobs, completion_logprobs
 from kvtier.server.protocol import dumps
 from tests.server.conftest import MODEL, ServerHandle
 
@@ -47,7 +47,7 @@ def sse_events(payload: bytes) -> list[Any]:
 
 def test_non_finite_logprobs_render_as_valid_json() -> None:
     inf, nan = float("inf"), float("nan")
-    lps = [TokenLogprob("a", -inf, [("a", -inf), ("b", nan), ("c", -0.5)])]
+    lps = [TokenLogprob("a", -inf, [("a", -inf), ("b", nan), ("c", -0.5)], 1, [1, 2, 3])]
     completion = completion_logprobs(lps, 0)
     assert completion["token_logprobs"] == [-9999.0]
     assert completion["top_logprobs"] == [{"a": -9999.0, "b": -9999.0, "c": -0.5}]

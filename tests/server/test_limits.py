@@ -93,7 +93,7 @@ def test_prompts_are_tokenized_off_the_engine_thread(server: ServerHandle) -> No
         assert chat.choices[0].message.content is not None
     finally:
         del tokenizer.encode
-    assert len(threads) == 3
+    assert len(threads) >= 3  # the long prompt is counted in chunks
     assert "kvtier-engine" not in threads, threads
     assert threading.current_thread().name not in threads  # nor the test's own thread
 

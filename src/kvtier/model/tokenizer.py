@@ -48,9 +48,14 @@ class Tokenizer:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render the chat template (jinja2, sandboxed) the way `transformers` does."""
+        """Render the chat template (jinja2, sandboxed) the way `transformers` does;
+        `template_kwargs` are further variables (they may override the special tokens, never the
+        messages or the generation prompt)."""
         if not self.chat_template:
             raise ValueError(
                 "this tokenizer has no chat template; add `chat_template` to tokenizer_config.json "
@@ -66,9 +71,9 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-        )
+        variables = self.special_tokens | (template_kwargs or {})
+        variables |= {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return env.from_string(self.chat_template).render(**variables)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

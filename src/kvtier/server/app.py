@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +21,16 @@ from kvtier.engine.params import SamplingParams
 from kvtier.server.body_limit import BodyLimit
 from kvtier.server.events import Delta, EngineClient, TokenLogprob
 from kvtier.server.generation import ClientDisconnected, Generation, collect, stream
-from kvtier.server.prompts import Prompt, PromptTokens, encode, resolve_max_tokens
+from kvtier.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from kvtier.server.prompts import (
+    ChatOptions,
+    Prompt,
+    PromptTokens,
+    check_admissible,
+    check_response_size,
+    encode,
+    resolve_max_tokens,
+)
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -27,8 +38,8 @@ from kvtier.server.protocol import (
     DetokenizeRequest,
     JSONBody,
     TokenizeRequest,
+    check_extras,
     check_text,
-    finite_logprob,
     message_dicts,
     validation_error,
 )
@@ -47,16 +58,25 @@ def build_app(
     over `max_request_body_bytes` get a 413."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.engine = engine
-    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    # every refusal is counted once per HTTP request (never per choice), the 413s too
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes, on_refuse=engine.rejected)
+
+    def refused(request: Request, status: int) -> None:
+        """Count a refused API request (a health probe's 503 is no refusal)."""
+        if request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            engine.rejected(status)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if not exc.admitted:
+            refused(request, exc.status)
         return exc.response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         # a bug of ours, logged with its traceback; the client still gets an OpenAI-shaped body
         log.error("unhandled error in a request handler", exc_info=exc)
+        refused(request, 500)
         return APIError(f"internal error: {exc}", 500, kind="server_error").response()
 
     @app.exception_handler(ClientDisconnected)
@@ -64,16 +84,18 @@ def build_app(
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        refused(request, 400)
         return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        refused(request, exc.status_code)
         headers = dict(exc.headers) if exc.headers else None
         return APIError(str(exc.detail), exc.status_code, headers=headers).response()
 
-    def check_model(name: str) -> None:
-        if name != served_model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
             raise APIError(
                 f"The model `{name}` does not exist.", 404, param="model", code="model_not_found"
             )
@@ -93,13 +115,35 @@ def build_app(
     def metrics() -> Response:  # a plain def: an engine in another process answers over a pipe
         return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
+    created = int(time.time())
+    # vLLM's model card: clients read `root` (the weights' folder, where a tokenizer loads from)
     card = {
         "id": served_model_name,
         "object": "model",
-        "created": 0,
+        "created": created,
         "owned_by": "kvtier",
+        "root": str(engine.args.model_path),
+        "parent": None,
         "max_model_len": engine.max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{uuid.uuid4().hex}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
+    # the most requests the engine ever holds: more choices in one request can never be admitted
+    max_unfinished = engine.args.scheduler.max_num_seqs + engine.max_waiting_requests
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -110,30 +154,60 @@ def build_app(
         check_model(model_id)
         return card
 
-    async def encode_all(prompts: list[Prompt], add_generation_prompt: bool) -> list[PromptTokens]:
-        """Token ids of every prompt, computed in a worker thread (never the engine's)."""
-        tok, vocab = engine.tokenizer, engine.vocab_size
+    async def encode_all(
+        prompts: list[Prompt],
+        max_tokens: int | None,
+        add_special_tokens: bool | None,
+        truncate_prompt_tokens: int | None,
+        chat: ChatOptions | None = None,
+    ) -> list[PromptTokens]:
+        """Token ids of every prompt, computed in a worker thread (never the engine's); a text
+        that cannot fit is refused before it is tokenized whole."""
+        tok, vocab, limit = engine.tokenizer, engine.vocab_size, engine.max_model_len
         assert tok is not None, "the engine loop is started before the app serves"
-        return await asyncio.to_thread(
-            lambda: [encode(tok, p, vocab, add_generation_prompt) for p in prompts]
-        )
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens >= limit:
+            raise APIError(
+                f"truncate_prompt_tokens={truncate_prompt_tokens} leaves no room for output in "
+                f"this model's maximum context length of {limit} tokens; send a smaller value",
+                param="truncate_prompt_tokens",
+            )
+
+        def run() -> list[PromptTokens]:
+            return [
+                encode(
+                    tok,
+                    p,
+                    vocab,
+                    add_special_tokens=add_special_tokens,
+                    max_model_len=limit,
+                    max_tokens=max_tokens,
+                    truncate_prompt_tokens=truncate_prompt_tokens,
+                    chat=chat,
+                )
+                for p in prompts
+            ]
+
+        return await asyncio.to_thread(run)
 
     def requests(
         encoded: list[PromptTokens],
         body: CompletionRequest | ChatCompletionRequest,
-        max_tokens: int | None,
-        params: tuple[str, str],
+        limits: list[int],
         num_logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> list[tuple[list[int], SamplingParams]]:
         """One (token ids, parameters) per choice: `body.n` per prompt, in choice order."""
         out = []
-        for e in encoded:
-            limit = resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
+        for e, limit in zip(encoded, limits, strict=True):
             for i in range(body.n):
                 sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs)
                 out.append((e.token_ids, sp))
         return out
+
+    def specials(body: CompletionRequest | ChatCompletionRequest) -> bool | None:
+        """The body's add_special_tokens when sent; None keeps the default (text gets them, a
+        chat template writes its own)."""
+        return body.add_special_tokens if "add_special_tokens" in body.model_fields_set else None
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
@@ -142,19 +216,33 @@ def build_app(
         body.check_unsupported()
         # vLLM: echo with max_tokens=0 returns the prompt (one token is computed, not shown),
         # and echo asks for the prompt's logprobs too.
-        echo_only = body.echo and body.max_tokens == 0
+        echo_only = bool(body.echo) and body.max_tokens == 0
         max_tokens = 1 if echo_only else body.max_tokens
         check_max_tokens(max_tokens, "max_tokens")
         prompts: list[Prompt] = list(body.prompts())
-        encoded = await encode_all(prompts, True)
-        prompt_logprobs = body.logprobs if body.echo else None
+        check_admissible(len(prompts) * body.n, max_unfinished, body.n)
+        prompt_logprobs = body.num_prompt_logprobs()
+        returns_prompt = bool(body.echo) or prompt_logprobs is not None
+        if max_tokens is not None:  # up front: before a single prompt is tokenized
+            check_response_size(body.n, [max_tokens] * len(prompts), None, body.logprobs, None)
+        encoded = await encode_all(prompts, max_tokens, specials(body), body.truncate_prompt_tokens)
         params = ("prompt", "max_tokens")
-        todo = requests(encoded, body, max_tokens, params, body.logprobs, prompt_logprobs)
-        gen = Generation(engine, "cmpl", [e.text or "" for e in encoded], body.n)
+        limits = [
+            resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
+            for e in encoded
+        ]
+        lengths = [len(e.token_ids) for e in encoded] if returns_prompt else None
+        check_response_size(body.n, limits, lengths, body.logprobs, prompt_logprobs)
+        todo = requests(encoded, body, limits, body.logprobs, prompt_logprobs)
+        texts = [e.text or "" for e in encoded]
+        gen = Generation(engine, "cmpl", texts, body.n, body.request_id)
         await gen.start(todo, body.priority)
         head = {"id": gen.id, "object": "text_completion", "created": gen.created}
-        head["model"] = body.model
+        head["model"] = body.model or served_model_name
         offsets = [0] * len(gen.texts)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        # the legacy logprobs carry the echoed prompt's only when echo asked for them
+        echo_lps = bool(body.echo) and body.logprobs is not None
 
         def choice(
             i: int,
@@ -167,10 +255,10 @@ def build_app(
             logprobs = None
             if echo_only:
                 text, lps = "", []
-            if body.logprobs is not None and prompt_lps is not None:  # with the echoed prefix
-                logprobs = completion_logprobs(prompt_lps + (lps or []), offsets[i])
+            if echo_lps and prompt_lps is not None:  # with the echoed prefix
+                logprobs = completion_logprobs(prompt_lps + (lps or []), offsets[i], as_ids)
             elif body.logprobs is not None:
-                logprobs = completion_logprobs(lps or [], offsets[i] + len(prefix))
+                logprobs = completion_logprobs(lps or [], offsets[i] + len(prefix), as_ids)
             offsets[i] += len(prefix) + len(text)
             reason = _finish_reason(reason)
             return {
@@ -184,12 +272,13 @@ def build_app(
             echoed: set[int] = set()
 
             def chunk(i: int, d: Delta) -> dict[str, Any]:
-                first = body.echo and i not in echoed
+                first = bool(body.echo) and i not in echoed
                 prefix = gen.prompt_texts[i] if first else ""
                 echoed.add(i)
                 prompt_lps = d.prompt_logprobs if first else None
                 c = choice(i, prefix, d.text, d.logprobs, d.finish_reason, prompt_lps)
-                return head | {"choices": [c]}
+                out = head | {"choices": [c]}
+                return out | {"usage": gen.choice_usage(i)} if body.continuous_usage else out
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
@@ -198,7 +287,10 @@ def build_app(
             prefix = gen.prompt_texts[i] if body.echo else ""
             prompt_lps = gen.prompt_logprobs[i] if body.echo else None
             c = choice(i, prefix, text, gen.logprobs[i], gen.finish[i], prompt_lps)
-            choices.append(c | {"stop_reason": gen.stop_reasons[i]})
+            c["stop_reason"] = gen.stop_reasons[i]
+            if body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs[i] or [])
+            choices.append(c)
         return head | {"choices": choices, "usage": gen.usage_body()}
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -210,15 +302,33 @@ def build_app(
         max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         check_max_tokens(max_tokens, max_param)
         num_logprobs = body.num_logprobs()
-        encoded = await encode_all([body.dict_messages()], body.add_generation_prompt)
-        todo = requests(encoded, body, max_tokens, ("messages", max_param), num_logprobs)
-        gen = Generation(engine, "chatcmpl", [e.text or "" for e in encoded], body.n)
+        check_admissible(body.n, max_unfinished, body.n)
+        if max_tokens is not None:  # up front: before the prompt is rendered and tokenized
+            check_response_size(body.n, [max_tokens], None, num_logprobs, None)
+        messages = body.dict_messages()
+        opts = ChatOptions(
+            body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        )
+        encoded = await encode_all(
+            [messages], max_tokens, specials(body), body.truncate_prompt_tokens, opts
+        )
+        limit = resolve_max_tokens(
+            len(encoded[0].token_ids), max_tokens, engine.max_model_len, "messages", max_param
+        )
+        lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
+        check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
+        todo = requests(encoded, body, [limit], num_logprobs, body.prompt_logprobs)
+        gen = Generation(
+            engine, "chatcmpl", [e.text or "" for e in encoded], body.n, body.request_id
+        )
         await gen.start(todo, body.priority)
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
-        head = {"id": gen.id, "object": kind, "created": gen.created, "model": body.model}
+        model_name = body.model or served_model_name
+        head = {"id": gen.id, "object": kind, "created": gen.created, "model": model_name}
+        as_ids = bool(body.return_tokens_as_token_ids)
 
         def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-            return None if num_logprobs is None else chat_logprobs(lps or [])
+            return None if num_logprobs is None else chat_logprobs(lps or [], as_ids)
 
         if body.stream:
             greeted: set[int] = set()
@@ -229,7 +339,9 @@ def build_app(
                     greeted.add(i)
                     delta["role"] = "assistant"
                 c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
-                return head | {"choices": [c | {"finish_reason": _finish_reason(d.finish_reason)}]}
+                c["finish_reason"] = _finish_reason(d.finish_reason)
+                out = head | {"choices": [c]}
+                return out | {"usage": gen.choice_usage(i)} if body.continuous_usage else out
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
@@ -243,13 +355,16 @@ def build_app(
             }
             for i, text in enumerate(gen.texts)
         ]
-        return head | {"choices": choices, "usage": gen.usage_body()}
+        out = head | {"choices": choices, "usage": gen.usage_body()}
+        if body.prompt_logprobs is not None:  # vLLM: beside the choices, one list per request
+            out["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs[0] or [])
+        return out
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_text(body.model_dump(exclude_unset=True), "")
-        if body.model is not None:
-            check_model(body.model)
+        check_extras(body.extras(), {})
+        check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send exactly one of `prompt` and `messages`")
         prompt: Prompt = (
@@ -259,12 +374,15 @@ def build_app(
         assert tok is not None
         ids = (
             await asyncio.to_thread(
-                encode,
-                tok,
-                prompt,
-                engine.vocab_size,
-                body.add_generation_prompt,
-                body.add_special_tokens,
+                lambda: encode(
+                    tok,
+                    prompt,
+                    engine.vocab_size,
+                    body.add_generation_prompt,
+                    body.add_special_tokens,
+                    max_model_len=engine.max_model_len,
+                    max_tokens=0,
+                )
             )
         ).token_ids
         strs = [tok.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
@@ -277,8 +395,8 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            check_model(body.model)
+        check_extras(body.extras(), {})
+        check_model(body.model)
         if any(not 0 <= t < engine.vocab_size for t in body.tokens):
             raise APIError(f"token ids must lie in [0, {engine.vocab_size})", param="tokens")
         tok = engine.tokenizer
@@ -291,37 +409,3 @@ def build_app(
         return {"version": kvtier.__version__}
 
     return app
-
-
-def _finite(logprob: float | None) -> float | None:
-    return None if logprob is None else finite_logprob(logprob)
-
-
-def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The `logprobs` object of a completion choice (legacy shape); -inf becomes -9999.0 and a
-    prompt's first token has null entries."""
-    offsets = []
-    for lp in lps:
-        offsets.append(offset)
-        offset += len(lp.token)
-    return {
-        "tokens": [lp.token for lp in lps],
-        "token_logprobs": [_finite(lp.logprob) for lp in lps],
-        "top_logprobs": [
-            None if lp.logprob is None else {t: finite_logprob(v) for t, v in lp.top} for lp in lps
-        ],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
-    """The `logprobs` object of a chat choice; -inf becomes -9999.0."""
-
-    def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
-
-    content = [
-        entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-        for lp in lps
-    ]
-    return {"content": content}

@@ -4,17 +4,23 @@ byte of it. Bodies under the cap are buffered and replayed to the app unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.server.protocol import APIError
 
 
 class BodyLimit:
-    """Wraps `app`; `max_bytes` is the largest body accepted."""
+    """Wraps `app`; `max_bytes` is the largest body accepted; `on_refuse(413)` counts each
+    refusal."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[int], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refuse = on_refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,6 +54,8 @@ class BodyLimit:
             413,
             code="request_too_large",
         )
+        if self.on_refuse is not None:
+            self.on_refuse(err.status)
         await err.response()(scope, receive, send)
 
 

@@ -155,6 +155,9 @@ class EngineLoop:
         """The Prometheus exposition of this engine's metrics (safe from any thread)."""
         return generate_latest(self.metrics.registry)
 
+    def rejected(self, status: int) -> None:
+        self.metrics.rejected(status)  # a prometheus counter is safe from any thread
+
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _main(self) -> None:
@@ -248,12 +251,10 @@ class EngineLoop:
         if kind == "submit":
             try:
                 self._admit(engine, arg)
-            except APIError as exc:
-                self.metrics.rejected(exc.status)
+            except APIError as exc:  # counted by the HTTP layer, once per HTTP request
                 self._outbox.append((arg.sink, Failed(exc)))
             except Exception as exc:  # add_request raises before recording anything: carry on
                 log.exception("request %s could not be admitted", arg.req_id)
-                self.metrics.rejected(500)
                 error = APIError(f"internal error: {exc}", 500, kind="server_error")
                 self._outbox.append((arg.sink, Failed(error)))
         elif kind == "abort":
@@ -349,6 +350,8 @@ def _token_logprobs(
             decode([tok], skip_special_tokens=False),
             lp.logprob,
             [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
+            tok,
+            list(lp.top),
         )
         for tok, lp in zip(token_ids, logprobs)
     ]
@@ -362,12 +365,14 @@ def _prompt_logprobs(
     def text(token_id: int) -> str:
         return decode([token_id], skip_special_tokens=False)
 
-    return [
-        TokenLogprob(text(tok), None, [])
-        if lp is None
-        else TokenLogprob(
-            text(tok), lp.logprob, [(text(t), v) for t, v in ({tok: lp.logprob} | lp.top).items()]
+    def entry(tok: int, lp: TokenLogprobs) -> TokenLogprob:
+        top = {tok: lp.logprob} | lp.top
+        return TokenLogprob(
+            text(tok), lp.logprob, [(text(t), v) for t, v in top.items()], tok, list(top)
         )
+
+    return [
+        TokenLogprob(text(tok), None, [], tok, []) if lp is None else entry(tok, lp)
         for tok, lp in zip(prompt, logprobs, strict=True)
     ]
 

@@ -5,8 +5,8 @@ interpreter lock: a busy HTTP loop stops delaying the scheduler and the forward'
 
 One duplex pipe (`multiprocessing.connection`, pickled tuples) carries, from the HTTP process:
 `("submit", req_id, token_ids, params, priority, arrival)`, `("abort", req_id)`,
-`("call", call_id, fn)`, `("metrics", call_id)`, `("stop",)`; and back: `("ready", facts)` or
-`("start_failed", error)` once, then `("events", [(req_id, event), ...])` once per engine step,
+`("call", call_id, fn)`, `("metrics", call_id)`, `("rejected", status)`, `("stop",)`; and back:
+`("ready", facts)` or `("start_failed", error)` once, then `("events", [(req_id, event), ...])` once per engine step,
 `("reply", call_id, ok, value)`, and `("failed", error)` after the engine loop has answered every
 request in flight. Requests are routed back by id; the HTTP process holds their sinks. The engine
 loop's heartbeat (`server/liveness.py`) lives in shared memory beside the pipe: a stopped or hung
@@ -55,6 +55,7 @@ class EngineProcess:
         iteration_timeout_s: float = ITERATION_TIMEOUT_S,
     ) -> None:
         self.args = args
+        self.max_waiting_requests = max_waiting_requests
         self.max_model_len = 0
         self.vocab_size = 0
         self.tokenizer: Tokenizer | None = None
@@ -184,6 +185,12 @@ class EngineProcess:
             with contextlib.suppress(Exception):
                 self._last_metrics = self._request(lambda cid: ("metrics", cid), 10.0)
         return self._last_metrics
+
+    def rejected(self, status: int) -> None:
+        with self._lock:
+            if self.error is None:
+                with contextlib.suppress(OSError):
+                    self._send(("rejected", status))
 
     def _request(self, make: Callable[[int], tuple[Any, ...]], timeout: float) -> Any:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -355,6 +362,8 @@ def _child_main(
             loop.abort(msg[1])
         elif kind == "call":
             loop.call_soon(msg[2]).add_done_callback(functools.partial(reply, msg[1]))
+        elif kind == "rejected":
+            loop.rejected(msg[1])
         elif kind == "metrics":
             with contextlib.suppress(OSError):
                 send(("reply", msg[1], True, loop.metrics_text()))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvtier.engine.params import SamplingParams
+from kvtier.engine.params import EngineArgs, SamplingParams
 from kvtier.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -37,12 +37,14 @@ class Started:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One token as text, its logprob and the top candidates (text, logprob); a prompt's first
-    token has neither (logprob None)."""
+    """One token as text, its logprob and the top candidates (text, logprob), with their ids; a
+    prompt's first token has neither (logprob None)."""
 
     token: str
     logprob: float | None
     top: list[tuple[str, float]]
+    token_id: int
+    top_ids: list[int]  # the ids of `top`, in its order
 
 
 @dataclass(slots=True)
@@ -133,6 +135,8 @@ class EngineClient(Protocol):
     """What the HTTP app needs of an engine: `EngineLoop` (the engine on a thread of this
     process) and `EngineProcess` (the engine in a process of its own) both provide it."""
 
+    args: EngineArgs
+    max_waiting_requests: int
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer | None
@@ -159,6 +163,10 @@ class EngineClient(Protocol):
     def call(self, fn: Callable[[EngineCore], T], timeout: float = 30.0) -> T: ...
 
     def metrics_text(self) -> bytes: ...
+
+    def rejected(self, status: int) -> None:
+        """Count one HTTP request refused before admission, by its status (safe from any
+        thread)."""
 
 
 def engine_failed(exc: BaseException) -> APIError:

@@ -32,15 +32,24 @@ class Generation:
     prompt, choice `prompt_index * n + i` (OpenAI's indexing)."""
 
     def __init__(
-        self, engine: EngineClient, prefix: str, prompt_texts: list[str], n: int = 1
+        self,
+        engine: EngineClient,
+        prefix: str,
+        prompt_texts: list[str],
+        n: int = 1,
+        request_id: str | None = None,
     ) -> None:
         num = len(prompt_texts) * n
         self.engine = engine
         self.n = n
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        # vLLM's `request_id` names the response; the engine's ids stay unique whatever it is
+        own = uuid.uuid4().hex
+        self.id = f"{prefix}-{request_id or own}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.req_ids = [f"{self.id}-{i}" for i in range(num)]
+        self.req_ids = [f"{prefix}-{own}-{i}" for i in range(num)]
+        self.num_prompt_tokens = [0] * num  # per choice, from its `Started`
+        self.num_tokens = [0] * num  # per choice, generated so far
         self.prompt_texts = [text for text in prompt_texts for _ in range(n)]  # per choice
         self.texts = [""] * num
         self.finish: list[str | None] = [None] * num
@@ -74,6 +83,7 @@ class Generation:
                 self.abort_unfinished()
                 raise ev.error
             if isinstance(ev, Started):
+                self.num_prompt_tokens[i] = ev.num_prompt_tokens
                 started += 1
             else:
                 self.early.append((i, ev))
@@ -91,6 +101,7 @@ class Generation:
 
     def _note(self, i: int, d: Delta) -> tuple[int, Delta]:
         self.texts[i] += d.text
+        self.num_tokens[i] += len(d.token_ids)
         self.logprobs[i] += d.logprobs or []
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[i] = d.prompt_logprobs
@@ -102,6 +113,11 @@ class Generation:
                 self.usage["cached_tokens"] += d.usage.cached_tokens
             self.usage["completion_tokens"] += d.usage.completion_tokens
         return i, d
+
+    def choice_usage(self, i: int) -> dict[str, Any]:
+        """Choice `i`'s usage so far (vLLM's `continuous_usage_stats` chunk field)."""
+        p, c = self.num_prompt_tokens[i], self.num_tokens[i]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def usage_body(self) -> dict[str, Any]:
         u = self.usage
@@ -141,7 +157,11 @@ async def collect(gen: Generation, raw: Request) -> None:
             gen.abort_unfinished()
     if work not in done:
         raise ClientDisconnected  # nobody to answer; the cancelled drain ends quietly
-    work.result()  # re-raises an engine failure
+    try:
+        work.result()  # re-raises an engine failure
+    except APIError as exc:
+        exc.admitted = True  # not a refusal: the request ran
+        raise
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -1,17 +1,19 @@
-"""OpenAI request bodies (pydantic, strict, unknown fields rejected as OpenAI does) and their
-translation to `SamplingParams`; OpenAI-shaped error bodies; strict JSON rendering (no NaN or
-Infinity, no lone surrogates). No engine access here."""
+"""OpenAI request bodies with vLLM's extensions (pydantic, strict types; unknown fields ignored
+with one warning per name, as vLLM does, unless they would change the answer) and their
+translation to `SamplingParams`; OpenAI-shaped error bodies; strict JSON rendering. No engine
+access here."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine.params import SamplingParams
+from kvtier.server.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, NEUTRAL, unsupported_field
 
 # vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
 MIN_LOGPROB = -9999.0
@@ -81,6 +83,7 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.headers = headers
+        self.admitted = False  # raised after the engine admitted the request (not a refusal)
         self.message, self.status, self.param, self.code, self.kind = (
             message,
             status,
@@ -104,31 +107,38 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_N = 32  # choices per prompt
 INT64 = 2**63
+# The most token entries one response may carry, counted before anything runs: every choice's
+# max_tokens × (1 + logprobs), plus its echoed or scored prompt tokens × (1 + prompt_logprobs).
+# An entry renders as tens of bytes of JSON, so this bounds what the HTTP process builds for one
+# request to tens of MB (listed in docs/serving.md).
+MAX_RESPONSE_TOKENS = 1 << 21
 
 
 class _Body(BaseModel):
-    # JSON's NaN / Infinity literals (Python's parser accepts them) are refused in every field
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # JSON's NaN / Infinity literals (Python's parser accepts them) are refused in every field;
+    # unknown fields are kept aside (`model_extra`) for `check_extras`
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    def extras(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
 class _Sampling(_Body):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extensions (sent via extra_body)."""
 
-    model: str
+    model: str | None = None  # vLLM: the served model when absent
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None
@@ -138,9 +148,18 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = 0  # honoured under --scheduling-policy priority, else ignored (as vLLM)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool | None = None
+
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL
 
     def check_unsupported(self) -> None:
+        check_extras(self.extras(), self._neutral)
+        if self.stream_options is not None:
+            check_extras(self.stream_options.extras(), {})
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
@@ -152,11 +171,12 @@ class _Sampling(_Body):
             raise APIError(
                 "stream_options can only be given with stream=true", param="stream_options"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise APIError(f"{name} is not supported by this server; omit it", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server", param="logit_bias")
+        if self.stream and self.prompt_logprobs:
+            raise APIError(
+                "prompt_logprobs are not available with stream=true (as vLLM); ask without "
+                "streaming",
+                param="prompt_logprobs",
+            )
 
     def sampling_params(
         self,
@@ -190,16 +210,22 @@ class _Sampling(_Body):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        opts = self.stream_options
+        return opts is not None and bool(opts.include_usage and opts.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM extension
+
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_NEUTRAL
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -212,48 +238,68 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.suffix:
-            raise APIError("suffix is not supported by this server", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError("only best_of=1 is supported", param="best_of")
-
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM: prompt_logprobs, else echo asks for the prompt's logprobs at `logprobs`."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
 
 class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... pass through
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call it answers
 
-    def text(self) -> str:
+    def text(self, param: str) -> str:
+        """The content as text: parts joined with a newline (vLLM's separator)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ResponseFormat(_Body):
-    type: Literal["text"]
+        texts = []
+        for i, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    f"content part type {part.type!r} is not supported by this server (text "
+                    "only); send {'type': 'text', 'text': ...} parts",
+                    param=f"{param}.content.{i}",
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True  # vLLM extension
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the chat template writes
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _neutral: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_NEUTRAL
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true (as "
+                "vLLM); send add_generation_prompt=false",
+                param="continue_final_message",
+            )
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -274,8 +320,44 @@ class ChatCompletionRequest(_Sampling):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template reads them: role and the content's text."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """Messages as the chat template reads them, as vLLM hands them to `transformers`'
+    `apply_chat_template`: role and text content; an assistant's `tool_calls` (their JSON
+    `arguments` parsed to objects), a tool's `tool_call_id`, and `name` where given."""
+    out = []
+    for i, m in enumerate(messages):
+        check_extras(m.extras(), {})  # e.g. a reasoning model's `reasoning_content`: logged
+        d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages.{i}")}
+        if m.role == "assistant" and m.tool_calls is not None:
+            d["tool_calls"] = [
+                _parsed_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
+            ]
+        if m.role == "tool" and m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _parsed_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """A tool call with its function's JSON-string `arguments` as an object (templates index
+    them); empty arguments become {}."""
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return call
+    args = fn.get("arguments")
+    if args is None or args == "":
+        return call | {"function": fn | {"arguments": {}}}
+    if isinstance(args, str):
+        try:
+            return call | {"function": fn | {"arguments": json.loads(args)}}
+        except json.JSONDecodeError:
+            raise APIError(
+                f"{param}.function.arguments is not valid JSON; send the arguments the model "
+                "produced, a JSON object as a string",
+                param=f"{param}.function.arguments",
+            ) from None
+    return call
 
 
 class TokenizeRequest(_Body):
@@ -293,6 +375,19 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def check_extras(extras: dict[str, Any], neutral: dict[str, tuple[Any, ...]]) -> None:
+    """APIError (400) naming the first field of `extras` that would change the answer; every
+    other unknown field is logged once per name and ignored (`server/fields.py`)."""
+    bad = unsupported_field(extras, neutral)
+    if bad is not None:
+        name, allowed = bad
+        raise APIError(
+            f"{name} is not supported by this server; omit it or send {allowed}",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
 def validation_error(errors: list[Any]) -> APIError:

@@ -32,6 +32,7 @@ from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_failed, put_all
 from kvtier.server.protocol import APIError
+from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -49,6 +50,7 @@ class EngineProcess:
         max_waiting_requests: int,
         fail_at_step: int | None = None,
         log_level: str = "info",
+        metric_names: MetricNames = DEFAULT_NAMES,
     ) -> None:
         self.args = args
         self.max_model_len = 0
@@ -60,7 +62,7 @@ class EngineProcess:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, args, max_waiting_requests, fail_at_step, log_level),
+            args=(child_conn, args, max_waiting_requests, fail_at_step, log_level, metric_names),
             name="kvtier-engine",
             daemon=True,  # never outlives this process
         )
@@ -284,6 +286,7 @@ def _child_main(
     max_waiting_requests: int,
     fail_at_step: int | None,
     log_level: str,
+    metric_names: MetricNames,
 ) -> None:
     # The HTTP process owns shutdown: a Ctrl-C or SIGTERM to the process group reaches it, and it
     # stops this one with "stop" after uvicorn has drained (the tiers then finish their writes).
@@ -296,7 +299,7 @@ def _child_main(
         with send_lock:
             conn.send(msg)
 
-    loop = EngineLoop(args, max_waiting_requests, fail_at_step)
+    loop = EngineLoop(args, max_waiting_requests, fail_at_step, metric_names)
     try:
         loop.start()
     except BaseException as exc:

@@ -107,6 +107,8 @@ class EngineMetrics:
             self.transfer_bytes.labels(direction)
         for kind in ("RAW", "WAR", "WAW"):
             self.hazards.labels(kind)
+        for status in ("400", "429", "500"):  # a refusal-free server still shows its zeros
+            self.request_rejected.labels(status)
         self._seen: dict[str, int] = {}
 
     def set_layout(self, engine: EngineCore) -> None:

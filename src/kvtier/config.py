@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -502,6 +503,19 @@ class SchedulerConfig:
         return self.depth * self.max_num_batched_tokens
 
 
+def check_metrics_prefix(prefix: str) -> None:
+    """ValueError unless `prefix` can start a Prometheus metric name and is not kvtier's own."""
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+        raise ValueError(
+            f"--metrics-prefix must be a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*), got {prefix!r}"
+        )
+    if prefix == "kvtier":
+        raise ValueError(
+            "--metrics-prefix kvtier would clash with kvtier's own per-tier families "
+            "(kvtier:kv_cache_usage_perc{tier=...}); pick another name, e.g. kvtier_vllm"
+        )
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front of `kvtier serve`."""
@@ -514,9 +528,11 @@ class ServerConfig:
     log_level: str = "info"
     engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
     engine_iteration_timeout_s: float = 30.0  # /health 503 past this without an engine loop pass
+    metrics_prefix: str = "vllm"  # names vLLM's metric families (kvtier's own stay kvtier:)
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_metrics_prefix(self.metrics_prefix)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_waiting_requests < 0:
@@ -600,6 +616,10 @@ FLAG_HELP = {
     ),
     "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
     "log_level": "debug, info, warning or error",
+    "metrics_prefix": (
+        "prefix of the metric families shaped as vLLM's (vllm: lets a vLLM Grafana board read "
+        "this server unchanged); kvtier's own families keep kvtier:"
+    ),
 }
 
 

@@ -102,7 +102,7 @@ def test_reported_max_concurrency_is_what_admission_admits_at_max_length(
     )
     engine = llm.engine
     assert f"max concurrency at max length {n} (admission {name})" in layout_summary(engine)
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(engine.plan.max_model_len)
     metrics.set_layout(engine)
     assert metrics.registry.get_sample_value("kvtier:max_concurrency", {"tier": "device"}) == n
     samples: list[tuple[int, int]] = []

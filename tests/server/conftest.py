@@ -27,6 +27,8 @@ from kvtier.server.engine_process import EngineProcess
 from kvtier.server.events import EngineClient
 
 MODEL = "kvtier-default"
+# The labels of every vLLM-shaped series of a server with the default names (`MetricNames`)
+VLLM = (("engine", "0"), ("model_name", MODEL))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from kvtier.server.engine_process import EngineProcess
 from tests.server import probes
 from tests.server.conftest import (
     MODEL,
+    VLLM,
     ServerHandle,
     _health,
     free_port,
@@ -113,7 +114,7 @@ def test_metrics_come_from_the_engine_process(proc_server: ServerHandle) -> None
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     after = proc_server.metrics()
-    key = ("kvtier:generation_tokens_total", ())
+    key = ("vllm:generation_tokens_total", VLLM)
     assert after[key] - before[key] == 5
     assert after[("kvtier:kv_cache_num_blocks", (("tier", "device"),))] == 511
 

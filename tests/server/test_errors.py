@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, ServerHandle, start_server, stop_server, wait_until
+from tests.server.conftest import MODEL, VLLM, ServerHandle, start_server, stop_server, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "The for", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -129,7 +129,7 @@ def test_backlog_beyond_free_slots_is_429_with_retry_after() -> None:
         running, resp_a = _open_stream(handle.port, 400)
         assert resp_a.status == 200 and resp_a.readline().startswith(b"data: ")
         waiting, _ = _open_stream(handle.port, 400)  # admitted to the queue, not running
-        key = ("kvtier:num_requests_waiting", ())
+        key = ("vllm:num_requests_waiting", VLLM)
         wait_until(lambda: handle.metrics()[key] == 1.0)
         with pytest.raises(openai.RateLimitError) as exc:
             handle.client().completions.create(model=MODEL, prompt="x", max_tokens=2)

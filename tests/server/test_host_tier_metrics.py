@@ -27,7 +27,7 @@ def test_transfer_bytes_and_host_prefix_hits_move(tmp_path) -> None:  # type: ig
         str(path), max_model_len=64, block_size=4, num_device_blocks=80, num_host_blocks=400
     )
     engine = EngineCore(args)
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(engine.plan.max_model_len)
     metrics.set_layout(engine)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(30)] for _ in range(8)]

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from kvtier.engine import EngineCore
-from tests.server.conftest import MODEL, ServerHandle, _health, free_port, serve_command, wait_until
+from tests.server.conftest import (
+    MODEL,
+    VLLM,
+    ServerHandle,
+    _health,
+    free_port,
+    serve_command,
+    wait_until,
+)
 
 
 def _idle(server: ServerHandle) -> bool:
@@ -24,7 +32,7 @@ def _idle(server: ServerHandle) -> bool:
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerHandle) -> None:
     wait_until(lambda: _idle(server))
-    aborted = ("kvtier:request_success_total", (("finished_reason", "abort"),))
+    aborted = ("vllm:request_success_total", tuple(sorted((*VLLM, ("finished_reason", "abort")))))
     before = server.metrics()[aborted]
     for path, body in [
         ("/v1/completions", {"prompt": "The while statement", "max_tokens": 450}),
@@ -82,13 +90,27 @@ def test_metrics_move_as_requests_run(server: ServerHandle) -> None:
         return after[(name, labels)] - before[(name, labels)]
 
     device = (("tier", "device"),)
-    assert moved("kvtier:generation_tokens_total") == 7
-    assert moved("kvtier:prompt_tokens_total") == out.usage.prompt_tokens
+    length = tuple(sorted((*VLLM, ("finished_reason", "length"))))
+    assert moved("vllm:generation_tokens_total", VLLM) == 7
+    assert moved("vllm:prompt_tokens_total", VLLM) == out.usage.prompt_tokens
     assert moved("kvtier:prefix_cache_queries_total", device) >= out.usage.prompt_tokens
-    assert moved("kvtier:request_success_total", (("finished_reason", "length"),)) == 1
-    assert moved("kvtier:time_to_first_token_seconds_count") == 1
-    assert moved("kvtier:e2e_request_latency_seconds_count") == 1
-    assert moved("kvtier:inter_token_latency_seconds_count") >= 1
+    assert moved("vllm:prefix_cache_queries_total", VLLM) >= out.usage.prompt_tokens
+    assert moved("vllm:request_success_total", length) == 1
+    assert moved("vllm:request_prompt_tokens_sum", VLLM) == out.usage.prompt_tokens
+    assert moved("vllm:request_generation_tokens_sum", VLLM) == 7
+    assert moved("vllm:request_params_max_tokens_sum", VLLM) == 7
+    for name in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "request_inference_time",
+        "request_time_per_output_token",
+    ):
+        assert moved(f"vllm:{name}_seconds_count", VLLM) == 1, name
+    assert moved("vllm:inter_token_latency_seconds_count", VLLM) >= 1
+    assert moved("vllm:iteration_tokens_total_count", VLLM) >= 1
     assert after[("kvtier:kv_cache_num_blocks", device)] == 511
     for name in (
         "kvtier:kv_cache_usage_perc",
@@ -96,9 +118,13 @@ def test_metrics_move_as_requests_run(server: ServerHandle) -> None:
     ):
         assert (name, device) in after
     for name in (
-        "kvtier:num_requests_running",
-        "kvtier:num_requests_waiting",
-        "kvtier:num_preemptions_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+    ):
+        assert (name, VLLM) in after
+    for name in (
         "kvtier:kv_quarantined_block_refs",
         "kvtier:kv_pending_transfers",
     ):

@@ -220,7 +220,7 @@ def test_a_replica_killed_mid_run_loses_no_request(setup: Setup) -> None:
     before = metric(setup.router.port, "kvtier:router_failovers_total")
 
     threads, results = _concurrently(setup.router.port, path, todo)
-    wait_until(lambda: metric(victim.port, "kvtier:num_requests_running") >= 2, 60)
+    wait_until(lambda: metric(victim.port, "vllm:num_requests_running") >= 2, 60)
     victim.proc.kill()  # SIGKILL mid-generation
     for t in threads:
         t.join(120)

@@ -8,6 +8,7 @@ when it hands out its `FinishedRequest`."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -151,8 +152,11 @@ class EngineCore:
         self._ids: dict[str, ReqId] = {}
         self._num_renamed = 0
         self.num_draft_tokens = 0  # drafts verified, over every step processed
+        # (step_seq, total_num_scheduled_tokens) of the last step processed: the server's
+        # tokens-per-step histogram reads it after each `step()`
+        self.last_step = (0, 0)
         self.num_accepted_tokens = 0
-        self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self.runner.execute)
+        self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self._launch)
 
     def _plan(self, dtype_name: str) -> KVPlan:
         args, cfg = self.args, self.model_config
@@ -315,7 +319,7 @@ class EngineCore:
     def step_sync(self) -> list[StepOutput]:
         """schedule → execute → wait → update."""
         output = self.scheduler.schedule()
-        handle = self.runner.execute(output)
+        handle = self._launch(output)
         self.queue.num_steps += 1
         return self._process(output, handle)
 
@@ -324,8 +328,18 @@ class EngineCore:
         item = self.queue.advance()
         return [] if item is None else self._process(*item)
 
+    def _launch(self, output: SchedulerOutput) -> StepHandle:
+        """Execute a scheduled step; stamps the requests it schedules for the first time."""
+        now = time.monotonic()
+        for new in output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None and state.scheduled_time is None:
+                state.scheduled_time = now
+        return self.runner.execute(output)
+
     def _process(self, output: SchedulerOutput, handle: StepHandle) -> list[StepOutput]:
         result = self.runner.wait(handle)
+        self.last_step = (output.step_seq, output.total_num_scheduled_tokens)
         self.num_draft_tokens += result.num_draft_tokens
         self.num_accepted_tokens += result.num_accepted_tokens
         for req_id, chunk in result.prompt_logprobs.items():

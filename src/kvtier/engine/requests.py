@@ -34,6 +34,7 @@ class FinishedRequest:
     logprobs: list[TokenLogprobs] | None  # one per output token, when asked
     # One per prompt position when asked (the first is None, as vLLM), else None.
     prompt_logprobs: list[TokenLogprobs | None] | None
+    scheduled_time: float | None = None  # `RequestState.scheduled_time`
 
 
 @dataclass(slots=True)
@@ -65,6 +66,9 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # handed out with the first output
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # time.monotonic() when a step first scheduled it (None until then): the end of its queue
+    # time and the start of its prefill, as vLLM's metrics split a request's latency
+    scheduled_time: float | None = None
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Record a chunk's prompt logprobs (mutates); positions already known stay as they are
@@ -93,4 +97,5 @@ class RequestState:
             num_preemptions=request.num_preemptions,
             logprobs=list(self.logprobs) if asked else None,
             prompt_logprobs=None if prompt is None else list(prompt),
+            scheduled_time=self.scheduled_time,
         )

@@ -65,19 +65,26 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.app import build_app
     from kvtier.server.engine_loop import EngineLoop
     from kvtier.server.engine_process import EngineProcess
+    from kvtier.server.vllm_metrics import MetricNames
 
     cfg = dataclass_from_args(ServerConfig, args)
     configure_logging(cfg.log_level)
     loop: EngineClient
     eargs, fail_at = engine_args(args), _fail_at_step()
     timeout_s = cfg.engine_iteration_timeout_s
+    name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME
+    names = MetricNames(name, cfg.metrics_prefix)
     if cfg.engine_process:
-        loop = EngineProcess(eargs, cfg.max_waiting_requests, fail_at, cfg.log_level, timeout_s)
+        loop = EngineProcess(
+            eargs, cfg.max_waiting_requests, fail_at, cfg.log_level, timeout_s, metric_names=names
+        )
     else:
-        loop = EngineLoop(eargs, cfg.max_waiting_requests, fail_at, iteration_timeout_s=timeout_s)
+        loop = EngineLoop(
+            eargs, cfg.max_waiting_requests, fail_at, iteration_timeout_s=timeout_s,
+            metric_names=names,
+        )  # fmt: skip
     loop.start()
     log.info(loop.layout_summary)
-    name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(loop, name, cfg.max_request_body_bytes)
     log.info("serving %r on http://%s:%d/v1", name, cfg.host, cfg.port)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)

@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs
-from kvtier.engine.requests import StepOutput
+from kvtier.engine.requests import FinishedRequest, StepOutput
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sched.output import TokenLogprobs
 from kvtier.server.events import (
@@ -37,6 +37,7 @@ from kvtier.server.events import (
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason, warm_up
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.protocol import APIError
+from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames, RequestRecord
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -65,14 +66,16 @@ class EngineLoop:
         fail_at_step: int | None = None,
         heartbeat: Heartbeat | None = None,
         iteration_timeout_s: float = ITERATION_TIMEOUT_S,
+        metric_names: MetricNames = DEFAULT_NAMES,
     ) -> None:
         self.args = args
+        self.metric_names = metric_names
         self.max_waiting_requests = max_waiting_requests
         # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
         # (1-based), exactly where a real step failure would surface.
         self.fail_at_step = fail_at_step
         self.num_steps = 0
-        self.metrics = EngineMetrics()
+        self.metrics: EngineMetrics  # built with the engine (its buckets need max_model_len)
         self.error: BaseException | None = None
         self._on_failure: list[Callable[[BaseException], None]] = []
         # Read-only facts about the engine, set once before `start()` returns. The tokenizer is
@@ -94,6 +97,7 @@ class EngineLoop:
         self.heartbeat = heartbeat or Heartbeat()
         self.iteration_timeout_s = iteration_timeout_s
         self._idle_wait_s = min(1.0, iteration_timeout_s / 4)  # an idle loop still beats
+        self._last_step_seq = 0  # the last processed step counted in the metrics
 
     # ---- called from other threads ---------------------------------------------------------------
 
@@ -167,6 +171,7 @@ class EngineLoop:
             self.vocab_size = engine.model_config.vocab_size
             self.tokenizer = engine.tokenizer
             self.layout_summary = layout_summary(engine)
+            self.metrics = EngineMetrics(engine.plan.max_model_len, self.metric_names)
             self.metrics.set_layout(engine)
         except BaseException as exc:
             self.error = exc
@@ -237,6 +242,11 @@ class EngineLoop:
                 if self.num_steps == self.fail_at_step:
                     raise RuntimeError(f"injected fault at engine step {self.num_steps}")
                 finished = self._dispatch(engine, engine.step())
+                step_seq, num_tokens = engine.last_step
+                if step_seq != self._last_step_seq:
+                    self._last_step_seq = step_seq
+                    if num_tokens:
+                        self.metrics.step(num_tokens)
             self._flush()
             now = time.monotonic()
             # A snapshot reads every pool: under load, one per METRICS_INTERVAL_S, and at once
@@ -261,7 +271,7 @@ class EngineLoop:
             live = self._live.pop(arg, None)
             result = engine.abort(arg) if live is not None else None
             if live is not None and result is not None:
-                self.metrics.finished(live.sub.arrival, time.monotonic(), "abort")
+                self.metrics.finished(_record(live, result, time.monotonic()))
                 usage = Usage(
                     live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
@@ -315,9 +325,7 @@ class EngineLoop:
             if live is None:
                 continue
             if out.new_token_ids:
-                self.metrics.tokens(
-                    live.sub.arrival, live.first_token, live.last_token, now, len(out.new_token_ids)
-                )
+                self.metrics.tokens(live.sub.arrival, live.last_token, now, len(out.new_token_ids))
                 live.first_token = live.first_token or now
                 live.last_token = now
             delta = Delta(out.new_text, list(out.new_token_ids))
@@ -332,13 +340,29 @@ class EngineLoop:
                 result = out.result
                 delta.finish_reason = result.finish_reason
                 delta.stop_reason = result.stop_reason
-                self.metrics.finished(live.sub.arrival, now, delta.finish_reason)
+                self.metrics.finished(_record(live, result, now))
                 delta.usage = Usage(
                     live.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens
                 )
                 finished = True
             events.append((live.sub.sink, delta))
         return finished
+
+
+def _record(live: _Live, result: FinishedRequest, now: float) -> RequestRecord:
+    return RequestRecord(
+        arrival=live.sub.arrival,
+        scheduled=result.scheduled_time,
+        first_token=live.first_token,
+        last_token=live.last_token,
+        finished=now,
+        reason=result.finish_reason,
+        num_prompt_tokens=live.num_prompt_tokens,
+        num_generation_tokens=len(result.token_ids),
+        num_cached_tokens=result.num_cached_tokens,
+        num_external_cached_tokens=result.num_external_cached_tokens,
+        max_tokens=live.sub.params.max_tokens,
+    )
 
 
 def _token_logprobs(

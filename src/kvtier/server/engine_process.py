@@ -35,6 +35,7 @@ from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_failed, put_all
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason
 from kvtier.server.protocol import APIError
+from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class EngineProcess:
         fail_at_step: int | None = None,
         log_level: str = "info",
         iteration_timeout_s: float = ITERATION_TIMEOUT_S,
+        metric_names: MetricNames = DEFAULT_NAMES,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
@@ -68,7 +70,10 @@ class EngineProcess:
         liveness = (self._heartbeat, iteration_timeout_s)
         self._proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, args, max_waiting_requests, fail_at_step, log_level, liveness),
+            args=(
+                child_conn, args, max_waiting_requests, fail_at_step, log_level, liveness,
+                metric_names,
+            ),  # fmt: skip
             name="kvtier-engine",
             daemon=True,  # never outlives this process
         )
@@ -306,6 +311,7 @@ def _child_main(
     fail_at_step: int | None,
     log_level: str,
     liveness: tuple[Heartbeat, float],
+    metric_names: MetricNames,
 ) -> None:
     # The HTTP process owns shutdown: a Ctrl-C or SIGTERM to the process group reaches it, and it
     # stops this one with "stop" after uvicorn has drained (the tiers then finish their writes).
@@ -318,7 +324,7 @@ def _child_main(
         with send_lock:
             conn.send(msg)
 
-    loop = EngineLoop(args, max_waiting_requests, fail_at_step, *liveness)
+    loop = EngineLoop(args, max_waiting_requests, fail_at_step, *liveness, metric_names=metric_names)
     try:
         loop.start()
     except BaseException as exc:

@@ -1,29 +1,32 @@
-"""Prometheus metrics of one server (its own registry), named like vLLM's under `kvtier:`. Written
-only by the engine thread (after each step); prometheus-client's own locks make scraping safe."""
+"""Prometheus metrics of one server (its own registry): vLLM's families (`vllm_metrics.py`, under
+`vllm:` by default) and kvtier's own under `kvtier:` (per tier, transfers, hazards, quarantine,
+refusals). Written only by the engine thread (after each step); prometheus-client's own locks make
+scraping safe."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames, RequestRecord, VllmMetrics
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
     from kvtier.engine.stats import EngineStats
     from kvtier.offload.chain import TierStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
 
 class EngineMetrics:
-    """Counters come with their denominators: prefix hits beside queries, usage beside blocks."""
+    """Counters come with their denominators: prefix hits beside queries, usage beside blocks.
+    `max_model_len` bounds vLLM's token-count buckets."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int, names: MetricNames = DEFAULT_NAMES) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.vllm = VllmMetrics(r, names, max_model_len)
         tier = ["tier"]
         self.kv_usage = Gauge(
             "kvtier:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", tier, registry=r
@@ -48,41 +51,6 @@ class EngineMetrics:
         )
         self.prefix_hits = Counter(
             "kvtier:prefix_cache_hits", "Prompt tokens found in the prefix cache", tier, registry=r
-        )
-        self.running = Gauge("kvtier:num_requests_running", "Requests running", registry=r)
-        self.waiting = Gauge("kvtier:num_requests_waiting", "Requests waiting", registry=r)
-        self.preemptions = Counter(
-            "kvtier:num_preemptions",
-            "Requests preempted (blocks freed, recomputed later)",
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "kvtier:time_to_first_token_seconds",
-            "Arrival to first output token",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.itl = Histogram(
-            "kvtier:inter_token_latency_seconds",
-            "Time between a request's successive outputs",
-            registry=r,
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
-            "kvtier:e2e_request_latency_seconds",
-            "Arrival to finish",
-            registry=r,
-            buckets=_E2E_BUCKETS,
-        )
-        self.prompt_tokens = Counter(
-            "kvtier:prompt_tokens", "Prompt tokens of admitted requests", registry=r
-        )
-        self.generation_tokens = Counter("kvtier:generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter(
-            "kvtier:request_success",
-            "Finished requests by finish reason (stop, length, abort)",
-            ["finished_reason"],
-            registry=r,
         )
         self.request_rejected = Counter(
             "kvtier:request_rejected",
@@ -140,8 +108,8 @@ class EngineMetrics:
             self.transfer_bytes.labels(direction)
         for kind in ("RAW", "WAR", "WAW"):
             self.hazards.labels(kind)
-        for reason in ("stop", "length", "abort"):
-            self.request_success.labels(reason)
+        for status in ("400", "429", "500"):  # a refusal-free server still shows its zeros
+            self.request_rejected.labels(status)
         self._seen: dict[str, int] = {}
 
     def set_layout(self, engine: EngineCore) -> None:
@@ -159,19 +127,33 @@ class EngineMetrics:
 
     def update(self, stats: EngineStats) -> None:
         """Set the gauges and advance the counters to an engine snapshot (`EngineCore.stats`)."""
-        prefix = stats.prefix_cache
+        prefix, v = stats.prefix_cache, self.vllm
         self.kv_usage.labels("device").set(stats.device.usage)
-        self.prefix_queries.labels("device").inc(self._delta("q", prefix.num_query_tokens))
-        self.prefix_hits.labels("device").inc(self._delta("h", prefix.num_hit_tokens))
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting + stats.num_loading)
-        self.preemptions.inc(self._delta("p", stats.num_preemptions))
+        v.kv_usage.set(stats.device.usage)
+        v.gpu_usage.set(stats.device.usage)
+        queries, hits = (
+            self._delta("q", prefix.num_query_tokens),
+            self._delta("h", prefix.num_hit_tokens),
+        )
+        self.prefix_queries.labels("device").inc(queries)
+        self.prefix_hits.labels("device").inc(hits)
+        v.prefix_queries.inc(queries)
+        v.prefix_hits.inc(hits)
+        v.running.set(stats.num_running)
+        v.waiting.set(stats.num_waiting + stats.num_loading)
+        v.preemptions.inc(self._delta("p", stats.num_preemptions))
         self.quarantined.set(stats.device.num_quarantined_refs)
         m = stats.host_metrics
         if stats.host is not None and m is not None:
             self.kv_usage.labels("host").set(stats.host.usage)
-            self.prefix_queries.labels("host").inc(self._delta("hq", m.num_query_tokens))
-            self.prefix_hits.labels("host").inc(self._delta("hh", m.num_hit_tokens))
+            queries, hits = (
+                self._delta("hq", m.num_query_tokens),
+                self._delta("hh", m.num_hit_tokens),
+            )
+            self.prefix_queries.labels("host").inc(queries)
+            self.prefix_hits.labels("host").inc(hits)
+            v.external_queries.inc(queries)
+            v.external_hits.inc(hits)
             self.transfer_bytes.labels("device_to_host").inc(self._delta("sb", m.num_stored_bytes))
             self.transfer_bytes.labels("host_to_device").inc(self._delta("lb", m.num_loaded_bytes))
             self.pending_transfers.set(m.num_pending_loads + m.num_pending_stores)
@@ -203,23 +185,21 @@ class EngineMetrics:
             self.tier_errors.labels(name, kind).inc(self._delta(f"{name}e{kind}", n))
 
     def admitted(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm.prompt_tokens.inc(num_prompt_tokens)
 
     def rejected(self, status: int) -> None:
         self.request_rejected.labels(str(status)).inc()
 
-    def tokens(
-        self, arrival: float, first: float | None, last: float | None, now: float, n: int
-    ) -> None:
-        self.generation_tokens.inc(n)
-        if first is None:
-            self.ttft.observe(now - arrival)
-        elif last is not None:
-            self.itl.observe(now - last)
+    def tokens(self, arrival: float, last: float | None, now: float, n: int) -> None:
+        """A request's output of one step: `n` tokens at `now`, its previous output at `last`."""
+        self.vllm.tokens(arrival, last, now, n)
 
-    def finished(self, arrival: float, now: float, reason: str) -> None:
-        self.e2e.observe(now - arrival)
-        self.request_success.labels(reason).inc()
+    def step(self, num_tokens: int) -> None:
+        """An engine step processed with `num_tokens` scheduled."""
+        self.vllm.iteration.observe(num_tokens)
+
+    def finished(self, record: RequestRecord) -> None:
+        self.vllm.finished(record)
 
 
 class _TierLatency(Collector):

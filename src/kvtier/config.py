@@ -241,6 +241,15 @@ class ModelConfig:
             )
         try:
             cfg = json.loads(path.read_text())
+        except UnicodeDecodeError:  # a binary file: a GGUF checkpoint is the usual one
+            gguf = path.read_bytes()[:4] == b"GGUF"
+            what = "a GGUF file (llama.cpp's format), which kvtier does not load" if gguf else (
+                "a binary file, not a config.json"
+            )
+            raise ValueError(
+                f"model {str(model)!r}: {path} is {what}; pass the folder of a HF checkpoint "
+                "(config.json, *.safetensors, tokenizer.json) or its config.json"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_hf_dict(cfg, source=str(model))

@@ -49,7 +49,9 @@ class EngineCore:
         args.check_model(self.model_config)
         self.torch_threads = configure_torch_threads(args.torch_threads, path)
         allocator.keep_freed_memory()  # a step's activations reuse memory, no page faults
-        dtype = resolve_dtype(args.dtype, path, checkpoint=self.model_config.dtype, device=args.device)
+        dtype = resolve_dtype(
+            args.dtype, path, checkpoint=self.model_config.dtype, device=args.device
+        )
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
         self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid

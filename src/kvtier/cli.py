@@ -63,14 +63,37 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_run_bench)
 
 
+# Optional dependencies a benchmark flag needs (flag dest → module, pyproject extra), checked
+# before the benchmark runs: a missing plotting library would otherwise end a long run.
+FLAG_EXTRAS = {"plot": ("matplotlib", "plot")}
+
+
+def require_extras(ns: argparse.Namespace, command: str) -> None:
+    """ValueError naming the pip command for a given flag whose optional dependency is missing."""
+    for dest, (module, extra) in FLAG_EXTRAS.items():
+        if getattr(ns, dest, None) is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(
+                f"{command} {flag} needs {module}, which is not installed: "
+                f"pip install 'kvtier[{extra}]'"
+            ) from None
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     # Imported lazily: a benchmark may pull in torch, which `kvtier plan` must not pay for.
     mod = importlib.import_module(f"kvtier.bench.{args.name}")
+    command = f"kvtier bench {args.name}"
     parser = argparse.ArgumentParser(
-        prog=f"kvtier bench {args.name}", description=mod.__doc__, formatter_class=HelpFormatter
+        prog=command, description=mod.__doc__, formatter_class=HelpFormatter
     )
     mod.add_arguments(parser)
-    return int(mod.run(parser.parse_args(args.bench_args)) or 0)
+    ns = parser.parse_args(args.bench_args)
+    require_extras(ns, command)
+    return int(mod.run(ns) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,6 +117,13 @@ def test_max_model_len_takes_8k(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["max_model_len"] == 8000
+    auto, default = tmp_path / "auto.json", tmp_path / "default.json"
+    assert kvtier("plan", "--max-model-len", "auto", "--json", str(auto)).returncode == 0
+    assert kvtier("plan", "--json", str(default)).returncode == 0
+    assert (
+        json.loads(auto.read_text())["max_model_len"]
+        == json.loads(default.read_text())["max_model_len"]
+    )
     r = kvtier("plan", "--max-model-len", "1.5K")
     assert r.returncode == 2 and "--max-model-len" in r.stderr and "1.5K" in r.stderr
 
@@ -125,6 +132,7 @@ def test_byte_sizes_read_k_as_vllm_and_kib_as_iec() -> None:
     assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("4G") == 4 << 30
     assert parse_bytes("4g") == 4 * 10**9 and parse_bytes("4GB") == 4 * 10**9
     assert parse_bytes("512") == 512 and parse_bytes("1.5GiB") == 3 << 29
+    assert parse_bytes("512b") == 512 and parse_bytes("2KiB") == 2048 and parse_bytes("2k") == 2000
 
 
 def test_serve_takes_the_model_as_vllm_serve_does(tmp_path: Path) -> None:
@@ -139,6 +147,11 @@ def test_serve_takes_the_model_as_vllm_serve_does(tmp_path: Path) -> None:
     assert model_of(same) == str(tmp_path)
     with pytest.raises(ValueError, match=r"MODEL .*'a'.*--model 'b'"):
         model_of(parser.parse_args(["serve", "a", "--model", "b"]))
+    swallowed = parser.parse_args(["serve", "--api-key", "sk-1", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--api-key took .*a folder.*MODEL --api-key KEY"):
+        model_of(swallowed)
+    key_first = parser.parse_args(["serve", str(tmp_path), "--api-key", "sk-1", "sk-2"])
+    assert model_of(key_first) == str(tmp_path) and key_first.api_key == ["sk-1", "sk-2"]
 
 
 def test_serve_model_positional_reaches_the_engine(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def _int_or_auto(text: str) -> int | None:
 def parse_bytes(text: str) -> int:
     """'4GiB' → 4294967296, '4GB' → 4000000000, '4G' → 4294967296, '4g' → 4000000000 (vLLM's
     single letters); plain integers are bytes. Raises argparse-friendly errors."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]{2,3})\s*", text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]{1,3})\s*", text)
     if m is not None and m.group(2).lower() in _BYTE_WORDS:
         return int(float(m.group(1)) * _BYTE_WORDS[m.group(2).lower()])
     try:

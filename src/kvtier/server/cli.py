@@ -46,6 +46,12 @@ def model_of(args: argparse.Namespace) -> str | None:
             f"MODEL {tag!r} and --model {flag!r} disagree; pass the model once (`kvtier serve "
             "MODEL` as vLLM's `vllm serve MODEL`, or --model)"
         )
+    folders = [k for k in args.api_key or () if os.path.isdir(k)]
+    if tag is None and flag is None and folders:  # --api-key takes one or more values
+        raise ValueError(
+            f"--api-key took {folders[0]!r}, a folder: write the model first (`kvtier serve "
+            "MODEL --api-key KEY`) or pass --model"
+        )
     return tag if tag is not None else flag  # type: ignore[no-any-return]
 
 

@@ -1,13 +1,21 @@
-"""The wheel carries every file the package reads at run time: the native kernels' sources and
-headers (compiled on first use), the embedded model, presets and the peer scripts."""
+"""Packaging: the wheel carries every file the package reads at run time (the native kernels'
+sources and headers, the embedded model, presets, the peer scripts); pyproject.toml declares every
+imported package as a compatible range, without an upper bound on Python, and constraints.txt pins
+the tested versions inside those ranges; optional features say which extra they need."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "kvtier"
@@ -33,3 +41,107 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
     missing = [str(p.relative_to(ROOT / "src")) for p in wanted if p.is_file()]
     missing = [m for m in missing if m not in names]
     assert not missing, f"not in the wheel (pyproject.toml package-data): {missing}"
+
+
+# Import names that differ from their distribution's name.
+IMPORT_NAMES = {"prometheus-client": "prometheus_client", "pyyaml": "yaml"}
+
+
+def project() -> dict[str, Any]:
+    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"])
+
+
+def requirements(section: str | None = None) -> list[Requirement]:
+    meta = project()
+    texts = meta["dependencies"] if section is None else meta["optional-dependencies"][section]
+    return [Requirement(t) for t in texts]
+
+
+def imported_top_levels() -> dict[str, str]:
+    """Top-level third-party module → a file of src/kvtier importing it (the peer scripts, run by
+    vLLM's interpreter, left out)."""
+    found: dict[str, str] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "peers/scripts" in path.as_posix():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top != "kvtier" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_imported_package_is_declared() -> None:
+    declared = {IMPORT_NAMES.get(r.name.lower(), r.name.lower()) for r in requirements()}
+    optional = {
+        IMPORT_NAMES.get(r.name.lower(), r.name.lower())
+        for extra in project()["optional-dependencies"]
+        for r in requirements(extra)
+    }
+    missing = {m: f for m, f in imported_top_levels().items() if m not in declared | optional}
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+    # the checker itself: these are imported and must be found
+    assert {"torch", "fastapi", "starlette", "pydantic", "jinja2"} <= set(imported_top_levels())
+
+
+def test_requires_python_has_no_upper_bound() -> None:
+    spec = SpecifierSet(project()["requires-python"])
+    assert not [s for s in spec if s.operator in ("<", "<=", "==", "~=")], spec
+    assert "3.11" in spec and "3.14" in spec and "3.10" not in spec
+
+
+def test_dependencies_are_ranges_that_the_constraints_pin_inside() -> None:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            req = Requirement(line)
+            pins[req.name.lower()] = next(iter(req.specifier)).version
+    sections = [None, *project()["optional-dependencies"]]
+    for req in (r for s in sections for r in requirements(s) if r.name != "kvtier"):
+        ops = {s.operator for s in req.specifier}
+        assert ops == {">=", "<"}, f"{req}: write a compatible range >=tested,<next-major"
+        name = req.name.lower()
+        assert name in pins, f"{req.name} has no pin in constraints.txt (tools/lock_constraints.py)"
+        assert req.specifier.contains(pins[name]), f"constraints.txt {name}=={pins[name]} ∉ {req}"
+    assert pins["torch"] == "2.13.0"  # the CPU wheel; a range left open could fetch a CUDA build
+
+
+def test_setup_installs_with_the_constraints() -> None:
+    setup = (ROOT / "tools" / "setup.sh").read_text()
+    assert '-c constraints.txt -e ".[dev]"' in setup
+
+
+def test_the_redis_and_plot_extras_are_in_dev() -> None:
+    dev = [r for r in requirements("dev") if r.name == "kvtier"]
+    assert dev and {"plot", "redis"} <= dev[0].extras
+    assert {r.name for r in requirements("redis")} == {"redis", "hiredis"}
+    assert {r.name for r in requirements("plot")} == {"matplotlib"}
+
+
+BLOCK_MATPLOTLIB = """
+import sys
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+sys.meta_path.insert(0, Block())
+from kvtier.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_bench_plot_without_matplotlib_names_the_extra_before_running() -> None:
+    cmd = [sys.executable, "-c", BLOCK_MATPLOTLIB, "bench", "serve", "--model", "m", "--plot"]
+    cmd += ["--base-url", "http://127.0.0.1:9/v1"]  # nothing listens: the check comes first
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'kvtier[plot]'" in r.stderr and "--plot" in r.stderr
+    assert "Traceback" not in r.stderr

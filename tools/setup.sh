@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for kvtier: Debian's redis-server when missing (the remote-store tests run
-# a real one), then kvtier itself, editable, with its dev extras (CPU PyTorch 2.13 and the tools).
+# a real one), then kvtier itself, editable, with its dev extras at the tested versions of
+# constraints.txt (torch==2.13.0 there takes the CPU build: pip prefers 2.13.0+cpu from the local
+# wheel folder, and no range is left open for pip to reach a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
@@ -9,4 +11,4 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     $sudo apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
-python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+python3 -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"

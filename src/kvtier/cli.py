@@ -6,23 +6,32 @@ import argparse
 import importlib
 import sys
 
+import kvtier
 from kvtier.bench import BENCHMARKS
+from kvtier.cli_args import HelpFormatter
+
+
+def _add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help_text, description=help_text, formatter_class=HelpFormatter
+    )
+    return parser
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from kvtier.kv import plan_cli
 
-    p = sub.add_parser("plan", help="compute the KV byte plan of a model configuration")
+    p = _add_parser(sub, "plan", "compute the KV byte plan of a model configuration")
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
 
 
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    import importlib
-
     generate_cli = importlib.import_module("kvtier.engine.cli")
 
-    p = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    p = _add_parser(sub, "generate", "generate text, streamed to the terminal")
     generate_cli.add_arguments(p)
     p.set_defaults(func=generate_cli.run)
 
@@ -30,7 +39,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve_cli = importlib.import_module("kvtier.server.cli")  # torch and fastapi load on run
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API with /metrics")
+    p = _add_parser(sub, "serve", "serve the OpenAI-compatible HTTP API with /metrics")
     serve_cli.add_arguments(p)
     p.set_defaults(func=serve_cli.run)
 
@@ -38,15 +47,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     router_cli = importlib.import_module("kvtier.server.router_cli")
 
-    p = sub.add_parser(
-        "router", help="route OpenAI requests to kvtier serve replicas by conversation prefix"
+    p = _add_parser(
+        sub, "router", "route OpenAI requests to kvtier serve replicas by conversation prefix"
     )
     router_cli.add_arguments(p)
     p.set_defaults(func=router_cli.run)
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="run a benchmark (prints a summary, saves JSON)")
+    p = _add_parser(sub, "bench", "run a benchmark (prints a summary, saves JSON)")
     p.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     p.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="its flags (NAME --help lists them)"
@@ -54,16 +63,42 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_run_bench)
 
 
+# Optional dependencies a benchmark flag needs (flag dest → module, pyproject extra), checked
+# before the benchmark runs: a missing plotting library would otherwise end a long run.
+FLAG_EXTRAS = {"plot": ("matplotlib", "plot")}
+
+
+def require_extras(ns: argparse.Namespace, command: str) -> None:
+    """ValueError naming the pip command for a given flag whose optional dependency is missing."""
+    for dest, (module, extra) in FLAG_EXTRAS.items():
+        if getattr(ns, dest, None) is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(
+                f"{command} {flag} needs {module}, which is not installed: "
+                f"pip install 'kvtier[{extra}]'"
+            ) from None
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     # Imported lazily: a benchmark may pull in torch, which `kvtier plan` must not pay for.
     mod = importlib.import_module(f"kvtier.bench.{args.name}")
-    parser = argparse.ArgumentParser(prog=f"kvtier bench {args.name}", description=mod.__doc__)
+    command = f"kvtier bench {args.name}"
+    parser = argparse.ArgumentParser(
+        prog=command, description=mod.__doc__, formatter_class=HelpFormatter
+    )
     mod.add_arguments(parser)
-    return int(mod.run(parser.parse_args(args.bench_args)) or 0)
+    ns = parser.parse_args(args.bench_args)
+    require_extras(ns, command)
+    return int(mod.run(ns) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvtier {kvtier.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)

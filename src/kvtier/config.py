@@ -243,6 +243,14 @@ class ModelConfig:
             )
         try:
             cfg = json.loads(path.read_text())
+        except UnicodeDecodeError:  # a binary file: a GGUF checkpoint is the usual one
+            what = "a binary file, not a config.json"
+            if path.read_bytes()[:4] == b"GGUF":
+                what = "a GGUF file (llama.cpp's format), which kvtier does not load"
+            raise ValueError(
+                f"model {str(model)!r}: {path} is {what}; pass the folder of a HF checkpoint "
+                "(config.json, *.safetensors, tokenizer.json) or its config.json"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_hf_dict(cfg, source=str(model))
@@ -529,10 +537,22 @@ class ServerConfig:
     engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
     engine_iteration_timeout_s: float = 30.0  # /health 503 past this without an engine loop pass
     metrics_prefix: str = "vllm"  # names vLLM's metric families (kvtier's own stay kvtier:)
+    # Deployment, spelled as vLLM's (server/access.py): keys, CORS, TLS, a proxy's path prefix
+    api_key: tuple[str, ...] = ()  # default: $KVTIER_API_KEY, then $VLLM_API_KEY; none: open
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for a certificate
+    root_path: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
         check_metrics_prefix(self.metrics_prefix)
+        self._check_deployment()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_waiting_requests < 0:
@@ -547,6 +567,27 @@ class ServerConfig:
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(
                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
+            )
+
+    def _check_deployment(self) -> None:
+        if any(not key.strip() for key in self.api_key):
+            raise ValueError("--api-key must not be empty; pass the key clients send as Bearer")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile (or neither)")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(
+                f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got "
+                f"{self.ssl_cert_reqs}"
+            )
+        if self.root_path is not None and not (
+            self.root_path.startswith("/") and not self.root_path.endswith("/")
+        ):
+            fix = "/" + self.root_path.strip("/")
+            raise ValueError(
+                f"--root-path {self.root_path!r} must start with '/' and not end with one: "
+                f"pass {fix!r}"
             )
 
 
@@ -619,6 +660,22 @@ FLAG_HELP = {
     "metrics_prefix": (
         "prefix of the metric families shaped as vLLM's (vllm: lets a vLLM Grafana board read "
         "this server unchanged); kvtier's own families keep kvtier:"
+    ),
+    "api_key": (
+        "keys clients must send as `Authorization: Bearer KEY` on every route but /health, "
+        "/metrics and /version (default: $KVTIER_API_KEY, then $VLLM_API_KEY; unset: no key)"
+    ),
+    "allowed_origins": "CORS: origins browsers may call from, a JSON list",
+    "allowed_methods": "CORS: methods allowed, a JSON list",
+    "allowed_headers": "CORS: request headers allowed, a JSON list",
+    "allow_credentials": "CORS: let browsers send cookies and credentials",
+    "ssl_keyfile": "TLS: the server's private key file (PEM); needs --ssl-certfile",
+    "ssl_certfile": "TLS: the server's certificate file (PEM); needs --ssl-keyfile",
+    "ssl_ca_certs": "TLS: CA certificates that client certificates are checked against",
+    "ssl_cert_reqs": "TLS: client certificates: 0 not asked, 1 optional, 2 required",
+    "root_path": (
+        "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; "
+        "the OpenAPI schema names it"
     ),
 }
 

@@ -18,7 +18,12 @@ if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, no
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate`, `serve` and benchmarks (spelled as vLLM's)."""
     parser.add_argument("--model", default=None, help="local HF model folder (default: embedded)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float64 or auto")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's; float16 runs as bfloat16 off cuda), float32, bfloat16, "
+        "float64, or float16 (cuda only)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-speculative-tokens", type=int, default=0)

@@ -25,7 +25,7 @@ from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
-from kvtier.model.loader import resolve_dtype
+from kvtier.model.loader import model_folder, resolve_dtype
 from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
@@ -46,12 +46,14 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        path = args.model_path
+        path = model_folder(args.model_path)  # a GGUF or other file gets its own clear error
         self.model_config = ModelConfig.from_pretrained(path)
         args.check_model(self.model_config)
         self.torch_threads = configure_torch_threads(args.torch_threads, path)
         allocator.keep_freed_memory()  # a step's activations reuse memory, no page faults
-        dtype = resolve_dtype(self.model_config.dtype if args.dtype == "auto" else args.dtype)
+        dtype = resolve_dtype(
+            args.dtype, path, checkpoint=self.model_config.dtype, device=args.device
+        )
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
         self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid

@@ -35,7 +35,7 @@ def load_hybrid(path: str | Path, dtype: str | torch.dtype | None = None) -> Hyb
     folder = model_folder(path)
     config = ModelConfig.from_pretrained(folder)
     spec = hybrid_spec(config)
-    torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
+    torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     with empty_weights():
         model = HybridLM(config, spec)
     state = hybrid_state(read_safetensors(folder), config, spec)

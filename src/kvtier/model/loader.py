@@ -1,11 +1,12 @@
 """Load a local HuggingFace model folder: config.json + *.safetensors (single or sharded) into a
-`CausalLM`, fusing q/k/v and gate/up, tying embeddings; `generation_config.json` defaults.
-Every missing file or unsupported setting is a ValueError that names it and the fix."""
+`CausalLM`, fusing q/k/v and gate/up, tying embeddings; `generation_config.json` defaults; the
+dtype a model runs in. Every bad input is a ValueError that names it and the fix."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,11 @@ from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
 
+log = logging.getLogger("kvtier.model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES["float16"] = torch.float16  # on the cuda backend only (resolve_dtype)
+HF_FILES = "config.json, *.safetensors and tokenizer.json"
+GGUF_MAGIC = b"GGUF"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # torch.nn.init's fills that torch's own layers call when they are built
 _INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
@@ -48,18 +53,46 @@ def empty_weights() -> Iterator[None]:
             setattr(nn.init, name, fill)
 
 
+def is_gguf(path: Path) -> bool:
+    """True for a GGUF file (llama.cpp's format), told by its magic whatever its name."""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+    return False
+
+
+def gguf_hint(path: Path) -> str:
+    return (
+        f"{path} is a GGUF file (llama.cpp's format), which kvtier does not load; pass the "
+        f"folder of the original HF checkpoint it was converted from ({HF_FILES}), e.g. "
+        "`hf download <repo> --local-dir <folder>`"
+    )
+
+
 def model_folder(path: str | Path) -> Path:
+    """`path` as a HF model folder; a ValueError naming it and what to pass instead when it is a
+    GGUF file, another file, or a folder without config.json."""
     folder = Path(path)
+    if folder.is_file():
+        if is_gguf(folder):
+            raise ValueError(gguf_hint(folder))
+        raise ValueError(
+            f"model {str(path)!r} is a file; pass its folder ({folder.parent}), which must hold "
+            f"{HF_FILES}"
+        )
     if not folder.is_dir():
         raise ValueError(
-            f"model {str(path)!r}: not a local folder; pass a HF model folder holding config.json, "
-            "*.safetensors and tokenizer.json (download it first, e.g. `hf download <repo> "
-            "--local-dir <folder>`)"
+            f"model {str(path)!r}: not a local folder; pass a HF model folder holding {HF_FILES} "
+            "(download it first, e.g. `hf download <repo> --local-dir <folder>`)"
         )
     if not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        if ggufs:
+            raise ValueError(
+                f"{folder}: no config.json, only {ggufs}: " + gguf_hint(folder / ggufs[0])
+            )
         raise ValueError(
-            f"{folder}: config.json is missing; a HF model folder needs config.json, *.safetensors "
-            "and tokenizer.json (save it with `model.save_pretrained(folder)`)"
+            f"{folder}: config.json is missing; a HF model folder needs {HF_FILES} (save it "
+            "with `model.save_pretrained(folder)`, or download the whole repo)"
         )
     return folder
 
@@ -90,7 +123,7 @@ def load_model(
     folder = model_folder(path)
     config = ModelConfig.from_pretrained(folder)
     spec = arch_spec(config)
-    torch_dtype = resolve_dtype(dtype if dtype is not None else config.dtype, folder)
+    torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     with empty_weights():
         model = CausalLM(config, spec, native=native)
     state = _fused_state(read_safetensors(folder), config.num_layers, torch_dtype, folder)
@@ -112,13 +145,42 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def resolve_dtype(dtype: str | torch.dtype, source: Path | str = "") -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None,
+    source: Path | str = "",
+    *,
+    checkpoint: str | None = None,
+    device: str = "cpu",
+) -> torch.dtype:
+    """The dtype a model runs in. `None` or "auto" is the checkpoint's, except that a float16
+    checkpoint runs as bfloat16 off cuda (logged), as vLLM's CPU build does: the CPU kernels take
+    float32 and bfloat16 only. A name is checked against `device` (float16 on cuda only); a
+    torch dtype is taken as already resolved for its device."""
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
         dtype = str(dtype).removeprefix("torch.")
+    if dtype in (None, "auto"):
+        if checkpoint is None:
+            raise ValueError(f"{source}: dtype auto needs the checkpoint's dtype")
+        if checkpoint == "float16" and device != "cuda":
+            log.warning(
+                "%s: a float16 checkpoint, run as bfloat16 on the %s backend (--dtype auto; "
+                "float16 runs on cuda only)",
+                source,
+                device,
+            )
+            return torch.bfloat16
+        dtype = checkpoint
     if dtype not in DTYPES:
-        raise ValueError(f"{source}: dtype {dtype!r} unsupported; use one of {list(DTYPES)}")
+        raise ValueError(
+            f"{source}: dtype {dtype!r} unsupported; use --dtype auto or one of {list(DTYPES)}"
+        )
+    if dtype == "float16" and device != "cuda":
+        raise ValueError(
+            f"{source}: --dtype float16 runs on --device cuda only; on the {device} backend pass "
+            "--dtype bfloat16, or auto (a float16 checkpoint then runs as bfloat16)"
+        )
     return DTYPES[dtype]
 
 

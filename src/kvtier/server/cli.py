@@ -1,6 +1,6 @@
-"""`kvtier serve`: the OpenAI-compatible server over one engine (engine flags as `generate`), the
-engine in a process of its own by default. The server exits 1 when the engine fails (or its
-process dies), after answering the requests in flight."""
+"""`kvtier serve [MODEL]`: the OpenAI-compatible server over one engine (engine flags as
+`generate`, deployment flags as vLLM's), the engine in a process of its own by default. The server
+exits 1 when the engine fails (or its process dies), after answering the requests in flight."""
 
 from __future__ import annotations
 
@@ -28,8 +28,31 @@ FAIL_AT_STEP_ENV = "KVTIER_DEBUG_FAIL_AT_STEP"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="local HF model folder, as in `vllm serve MODEL` (or --model; default: embedded)",
+    )
     add_dataclass_args(parser, ServerConfig)
     add_engine_arguments(parser)
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    """The model of `kvtier serve MODEL` or `--model MODEL` (both: they must agree)."""
+    tag, flag = args.model_tag, args.model
+    if tag is not None and flag is not None and tag != flag:
+        raise ValueError(
+            f"MODEL {tag!r} and --model {flag!r} disagree; pass the model once (`kvtier serve "
+            "MODEL` as vLLM's `vllm serve MODEL`, or --model)"
+        )
+    folders = [k for k in args.api_key or () if os.path.isdir(k)]
+    if tag is None and flag is None and folders:  # --api-key takes one or more values
+        raise ValueError(
+            f"--api-key took {folders[0]!r}, a folder: write the model first (`kvtier serve "
+            "MODEL --api-key KEY`) or pass --model"
+        )
+    return tag if tag is not None else flag  # type: ignore[no-any-return]
 
 
 def make_server(engine: EngineClient, app: FastAPI, config: uvicorn.Config) -> uvicorn.Server:
@@ -62,6 +85,7 @@ def _fail_at_step() -> int | None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtier.server import access
     from kvtier.server.app import build_app
     from kvtier.server.engine_loop import EngineLoop
     from kvtier.server.engine_process import EngineProcess
@@ -69,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(ServerConfig, args)
     configure_logging(cfg.log_level)
+    args.model = model_of(args)
+    keys = access.api_keys(cfg, os.environ)
+    options = access.uvicorn_options(cfg)  # a missing TLS file fails before the engine starts
     loop: EngineClient
     eargs, fail_at = engine_args(args), _fail_at_step()
     timeout_s = cfg.engine_iteration_timeout_s
@@ -86,8 +113,16 @@ def run(args: argparse.Namespace) -> int:
     loop.start()
     log.info(loop.layout_summary)
     app = build_app(loop, name, cfg.max_request_body_bytes)
-    log.info("serving %r on http://%s:%d/v1", name, cfg.host, cfg.port)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    scheme = "https" if cfg.ssl_certfile else "http"
+    guard = f"an API key ({len(keys)}) required" if keys else "no API key"
+    log.info("serving %r on %s://%s:%d/v1, %s", name, scheme, cfg.host, cfg.port, guard)
+    config = uvicorn.Config(
+        access.wrap(app, cfg, keys),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        **options,
+    )
     server = make_server(loop, app, config)
     # uvicorn re-raises the SIGTERM/SIGINT it shut down for once `run()` ends; answered here by
     # a no-op, it would otherwise kill the process before the engine closes its tiers (queued

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,21 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {"Layer": Layer, "Step": Step}
 def load(path: Path) -> ctypes.CDLL:
     """The library at `path` with every export typed; ValueError where its structs are not laid
     out as the mirrors here (a library from other sources than this package's)."""
-    library = ctypes.CDLL(str(path))
-    for name, (result, arguments) in SIGNATURES.items():
-        fn = getattr(library, name)
-        fn.restype = result
-        fn.argtypes = list(arguments)
+    library = typed(ctypes.CDLL(str(path)), SIGNATURES)
     wrong = layout_mismatches(library)
     if wrong:
         raise ValueError(f"{path}: its structs differ from kvtier/kernels/abi.py: {wrong}")
+    return library
+
+
+def typed(library: ctypes.CDLL, names: Iterable[str]) -> ctypes.CDLL:
+    """`library` with the exports `names` given their SIGNATURES (AttributeError: one is not
+    exported)."""
+    for name in names:
+        result, arguments = SIGNATURES[name]
+        fn = getattr(library, name)
+        fn.restype = result
+        fn.argtypes = list(arguments)
     return library
 
 

@@ -86,7 +86,9 @@ def test_a_header_change_without_abi_py_is_reported(tmp_path, old, new, reported
 def test_a_struct_built_from_a_changed_header_is_refused(tmp_path, monkeypatch) -> None:
     """The library's own sizes and offsets catch a layout the mirrors do not have: abi.c alone
     built from a header whose Step has two fields swapped."""
-    csrc = _scratch(tmp_path, "int64_t num_written, block_size;", "int64_t block_size, num_written;")
+    csrc = _scratch(
+        tmp_path, "int64_t num_written, block_size;", "int64_t block_size, num_written;"
+    )
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = build.build(csrc=csrc, sources={"abi.c": ()})
     if path is None:

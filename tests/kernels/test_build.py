@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.kernels import build
+from tests.torch_blocked import run_without_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -99,3 +100,18 @@ def test_an_isa_that_is_no_march_value_is_refused_by_name(monkeypatch):
 def test_no_compiler_is_no_library(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc") + " --flag")
     assert build.build() is None
+
+
+TORCH_FREE = """
+from kvtier.kernels import abi, build
+path = build.build()
+if path is not None:
+    library = abi.load(path)
+    assert library.kvtier_abi_fields(b"Step") == len(abi.Step._fields_)
+print("ok", path is not None)
+"""
+
+
+def test_the_kernels_package_builds_and_loads_with_torch_blocked():
+    """kvtier.kernels knows C and ctypes only; the tensors are model/native.py's."""
+    assert run_without_torch(TORCH_FREE).startswith("ok ")

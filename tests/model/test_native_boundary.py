@@ -41,7 +41,9 @@ def _attention(**change: object) -> None:
 
 def _index(**change: torch.Tensor) -> tuple[torch.Tensor, ...]:
     names = ("tables", "seq_token", "seq_qlen", "seq_row", "lo", "hi")
-    base = dict(zip(names, (torch.tensor(v) for v in ([[0]], [0], [1], [0], [0], [1])), strict=True))
+    base = dict(
+        zip(names, (torch.tensor(v) for v in ([[0]], [0], [1], [0], [0], [1])), strict=True)
+    )
     base.update(change)
     return tuple(base[n] for n in names)
 
@@ -60,43 +62,72 @@ def _linear(**change: object) -> None:
 
 CASES: dict[str, tuple[Callable[[], object], str]] = {
     "attention q strided heads": (
-        lambda: _attention(q=torch.zeros(1, 64, 4, dtype=BF16).transpose(1, 2)), "q's heads"),
+        lambda: _attention(q=torch.zeros(1, 64, 4, dtype=BF16).transpose(1, 2)),
+        "q's heads",
+    ),
     "attention out strided": (
-        lambda: _attention(out=torch.zeros(1, 4, 128, dtype=BF16)[..., :64]), "out must be"),
+        lambda: _attention(out=torch.zeros(1, 4, 128, dtype=BF16)[..., :64]),
+        "out must be",
+    ),
     "attention cache of another dtype": (
-        lambda: _attention(kv_cache=torch.zeros(2, 2, 16, 2, 64)), "kv_cache must be"),
+        lambda: _attention(kv_cache=torch.zeros(2, 2, 16, 2, 64)),
+        "kv_cache must be",
+    ),
     "attention cache head_dim": (
-        lambda: _attention(kv_cache=torch.zeros(2, 2, 16, 2, 32, dtype=BF16)), "kv_cache"),
+        lambda: _attention(kv_cache=torch.zeros(2, 2, 16, 2, 32, dtype=BF16)),
+        "kv_cache",
+    ),
     "attention head_dim not a multiple of 16": (
-        lambda: _attention(q=torch.zeros(1, 4, 40, dtype=BF16), out=torch.zeros(1, 4, 40, dtype=BF16),
-                           kv_cache=torch.zeros(2, 2, 16, 2, 40, dtype=BF16)), "head_dim"),
+        lambda: _attention(
+            q=torch.zeros(1, 4, 40, dtype=BF16),
+            out=torch.zeros(1, 4, 40, dtype=BF16),
+            kv_cache=torch.zeros(2, 2, 16, 2, 40, dtype=BF16),
+        ),
+        "head_dim",
+    ),
     "attention index int32": (
-        lambda: _attention(index=_index(lo=torch.tensor([0], dtype=torch.int32))), "index lo"),
+        lambda: _attention(index=_index(lo=torch.tensor([0], dtype=torch.int32))),
+        "index lo",
+    ),
     "attention index short": (lambda: _attention(index=_index()[:5]), "6 tensors"),
     "attention index lengths": (
-        lambda: _attention(index=_index(seq_qlen=torch.tensor([1, 1]))), "index"),
+        lambda: _attention(index=_index(seq_qlen=torch.tensor([1, 1]))),
+        "index",
+    ),
     "norm strided rows": (
         lambda: _k().rms_norm(torch.randn(4, 16, 2)[..., 0], torch.ones(16), 1e-6, False),
-        "last dim"),
+        "last dim",
+    ),
     "norm too wide": (
-        lambda: _k().rms_norm(torch.randn(2, 9000), torch.ones(9000), 1e-6, False), "8192"),
+        lambda: _k().rms_norm(torch.randn(2, 9000), torch.ones(9000), 1e-6, False),
+        "8192",
+    ),
     "norm weight dtype": (
         lambda: _k().rms_norm(torch.randn(2, 16), torch.ones(16, dtype=BF16), 1e-6, False),
-        "weight must be"),
+        "weight must be",
+    ),
     "norm weight size": (
-        lambda: _k().rms_norm(torch.randn(2, 16), torch.ones(8), 1e-6, False), "16 elements"),
+        lambda: _k().rms_norm(torch.randn(2, 16), torch.ones(8), 1e-6, False),
+        "16 elements",
+    ),
     "norm residual shape": (
-        lambda: _k().rms_norm(torch.randn(2, 16), torch.ones(16), 1e-6, False,
-                              torch.zeros(3, 16)), "residual"),
+        lambda: _k().rms_norm(torch.randn(2, 16), torch.ones(16), 1e-6, False, torch.zeros(3, 16)),
+        "residual",
+    ),
     "norm on float64": (
-        lambda: _k().rms_norm(torch.randn(2, 16, dtype=torch.float64), torch.ones(16), 1e-6,
-                              False), "float32 or bfloat16"),
+        lambda: _k().rms_norm(torch.randn(2, 16, dtype=torch.float64), torch.ones(16), 1e-6, False),
+        "float32 or bfloat16",
+    ),
     "rope strided heads": (
-        lambda: _k().rope_(torch.randn(2, 16, 3).transpose(1, 2), torch.ones(2, 1, 16),
-                           torch.ones(2, 1, 16)), "x's heads"),
+        lambda: _k().rope_(
+            torch.randn(2, 16, 3).transpose(1, 2), torch.ones(2, 1, 16), torch.ones(2, 1, 16)
+        ),
+        "x's heads",
+    ),
     "rope short tables": (
         lambda: _k().rope_(torch.randn(2, 3, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16)),
-        "cos must be"),
+        "cos must be",
+    ),
     "act_mul odd width": (lambda: _k().act_mul(torch.randn(2, 7), "silu"), r"\[rows, 2 \* inter\]"),
     "act_mul strided": (lambda: _k().act_mul(torch.randn(8, 2).t(), "silu"), "contiguous"),
     "act_mul activation": (lambda: _k().act_mul(torch.randn(2, 8), "relu"), "activation"),
@@ -105,7 +136,9 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     "linear x of another k": (lambda: _linear(x=torch.randn(3, 32)), "packed has"),
     "linear bias size": (lambda: _linear(bias=torch.zeros(47)), "bias"),
     "top_k per row": (
-        lambda: native.top_k_top_p_(torch.randn(3, 100), torch.tensor([1, 2]), None), "top_k"),
+        lambda: native.top_k_top_p_(torch.randn(3, 100), torch.tensor([1, 2]), None),
+        "top_k",
+    ),
 }
 
 

@@ -28,6 +28,7 @@ from kvtier.model.paged import GroupPlan
 # transformer.DecoderLayer, which this module cannot import (transformer.py imports it)
 DecoderLayer = Any
 
+
 class _Built:
     """One layer's `Layer` struct, what it points into, and the weights it was built from."""
 

@@ -366,5 +366,8 @@ def build(isa: str | None = None) -> Kernels | None:
         log.warning("could not load %s (%s): native kernels off", path, exc)
         return None
     return Kernels(
-        lib, path, LINEAR_KINDS[lib.kvtier_linear_available()], lib.kvtier_linear_f32_available() == 1
+        lib,
+        path,
+        LINEAR_KINDS[lib.kvtier_linear_available()],
+        lib.kvtier_linear_f32_available() == 1,
     )

@@ -3,8 +3,8 @@
  * bfloat16): no conversion to float32, half the multiply-adds. Keys become transposed pairs
  * kp [D/2, CHUNK] (lane j: k_j[2p], k_j[2p + 1]); values pairs of consecutive keys interleaved by
  * dimension, vp [CHUNK/2, D/32, 2, 16] (lane: v_j[d], v_j+1[d]), which leaves each row's
- * accumulator in a permuted order ([D/32, 2, 16], see store_pairs_row); the probabilities are rounded
- * to bfloat16 before they weigh the values, as transformers' eager attention does. Its accuracy
+ * accumulator in a permuted order ([D/32, 2, 16], see store_pairs_row); the probabilities are
+ * rounded to bfloat16 before they weigh the values, as transformers' eager attention does. Its accuracy
  * against float64 matches transformers' bfloat16 (tests/model/test_goldens.py). */
 #include "attention.h"
 

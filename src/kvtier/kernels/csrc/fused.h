@@ -9,7 +9,8 @@
 
 typedef struct {
     const void *x;
-    int64_t outer_stride, inner, inner_stride; /* row r at x + (r / inner) * outer + (r % inner) * inner_stride */
+    /* row r at x + (r / inner) * outer_stride + (r % inner) * inner_stride */
+    int64_t outer_stride, inner, inner_stride;
     void *residual;                            /* optional [rows, dim]: x is added to it first */
     const void *weight;
     void *out; /* [rows, dim] */

@@ -19,8 +19,8 @@ int64_t kvtier_layer_work(const Layer *L) {
     return elements * 2;
 }
 
-/* x [rows, hidden] → out [rows, hidden]; residual [rows, hidden] is updated in place (first: it is
- * x, and the first norm adds nothing). cache: the layer's KV tensor. Returns 0, or -1 when a
+/* x [rows, hidden] → out [rows, hidden]; residual [rows, hidden] is updated in place (first: it
+ * is x, and the first norm adds nothing). cache: the layer's KV tensor. Returns 0, or -1 when a
  * kernel could not allocate its scratch (out is then incomplete). */
 static int layer_step(const Layer *L, const Step *S, const void *cos, const void *sin,
                       void *cache, const void *x, void *residual, void *out, void *work,
@@ -30,23 +30,25 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
     uint16_t *h = (uint16_t *)work, *qkv = h + rows * hid, *qn = qkv + rows * width;
     uint16_t *kn = qn + rows * qd, *attn = kn + rows * kvd, *o = attn + rows * qd;
     uint16_t *o2 = o + rows * hid, *gate_up = o2 + rows * hid, *act = gate_up + rows * 2 * L->inter;
+    const float eps = L->eps;
+    const int gemma = L->gemma, bf16 = 1;
     int status = 0;
 
-    kvtier_rms_norm(x, hid, 1, 0, first ? NULL : residual, L->input_norm, h, rows, hid, L->eps,
-                L->gemma, 1, threads);
+    kvtier_rms_norm(x, hid, 1, 0, first ? NULL : residual, L->input_norm, h, rows, hid, eps, gemma,
+                    bf16, threads);
     status |= kvtier_linear(h, hid, rows, L->qkv, width, hid, L->qkv_bias, qkv, threads);
     const uint16_t *q = qkv, *k = qkv + qd, *v = qkv + qd + kvd;
     int64_t q_stride = width, k_stride = width;
     if (L->q_norm) {
-        kvtier_rms_norm(qkv, width, H, D, NULL, L->q_norm, qn, rows * H, D, L->eps, L->qk_gemma, 1,
-                    threads);
-        kvtier_rms_norm(qkv + qd, width, KVH, D, NULL, L->k_norm, kn, rows * KVH, D, L->eps,
-                    L->qk_gemma, 1, threads);
-        kvtier_rope(qn, qd, H, D, cos, sin, rows, 1, threads);
-        kvtier_rope(kn, kvd, KVH, D, cos, sin, rows, 1, threads);
+        kvtier_rms_norm(qkv, width, H, D, NULL, L->q_norm, qn, rows * H, D, eps, L->qk_gemma, bf16,
+                        threads);
+        kvtier_rms_norm(qkv + qd, width, KVH, D, NULL, L->k_norm, kn, rows * KVH, D, eps,
+                        L->qk_gemma, bf16, threads);
+        kvtier_rope(qn, qd, H, D, cos, sin, rows, bf16, threads);
+        kvtier_rope(kn, kvd, KVH, D, cos, sin, rows, bf16, threads);
         q = qn, k = kn, q_stride = qd, k_stride = kvd;
     } else { /* q and k rotated together */
-        kvtier_rope(qkv, width, H + KVH, D, cos, sin, rows, 1, threads);
+        kvtier_rope(qkv, width, H + KVH, D, cos, sin, rows, bf16, threads);
     }
     uint16_t *kv = (uint16_t *)cache; /* token rows of kvd elements; a block's V rows follow its K */
     for (int64_t i = 0; i < S->num_written; i++) {
@@ -54,29 +56,30 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
         memcpy(kv + row * kvd, k + t * k_stride, (size_t)kvd * 2);
         memcpy(kv + (row + S->block_size) * kvd, v + t * width, (size_t)kvd * 2);
     }
-    status |= kvtier_paged_attention(q, q_stride, cache, attn, S->tables, S->table_stride, S->seq_token,
-                           S->seq_qlen, S->seq_row, S->lo, S->hi, S->num_seqs, H, KVH, D,
-                           S->block_size, L->scale, L->softcap, 1, threads);
+    status |= kvtier_paged_attention(q, q_stride, cache, attn, S->tables, S->table_stride,
+                                     S->seq_token, S->seq_qlen, S->seq_row, S->lo, S->hi,
+                                     S->num_seqs, H, KVH, D, S->block_size, L->scale, L->softcap,
+                                     bf16, threads);
     status |= kvtier_linear(attn, qd, rows, L->o, hid, qd, L->o_bias, o, threads);
     if (L->pre_ff_norm) {
-        kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_attn_norm, o2, rows, hid, L->eps, L->gemma, 1,
-                    threads);
-        kvtier_rms_norm(o2, hid, 1, 0, residual, L->pre_ff_norm, h, rows, hid, L->eps, L->gemma, 1,
-                    threads);
-    } else {
-        kvtier_rms_norm(o, hid, 1, 0, residual, L->post_attn_norm, h, rows, hid, L->eps, L->gemma, 1,
-                    threads);
-    }
-    status |= kvtier_linear(h, hid, rows, L->gate_up, 2 * L->inter, hid, L->gate_up_bias, gate_up,
+        kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_attn_norm, o2, rows, hid, eps, gemma, bf16,
                         threads);
-    kvtier_act_mul(gate_up, act, rows, L->inter, L->act, 1, threads);
-    if (L->post_ff_norm) {
-        status |= kvtier_linear(act, L->inter, rows, L->down, hid, L->inter, L->down_bias, o, threads);
-        kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_ff_norm, out, rows, hid, L->eps, L->gemma, 1,
-                    threads);
+        kvtier_rms_norm(o2, hid, 1, 0, residual, L->pre_ff_norm, h, rows, hid, eps, gemma, bf16,
+                        threads);
     } else {
-        status |= kvtier_linear(act, L->inter, rows, L->down, hid, L->inter, L->down_bias, out,
+        kvtier_rms_norm(o, hid, 1, 0, residual, L->post_attn_norm, h, rows, hid, eps, gemma, bf16,
+                        threads);
+    }
+    const int64_t inter = L->inter;
+    status |= kvtier_linear(h, hid, rows, L->gate_up, 2 * inter, hid, L->gate_up_bias, gate_up,
                             threads);
+    kvtier_act_mul(gate_up, act, rows, inter, L->act, bf16, threads);
+    if (L->post_ff_norm) {
+        status |= kvtier_linear(act, inter, rows, L->down, hid, inter, L->down_bias, o, threads);
+        kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_ff_norm, out, rows, hid, eps, gemma, bf16,
+                        threads);
+    } else {
+        status |= kvtier_linear(act, inter, rows, L->down, hid, inter, L->down_bias, out, threads);
     }
     return status ? -1 : 0;
 }

@@ -1,9 +1,9 @@
 /* bfloat16 linear layers for few rows: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), float32
  * accumulation over k in order, rounded to bfloat16 once (round to nearest even), as oneDNN's
- * bf16 matmul. oneDNN's call costs 10–40 µs before it multiplies anything at the small models'
- * shapes (its primitive set-up per call); these kernels need a few µs for the same products
- * there. At the end of the file, float32 linear layers (their own comment). The column groups run
- * on one ISA path each, chosen here (linear_amx.c, linear_avx512bf16.c, linear_f32_avx512.c).
+ * bf16 matmul. oneDNN's call sets up a primitive before it multiplies anything, which at the
+ * small models' shapes costs more than the product; these kernels set nothing up. At the end of
+ * the file, the float32 linear's entries. The column groups run on one ISA path each, chosen
+ * here (linear_amx.c, linear_avx512bf16.c, linear_f32_avx512.c).
  *
  * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
  * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
@@ -86,8 +86,8 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     }
     /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
      * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
-     * pass from memory and the others from L2 (the 0.5B shape's 96 linears at 16 rows −6 %, at 8
-     * −3 %; at 4, 32 and 64 rows 4 tiles were as fast or faster). AMX: 16 rows by 4 tiles. */
+     * pass from memory and the others from L2 (at 4, 32 and 64 rows 4 tiles were as fast or
+     * faster). AMX: 16 rows by 4 tiles. */
     int tiles = 4, rows = 6;
     if (path == 2 && m > 6 && m <= 16) {
         tiles = 3;
@@ -95,8 +95,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     }
     /* an item: a column group by a chunk of rows. On a weight that stays in L2 (CHUNK_WEIGHT), a
      * chunk's x fits there with it (CHUNK_X), and the chunks run one after another, so each group
-     * re-reads the chunk's x from L2 instead of streaming all of x again: the small models' linears
-     * at 1,024-8,192 rows 0.54-0.89x the time in one chunk (AMX, paired). A larger weight is read
+     * re-reads the chunk's x from L2 instead of streaming all of x again. A larger weight is read
      * once per chunk from memory, so it keeps all rows in one. */
     const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
     int64_t chunk_rows = m;
@@ -105,23 +104,17 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
         if (chunk_rows < 16) chunk_rows = 16;
     }
     const int64_t items = groups * ((m + chunk_rows - 1) / chunk_rows);
-    const Job job = {x, packed, bias, tail, out, m, n, k, x_stride, tiles, rows, groups, chunk_rows};
-    /* multiply-adds: below 512K (a 1 MiB weight at one row, ~40 µs from memory on one core) a
-     * helper saves less than it costs; 2M while the helpers slept between calls (pool.c) */
+    const Job job = {x,     packed, bias, tail,   out,       m,   n, k, x_stride,
+                     tiles, rows,   groups, chunk_rows};
+    /* multiply-adds: below 512K (a 1 MiB weight at one row) a helper saves less than it costs */
     const int64_t work = m * n * k;
     pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
     free(tail);
     return 0;
 }
 
-/* float32 linears at any row count, on AVX-512F: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), each
- * output one fused multiply-add chain over k in order, the bias added once at the end. Not for
- * speed first but for batch invariance: oneDNN's and MKL's float32 GEMMs pick their kernels and
- * summation orders by the row count (on AMD Zen 5, 1 or 3 rows differ from 8 or more in up to a
- * third of the outputs), so a request's logits — and a seeded sample — would depend on what else
- * is in its batch. Here a row's bits depend only on the row. The weight is packed once as
- * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of F32_ROWS against
- * four column vectors, output column groups on the pool as above. */
+/* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the
+ * weight packed once as [Nb][K][16] (16 output columns a vector, zero past N). */
 int kvtier_linear_f32_available(void) {
 #if defined(KVTIER_AVX512)
     return 1;
@@ -149,7 +142,8 @@ int kvtier_linear_f32(const float *x, int64_t x_stride, int64_t m, const float *
     const JobF32 job = {x, packed, bias, out, m, n, k, x_stride};
     const int64_t groups = ((n + 15) / 16 + 3) / 4;
     const int64_t work = m * n * k;
-    pool_run(linear_f32_groups, &job, groups, groups / (4 * threads), work < (1 << 20) ? 1 : threads);
+    pool_run(linear_f32_groups, &job, groups, groups / (4 * threads),
+             work < (1 << 20) ? 1 : threads);
     return 0;
 #else
     (void)x, (void)x_stride, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)out;

@@ -15,10 +15,8 @@ static void configure(int rows) {
 
 /* items [i0, i1) (kvtier_linear): a column group of four 16-column tiles by a chunk of rows, every
  * row block of 16. The first row block streams the group's weights from memory and prefetches
- * each tile AMX_AHEAD k blocks ahead (likely more misses in flight than the hardware prefetcher
- * keeps: one thread on the 0.5B shape's weights −10 … −15 % at one row, −2 … −9 % at 16, paired
- * runs on Sapphire Rapids); the other row blocks find the tiles in L2, where prefetching them
- * again cost 12–14 %. */
+ * each tile AMX_AHEAD k blocks ahead (more misses in flight than the hardware prefetcher keeps);
+ * the other row blocks find the tiles in L2, where prefetching them again only cost time. */
 void linear_amx_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32, full = a->k / 32;

@@ -74,10 +74,8 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
  * first row block streams the group's weights from memory; the others read them from L2 and are
  * bound by arithmetic. Every block prefetches a share of the next group's weights into L2, which
  * its first block then finds there: memory and arithmetic overlap instead of taking turns (a
- * batch of 7-64 rows on weights that do not fit the cache). Shares in the later blocks only:
- * −5 … −10 % at 32–64 rows on the 0.5B shape's 96 linears, none at 16; in every block, the
- * first too (its demand misses and the prefetches share the memory queue): another −6 … −15 %
- * at 16–32 rows, −4 … −6 % at 64. */
+ * batch of 7-64 rows on weights that do not fit the cache). The first block takes a share too:
+ * its demand misses and the prefetches share the memory queue. */
 void linear_avx512bf16_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;

@@ -1,11 +1,11 @@
-/* The float32 linear on AVX-512F (linear.c has its entry points): out [M, N] = x [M, K] ·
- * W [N, K]ᵀ (+ bias), each output one fused multiply-add chain over k in order, the bias added once at the end. Not for
- * speed first but for batch invariance: oneDNN's and MKL's float32 GEMMs pick their kernels and
- * summation orders by the row count (on AMD Zen 5, 1 or 3 rows differ from 8 or more in up to a
- * third of the outputs), so a request's logits — and a seeded sample — would depend on what else
- * is in its batch. Here a row's bits depend only on the row. The weight is packed once as
- * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of F32_ROWS against
- * four column vectors, output column groups on the pool as above. */
+/* The float32 linear on AVX-512F (linear.c has its entry points): out [M, N] = x [M, K] · W [N, K]ᵀ
+ * (+ bias), each output one fused multiply-add chain over k in order, the bias added once at the
+ * end. Not for speed first but for batch invariance: oneDNN's and MKL's float32 GEMMs pick their
+ * kernels and summation orders by the row count (on AMD Zen 5, 1 or 3 rows differ from 8 or more in
+ * up to a third of the outputs), so a request's logits — and a seeded sample — would depend on what
+ * else is in its batch. Here a row's bits depend only on the row. The weight is packed once as
+ * [Nb][K][16] (16 output columns a vector, zero past N); rows in blocks of F32_ROWS against four
+ * column vectors, output column groups on the pool (pool.c). */
 #include "linear.h"
 
 #if defined(KVTIER_AVX512)

@@ -11,11 +11,10 @@
  *
  * Between jobs a helper spins for POOL_SPIN_NS before it sleeps, and the caller spins as long for
  * the helpers inside its job before it sleeps: a decoder layer is a run of calls microseconds
- * apart, and waking a sleeping thread costs tens of microseconds in a virtual machine (50 µs on
- * the 2-core test box: a call of two 15 µs items took 44 µs on two threads, 29 µs on one). So a
- * helper asleep at every call lost most of every short call. One pool for every kernel keeps one
- * helper busy instead of one per kernel family taking turns, and no helper spins while another
- * kernel's call needs its core.
+ * apart, and waking a sleeping thread costs tens of microseconds in a virtual machine, longer
+ * than a short call's items: a helper asleep at every call lost most of every short call. One
+ * pool for every kernel keeps one helper busy instead of one per kernel family taking turns,
+ * and no helper spins while another kernel's call needs its core.
  *
  * One job at a time: a second concurrent caller runs its items alone. A forked child runs every
  * call alone: its copy of the pool names helpers it does not have, and its locks may have been

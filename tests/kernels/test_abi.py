@@ -98,3 +98,18 @@ def test_a_struct_built_from_a_changed_header_is_refused(tmp_path, monkeypatch) 
     wrong = abi.layout_mismatches(library)
     assert "offsetof(Step, num_written) is 88 in C, 80 here" in wrong, wrong
     assert abi.layout_mismatches(abi.typed(ctypes.CDLL(str(_library())), abi.SIGNATURES)) == []
+
+
+def test_a_function_the_header_does_not_declare_does_not_build(tmp_path, monkeypatch) -> None:
+    """A non-static function needs a declaration (-Werror=missing-prototypes): an export cannot
+    be added in a .c file alone."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    with (csrc / "abi.c").open("a") as f:
+        f.write("\nint kvtier_undeclared(int x) { return x; }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    assert build.build(csrc=csrc, sources={"abi.c": ()}) is None
+    (csrc / "abi.c").write_text((build.CSRC / "abi.c").read_text())
+    assert build.build(csrc=csrc, sources={"abi.c": ()}) is not None

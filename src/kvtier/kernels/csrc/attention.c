@@ -23,30 +23,18 @@ typedef enum { PATH_FLOAT, PATH_PAIRS, PATH_AMX, PATHS } Path;
 static _Atomic int amx_on = -1; /* -1: not asked yet; 0: off; 1: on (the OS granted the tiles) */
 
 int kvtier_attention_amx(int want) {
-#if defined(KVTIER_AMX)
     static _Atomic int granted = -1;
     if (granted < 0) granted = attention_amx_granted();
     if (want >= 0) amx_on = want && granted;
     else if (amx_on < 0) amx_on = granted;
     return amx_on;
-#else
-    (void)want;
-    return 0;
-#endif
 }
 
 /* The one dispatch: the path an item of `rows` query rows takes in this call. */
 static Path path_of(const Args *a, int64_t rows) {
-    (void)rows;
     if (a->dtype != 1 || a->head_dim % 32) return PATH_FLOAT;
-#if defined(KVTIER_AMX)
-    if (a->amx && rows <= 16 && a->head_dim <= AMX_MAX_D) return PATH_AMX;
-#endif
-#if defined(KVTIER_AVX512BF16)
-    return PATH_PAIRS;
-#else
-    return PATH_FLOAT;
-#endif
+    if (ATTENTION_AMX && a->amx && rows <= 16 && a->head_dim <= AMX_MAX_D) return PATH_AMX;
+    return ATTENTION_PAIRS ? PATH_PAIRS : PATH_FLOAT;
 }
 
 /* Lays the float path's buffers for items of up to `rows` rows out from p (NULL: only
@@ -144,24 +132,16 @@ static Item item_at(const Job *job, int64_t w) {
 static size_t scratch_bytes(Path path, int64_t D, int64_t max_rows) {
     float *buf[6];
     switch (path) {
-#if defined(KVTIER_AMX)
     case PATH_AMX: return attention_amx_scratch(D);
-#endif
-#if defined(KVTIER_AVX512BF16)
     case PATH_PAIRS: return attention_pairs_scratch(D, max_rows);
-#endif
     default: return float_layout(NULL, D, max_rows, buf);
     }
 }
 
 static void attend(Path path, const Args *a, const Item *it, char *scratch) {
     switch (path) {
-#if defined(KVTIER_AMX)
     case PATH_AMX: attention_amx(a, it, scratch); return;
-#endif
-#if defined(KVTIER_AVX512BF16)
     case PATH_PAIRS: attention_pairs(a, it, scratch); return;
-#endif
     default: attend_float(a, it, scratch); return;
     }
 }
@@ -186,15 +166,11 @@ static void run_chunk(const void *ctx, int64_t begin, int64_t end) {
                 atomic_store(&job->status, -1);
                 break;
             }
-#if defined(KVTIER_AMX)
             if (path == PATH_AMX) attention_amx_begin();
-#endif
         }
         attend(path, a, &it, scratch[path]);
     }
-#if defined(KVTIER_AMX)
     if (scratch[PATH_AMX]) attention_amx_end();
-#endif
     for (int p = 0; p < PATHS; p++) free(scratch[p]);
 }
 

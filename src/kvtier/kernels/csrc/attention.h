@@ -118,17 +118,46 @@ void attention_softmax(int64_t rows, const float *qr, const float *kt, const flo
                        int64_t D, int64_t lo, int64_t hi, float softcap, float *m, float *l,
                        float *acc);
 
-/* ---- the bfloat16 paths: each runs a whole item, output included, in its own scratch ------ */
+/* ---- the bfloat16 paths: each runs a whole item, output included, in its own scratch ------
+ * Which are built is said here once (ATTENTION_PAIRS, ATTENTION_AMX); where one is not, its
+ * entries are inline stubs the dispatch never reaches (attention.c has no #if). */
 
+#if defined(KVTIER_AVX512BF16)
+#define ATTENTION_PAIRS 1
 /* Bytes of scratch the pairs path needs for items of up to max_rows rows */
 size_t attention_pairs_scratch(int64_t D, int64_t max_rows);
 void attention_pairs(const Args *a, const Item *it, char *scratch);
+#else
+#define ATTENTION_PAIRS 0
+static inline size_t attention_pairs_scratch(int64_t D, int64_t max_rows) {
+    (void)D, (void)max_rows;
+    return 0;
+}
+static inline void attention_pairs(const Args *a, const Item *it, char *scratch) {
+    (void)a, (void)it, (void)scratch;
+}
+#endif
 
 #define AMX_MAX_D 128 /* the AMX path: Q^T in four tile registers at most; ≤ 16 rows an item */
-int attention_amx_granted(void);
+#if defined(KVTIER_AMX)
+#define ATTENTION_AMX 1
+int attention_amx_granted(void); /* asks Linux for the tile state (once a process) */
 size_t attention_amx_scratch(int64_t D);
 void attention_amx_begin(void); /* this thread's tiles configured for the path */
 void attention_amx_end(void);   /* and released */
 void attention_amx(const Args *a, const Item *it, char *scratch);
+#else
+#define ATTENTION_AMX 0
+static inline int attention_amx_granted(void) { return 0; }
+static inline size_t attention_amx_scratch(int64_t D) {
+    (void)D;
+    return 0;
+}
+static inline void attention_amx_begin(void) {}
+static inline void attention_amx_end(void) {}
+static inline void attention_amx(const Args *a, const Item *it, char *scratch) {
+    (void)a, (void)it, (void)scratch;
+}
+#endif
 
 #endif

@@ -18,10 +18,9 @@
  */
 #include <stdlib.h>
 
+#include <stdatomic.h>
+
 #include "linear.h"
-#if defined(KVTIER_AMX)
-#include "amx.h"
-#endif
 
 void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
     const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
@@ -40,28 +39,14 @@ void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packe
 /* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
  * once), else 2 AVX512-BF16 where built, else 0. */
 static int tile_path(void) {
-#if defined(KVTIER_AMX)
     static _Atomic int granted = -1;
-    if (granted < 0) granted = amx_granted();
-    if (granted) return 1;
-#endif
-#if defined(KVTIER_AVX512BF16)
-    return 2;
-#else
-    return 0;
-#endif
+    if (granted < 0) granted = linear_amx_granted();
+    if (LINEAR_AMX && granted) return 1;
+    return LINEAR_AVX512BF16 ? 2 : 0;
 }
 
 static ChunkFn groups_of(int path) {
-    switch (path) {
-#if defined(KVTIER_AMX)
-    case 1: return linear_amx_groups;
-#endif
-#if defined(KVTIER_AVX512BF16)
-    case 2: return linear_avx512bf16_groups;
-#endif
-    default: return NULL;
-    }
+    return path == 1 ? linear_amx_groups : path == 2 ? linear_avx512bf16_groups : NULL;
 }
 
 int kvtier_linear_available(void) { return tile_path(); }
@@ -115,13 +100,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
 
 /* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the
  * weight packed once as [Nb][K][16] (16 output columns a vector, zero past N). */
-int kvtier_linear_f32_available(void) {
-#if defined(KVTIER_AVX512)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int kvtier_linear_f32_available(void) { return LINEAR_F32; }
 
 
 void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
@@ -138,16 +117,11 @@ void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed)
  * Returns 0, or -2 where the kernel is not built (no AVX-512F). */
 int kvtier_linear_f32(const float *x, int64_t x_stride, int64_t m, const float *packed, int64_t n,
                       int64_t k, const float *bias, float *out, int threads) {
-#if defined(KVTIER_AVX512)
+    if (!LINEAR_F32) return -2;
     const JobF32 job = {x, packed, bias, out, m, n, k, x_stride};
     const int64_t groups = ((n + 15) / 16 + 3) / 4;
     const int64_t work = m * n * k;
     pool_run(linear_f32_groups, &job, groups, groups / (4 * threads),
              work < (1 << 20) ? 1 : threads);
     return 0;
-#else
-    (void)x, (void)x_stride, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)out;
-    (void)threads;
-    return -2;
-#endif
 }

@@ -26,10 +26,8 @@ static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int
     return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;
 }
 
-/* Output column groups of a Job's items [i0, i1), one per ISA path */
-void linear_amx_groups(const void *job, int64_t i0, int64_t i1);
-void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
-/* Rows of float32 accumulators [rows][16] (+ bias) rounded into out's columns n0.. (both paths) */
+/* Rows of float32 accumulators [rows][16] (+ bias) rounded into out's columns n0.. (the two
+ * bfloat16 paths) */
 void linear_store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0);
 
 typedef struct {
@@ -38,7 +36,40 @@ typedef struct {
     int64_t m, n, k, x_stride;
 } JobF32;
 
+/* ---- the ISA paths: which are built is said here once (LINEAR_AMX, LINEAR_AVX512BF16,
+ * LINEAR_F32); where one is not, its entries are stubs the dispatch never reaches (linear.c
+ * has no #if). Each runs a job's items [i0, i1): output column groups. */
 
+#if defined(KVTIER_AMX)
+#define LINEAR_AMX 1
+int linear_amx_granted(void); /* asks Linux for the tile state (once a process) */
+void linear_amx_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AMX 0
+static inline int linear_amx_granted(void) { return 0; }
+static inline void linear_amx_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX512BF16)
+#define LINEAR_AVX512BF16 1
+void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AVX512BF16 0
+static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX512)
+#define LINEAR_F32 1
 void linear_f32_groups(const void *job, int64_t g0, int64_t g1);
+#else
+#define LINEAR_F32 0
+static inline void linear_f32_groups(const void *job, int64_t g0, int64_t g1) {
+    (void)job, (void)g0, (void)g1;
+}
+#endif
 
 #endif

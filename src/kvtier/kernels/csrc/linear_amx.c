@@ -17,6 +17,8 @@ static void configure(int rows) {
  * row block of 16. The first row block streams the group's weights from memory and prefetches
  * each tile AMX_AHEAD k blocks ahead (more misses in flight than the hardware prefetcher keeps);
  * the other row blocks find the tiles in L2, where prefetching them again only cost time. */
+int linear_amx_granted(void) { return amx_granted(); }
+
 void linear_amx_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32, full = a->k / 32;

@@ -210,6 +210,7 @@ def test_the_layer_table_orders_every_package() -> None:
         "sched",
         "offload",
         "device",
+        "kernels",
         "model",
         "runner",
         "engine",

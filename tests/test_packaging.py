@@ -33,7 +33,7 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("kvtier-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = [
-        *(PACKAGE / "model" / "csrc").iterdir(),
+        *(PACKAGE / "kernels" / "csrc").iterdir(),
         *(PACKAGE / "model" / "default").iterdir(),
         *(PACKAGE / "presets").glob("*.json"),
         *(PACKAGE / "bench" / "peers" / "scripts").glob("*.py"),

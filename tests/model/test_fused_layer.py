@@ -1,4 +1,4 @@
-"""A step's layers as one native call each (model/fused_layer.py, csrc/layer.c) give the bits of
+"""A step's layers as one native call each (model/fused_layer.py, kernels/csrc/layer.c) give the bits of
 the layers' Python path on the same plans, on every architecture's layer shape, for decodes,
 drafts and prompts' chunks (planned for the attention kernel when the step runs fused); batches
 they do not serve (too many rows for the tiles, float32, the torch-only model) take the Python
@@ -108,25 +108,3 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
     post = model.model.layers[2].post_attention_layernorm  # assigned, as load_state_dict(assign)
     post.weight = torch.nn.Parameter(post.weight.detach() * 3, requires_grad=False)
     assert_fused_steps_match_python(model, served, monkeypatch)
-
-
-def test_a_failed_layer_build_keeps_the_other_kernels(tiny_model_dir, served, monkeypatch):
-    """`layer.c` is optional: if it does not build, the other kernels still load and the layers
-    take their Python path: the bits of the model with the one-call layers turned off."""
-    library = native._library
-
-    def no_layer(compiler, version, source, flags):  # type: ignore[no-untyped-def]
-        return None if source.name == "layer.c" else library(compiler, version, source, flags)
-
-    monkeypatch.setattr(native, "_library", no_layer)
-    built = native.build(native.FLAGS)
-    assert built is not None and built.layer is None and built.tile_linear
-    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
-    model.fused = None
-    python = decode(model, steps=2)
-    model = load_model(tiny_model_dir("llama"), dtype="bfloat16")
-    monkeypatch.setattr(native, "kernels", lambda: built)
-    served.clear()
-    for a, b in zip(python, decode(model, steps=2), strict=True):
-        assert torch.equal(a, b)
-    assert served and not any(served)

@@ -1,4 +1,4 @@
-"""The tile linear kernel (csrc/linear.c, AMX or AVX512-BF16) gives the bits of bfloat16 products
+"""The tile linear kernel (kernels/csrc/linear*.c, AMX or AVX512-BF16) gives the bits of bfloat16 products
 summed over k in order in float32 and rounded once — on AMX what oneDNN gives a row in a batch of
 up to 32 rows; on AVX512-BF16 exactly VDPBF16PS's sums (each pair's odd product added, then its
 even one), which are oneDNN's wherever oneDNN sums in order (k ≤ 512) — with partial k blocks and

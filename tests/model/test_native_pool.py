@@ -1,4 +1,4 @@
-"""The native kernels' thread pool (csrc/pool.c): a call's items are claimed in chunks by the
+"""The native kernels' thread pool (kernels/csrc/pool.c): a call's items are claimed in chunks by the
 caller and whichever helpers are running, so the output is the same bits on any number of
 threads, calls reuse the helpers (one set for every library), concurrent callers and forked
 children still get every item."""
@@ -127,9 +127,9 @@ tasks = lambda: len(os.listdir('/proc/self/task'))
 before = tasks()
 gen = torch.Generator().manual_seed(0)
 x = torch.randn(1500, 512, generator=gen)
-kernels.rms_norm(x, torch.ones(512), 1e-6, False)  # the fused library
+kernels.rms_norm(x, torch.ones(512), 1e-6, False)  # the elementwise kernels
 kernels.act_mul(torch.randn(1500, 1024, generator=gen), "silu")
-if kernels.f32_linear:  # the linear library
+if kernels.f32_linear:  # the linear kernels
     w = torch.randn(512, 512, generator=gen)
     kernels.linear_f32(x, kernels.pack_linear(w), 512, None)
 print(tasks() - before)
@@ -137,9 +137,10 @@ print(tasks() - before)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_every_library_calls_one_pool() -> None:
-    """Calls into the fused and the linear libraries at 3 threads start two helpers in all, not
-    two per library: one pool (pool.c) keeps the same helpers hot across a layer's calls."""
+def test_every_kernel_calls_one_pool() -> None:
+    """Calls into the elementwise and the linear kernels at 3 threads start two helpers in all,
+    not two per kernel family: one pool (pool.c) keeps the same helpers hot across a layer's
+    calls."""
     res = subprocess.run(
         [sys.executable, "-c", SHARED_POOL_SCRIPT],
         capture_output=True, text=True, timeout=300, check=False,

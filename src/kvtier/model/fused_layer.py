@@ -1,4 +1,4 @@
-"""The decoder layers of a bfloat16 step in one native call (`csrc/layer.c`).
+"""The decoder layers of a bfloat16 step in one native call (`kernels/csrc/layer.c`).
 
 A layer's Python path makes ~11 kernel calls (norms, the tile linears, rope, the KV write, the
 paged attention kernel), each with its own ctypes call, output allocation and Python; on a small
@@ -20,48 +20,13 @@ from typing import Any
 
 import torch
 
+from kvtier.kernels import abi
 from kvtier.model import native
 from kvtier.model.layers import PACK_BF16, RMSNorm, takes_tiles
 from kvtier.model.paged import GroupPlan
 
 # transformer.DecoderLayer, which this module cannot import (transformer.py imports it)
 DecoderLayer = Any
-
-_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class _Layer(ctypes.Structure):  # csrc/layer.c `Layer`
-    _fields_ = [
-        *((name, _P) for name in ("rms_norm", "rope", "act_mul", "linear", "attention")),
-        *((name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")),
-        *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
-        *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
-        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((name, _F) for name in ("eps", "scale", "softcap")),
-        *((name, _INT) for name in ("gemma", "qk_gemma", "act")),
-    ]
-
-
-class _Step(ctypes.Structure):  # csrc/layer.c `Step`
-    _fields_ = [
-        ("tables", _P),
-        ("table_stride", _I64),
-        *((name, _P) for name in ("seq_token", "seq_qlen", "seq_row", "lo", "hi")),
-        ("num_seqs", _I64),
-        ("write_rows", _P),
-        ("write_tokens", _P),
-        ("num_written", _I64),
-        ("block_size", _I64),
-    ]
-
-
-_KERNELS = {
-    "rms_norm": "kvtier_rms_norm",
-    "rope": "kvtier_rope",
-    "act_mul": "kvtier_act_mul",
-    "linear": "kvtier_linear",
-    "attention": "kvtier_paged_attention",
-}
 
 
 class _Built:
@@ -74,9 +39,7 @@ class _Built:
         self.numels = [lin.weight.numel() for lin in linears]
         tiles = [lin.tiles(kernels) for lin in linears]
         self.tensors += tiles
-        s = _Layer()
-        for field, name in _KERNELS.items():
-            setattr(s, field, kernels.address(name))
+        s = abi.Layer()
         s.input_norm = layer.input_layernorm.weight.data_ptr()
         s.post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
         if layer.sandwich:
@@ -95,8 +58,7 @@ class _Built:
         s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
         self.struct = s
         self.address = ctypes.addressof(s)
-        assert kernels.layer is not None
-        self.work = int(kernels.layer.kvtier_layer_work(self.address))  # bytes per token
+        self.work = int(kernels.lib.kvtier_layer_work(self.address))  # bytes per token
         self.hidden = s.hidden
 
 
@@ -148,7 +110,7 @@ class FusedLayers:
         linear taking the tiles at this row count (the caller then plans a prompt's chunks for
         the attention kernel, which the one-call layer needs)."""
         kernels = native.kernels()
-        if kernels is None or kernels.layer is None or not kernels.tile_linear or not PACK_BF16:
+        if kernels is None or not kernels.tile_linear or not PACK_BF16:
             return False
         return _fits(self._layers(layers, kernels), rows)
 
@@ -165,7 +127,7 @@ class FusedLayers:
         """(hidden, residual) after every layer for input x [rows, hidden], or None where some
         layer or query is not served (the caller runs the Python path)."""
         kernels = native.kernels()
-        if kernels is None or kernels.layer is None or not kernels.tile_linear or not PACK_BF16:
+        if kernels is None or not kernels.tile_linear or not PACK_BF16:
             return None
         if x.dtype != torch.bfloat16:
             return None
@@ -194,7 +156,7 @@ class FusedLayers:
         n = len(built)
         pointers = ctypes.c_void_p * n
         tables = [(cos.data_ptr(), sin.data_ptr()) for cos, sin in ropes]
-        status = kernels.layer.kvtier_layers(  # every layer in one call, x the first residual
+        status = kernels.lib.kvtier_layers(  # every layer in one call, x the first residual
             n, pointers(*(b.address for b in built)),
             pointers(*(step_addresses[layer_group[i]] for i in range(n))),
             pointers(*(tables[layer_rope[i]][0] for i in range(n))),
@@ -233,10 +195,10 @@ def _fits(built: list[_Built] | None, rows: int) -> bool:
     return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
 
 
-def _step(plan: GroupPlan) -> _Step:
+def _step(plan: GroupPlan) -> abi.Step:
     nat = plan.native
-    assert nat is not None
-    s = _Step()
+    assert nat is not None  # `run` declined plans without one
+    s = abi.Step()
     s.tables, s.table_stride = nat.tables.data_ptr(), nat.tables.stride(0)
     s.seq_token, s.seq_qlen = nat.seq_token.data_ptr(), nat.seq_qlen.data_ptr()
     s.seq_row, s.lo, s.hi = nat.seq_row.data_ptr(), nat.lo.data_ptr(), nat.hi.data_ptr()

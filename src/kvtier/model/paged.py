@@ -61,7 +61,7 @@ class OwnPlan:
 @dataclass(frozen=True)
 class NativePlan:
     """Sequences with few queries for the native kernel: every query reads its key range from
-    the cache through its sequence's block table (see `csrc/paged_attention.c`)."""
+    the cache through its sequence's block table (see `kernels/csrc/attention.c`)."""
 
     tables: torch.Tensor  # [n, max_blocks] int64 block ids
     seq_token: torch.Tensor  # [n] token index of each sequence's first query

@@ -1,6 +1,6 @@
-/* What the kernels on AMX tiles share (linear.c's linears, paged_attention.c's decode
- * attention): the OS's grant of the tile state and the tile configuration. Included inside
- * each source's AMX section (AMX-TILE and AMX-BF16 compiled in, Linux). */
+/* What the kernels on AMX tiles share (linear_amx.c's linears, attention_amx.c's decode
+ * attention): the OS's grant of the tile state and the tile configuration. Included by the
+ * files compiled with AMX (KVTIER_AMX, internal.h). */
 #ifndef KVTIER_AMX_H
 #define KVTIER_AMX_H
 
@@ -28,6 +28,9 @@ static inline void amx_configure(const uint8_t rows[8]) {
         cfg.rows[t] = rows[t];
         cfg.colsb[t] = rows[t] ? 64 : 0;
     }
+    /* GCC 12 does not see ldtilecfg read the struct and drops its stores as dead where this is
+     * inlined into a short function: the barrier makes them happen first */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 

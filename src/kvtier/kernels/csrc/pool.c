@@ -1,6 +1,5 @@
 /* The process's thread pool for the native kernels: a call's items [0, n) on the calling thread
- * and up to `threads - 1` helpers. Every kernel library calls this one pool (pool.h); built as its
- * own library by kvtier/model/native.py.
+ * and up to `threads - 1` helpers. Every kernel of the library calls this one pool (internal.h).
  *
  * Helpers are started once. The caller posts a job and starts at once on it; items are claimed in
  * chunks from one atomic counter, so a helper the OS has not scheduled yet (the other cores busy
@@ -12,17 +11,15 @@
  *
  * Between jobs a helper spins for POOL_SPIN_NS before it sleeps, and the caller spins as long for
  * the helpers inside its job before it sleeps: a decoder layer is a run of calls microseconds
- * apart, and waking a sleeping thread costs tens of microseconds in a virtual machine (50 µs on
- * the 2-core test box: a call of two 15 µs items took 44 µs on two threads, 29 µs on one). So a
- * helper asleep at every call lost most of every short call. One pool for all the libraries (it
- * was one per library) keeps one helper busy instead of three taking turns, and no helper spins
- * while another library's call needs its core.
+ * apart, and waking a sleeping thread costs tens of microseconds in a virtual machine, longer
+ * than a short call's items: a helper asleep at every call lost most of every short call. One
+ * pool for every kernel keeps one helper busy instead of one per kernel family taking turns,
+ * and no helper spins while another kernel's call needs its core.
  *
  * One job at a time: a second concurrent caller runs its items alone. A forked child runs every
  * call alone: its copy of the pool names helpers it does not have, and its locks may have been
  * held at the fork. */
-#define KVTIER_POOL_IMPL
-#include "pool.h"
+#include "internal.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -126,7 +123,7 @@ static void *pool_helper(void *unused) {
     return NULL;
 }
 
-void kvtier_pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int threads) {
+void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int threads) {
     if (chunk < 1) chunk = 1;
     if (threads > POOL_MAX_HELPERS + 1) threads = POOL_MAX_HELPERS + 1;
     if (threads < 2 || items <= chunk || atomic_load(&pool_forked) ||

@@ -2,27 +2,17 @@
  * ops (and their dispatch) it replaces: RMSNorm with the residual add before it, rotary embedding
  * of q and k in place, and the gated MLP's act(gate) * up. They round where torch's unfused ops
  * round (bfloat16 after each op, float32 without FMA contraction: built with -ffp-contract=off),
- * so results match those ops up to the last bit of a transcendental. With AVX-512 (and its BF16
- * conversions) the bfloat16 norms and activations run as one pass of 16-lane vectors per row
- * (VEC_BF16; the exponential's polynomial with FMA): 2-2.5x the portable loops through float32
- * buffers, which serve float32 and other CPUs, and the same bfloat16 results but for a rare last
- * bit. Built and loaded by kvtier/model/native.py; plain C, no Python or torch headers.
- * dtype: 0 float32, 1 bfloat16.
+ * so results match those ops up to the last bit of a transcendental. This file holds every
+ * kernel's entry and its portable loops through float32 buffers (float32, and CPUs without the
+ * vector paths); the AVX-512 paths sit in fused_avx512*.c behind fused.h, which dispatches
+ * (docs/architecture.md §Kernels). dtype: 0 float32, 1 bfloat16.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool.h"
-#include "vexp.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define VEC_BF16 1 /* bfloat16 rows in 16-lane vectors, one pass (the loops below are the rest) */
-#endif
+#include "fused.h"
 
 /* Rows move through float32 buffers of at most BUF elements: loops the compiler vectorizes. */
 #define BUF 2048
@@ -31,27 +21,10 @@ static void load(const void *src, int64_t n, int dtype, float *dst) {
     if (dtype == 1) {
         const uint16_t *h = (const uint16_t *)src;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t u = (uint32_t)h[i] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            dst[i] = f;
-        }
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(h[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
-}
-
-/* x rounded to bfloat16 and back (round to nearest even; NaN stays NaN) */
-static inline float bf16_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-    u = nan ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 static inline float bf16_round_if(float x, int dtype) { return dtype == 1 ? bf16_round(x) : x; }
@@ -66,13 +39,7 @@ static void store(const float *src, int64_t n, int dtype, void *dst) {
     if (dtype == 1) {
         uint16_t *h = (uint16_t *)dst;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-            memcpy(&u, &src[i], 4);
-            const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-            u = nan ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-            h[i] = (uint16_t)(u >> 16);
-        }
+        for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(src[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -115,32 +82,6 @@ static inline float tanh_approx(float x) {
 }
 
 
-#if defined(VEC_BF16)
-/* 16 bfloat16 (the first `k` lanes) as float32 */
-static inline __m512 bf16_load(const void *p, __mmask16 k) {
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
-static inline void bf16_store(void *p, __mmask16 k, __m512 v) {
-    _mm256_mask_storeu_epi16(p, k, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __m512 bf16_round16(__m512 v) { /* to bfloat16 and back, round to nearest even */
-    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
-static inline __mmask16 lanes(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-/* e^x on 16 lanes (vexp.h): 0 far below, +inf far above, NaN stays NaN */
-static inline __m512 exp16(__m512 x) {
-    return exp_clamped(_mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)));
-}
-#endif
-
 /* Rows [begin, end) of a kernel, run on up to `threads` threads (pool.h: chunks of rows claimed
  * as threads come, so a busy core delays nothing). */
 static void parallel_rows(ChunkFn fn, const void *args, int64_t rows, int64_t work,
@@ -151,57 +92,7 @@ static void parallel_rows(ChunkFn fn, const void *args, int64_t rows, int64_t wo
 
 /* ---- RMSNorm ------------------------------------------------------------------------------ */
 
-typedef struct {
-    const void *x;
-    int64_t outer_stride, inner, inner_stride; /* row r at x + (r / inner) * outer + (r % inner) * inner_stride */
-    void *residual;                            /* optional [rows, dim]: x is added to it first */
-    const void *weight;
-    void *out; /* [rows, dim] */
-    int64_t dim;
-    float eps;
-    int gemma, dtype;
-} NormArgs;
 
-#if defined(VEC_BF16)
-/* bfloat16 rows in 16-lane vectors: each row read once (with the residual add), normed from a
- * float32 copy; no per-row division for the row's address. `w`: the weight as float32. */
-static void norm_rows_bf16(const NormArgs *a, float *w, int64_t begin, int64_t end) {
-    const int64_t dim = a->dim;
-    float h[8192] __attribute__((aligned(64)));
-    if (a->gemma)
-        for (int64_t d = 0; d < dim; d++) w[d] = 1.0f + w[d];
-    int64_t outer = begin / a->inner, inner = begin % a->inner;
-    for (int64_t r = begin; r < end; r++) {
-        const uint16_t *x = (const uint16_t *)a->x + outer * a->outer_stride + inner * a->inner_stride;
-        if (++inner == a->inner) {
-            inner = 0;
-            outer++;
-        }
-        uint16_t *res = a->residual ? (uint16_t *)a->residual + r * dim : NULL;
-        __m512 sq = _mm512_setzero_ps();
-        for (int64_t c = 0; c < dim; c += 16) {
-            const __mmask16 k = lanes(dim - c);
-            __m512 v = bf16_load(x + c, k);
-            if (res) { /* residual stream += x, rounded as torch's add: the norm's input */
-                v = bf16_round16(_mm512_add_ps(bf16_load(res + c, k), v));
-                bf16_store(res + c, k, v);
-            }
-            _mm512_mask_storeu_ps(h + c, k, v);
-            sq = _mm512_add_ps(sq, _mm512_mul_ps(v, v));
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)dim + a->eps));
-        uint16_t *out = (uint16_t *)a->out + r * dim;
-        for (int64_t c = 0; c < dim; c += 16) {
-            const __mmask16 k = lanes(dim - c);
-            const __m512 v = _mm512_maskz_loadu_ps(k, h + c), wv = _mm512_maskz_loadu_ps(k, w + c);
-            if (a->gemma) /* Gemma: norm(x) * (1 + w), in float32 */
-                bf16_store(out + c, k, _mm512_mul_ps(_mm512_mul_ps(v, inv), wv));
-            else /* Llama: w * norm(x), the norm rounded to the input dtype first */
-                bf16_store(out + c, k, _mm512_mul_ps(wv, bf16_round16(_mm512_mul_ps(v, inv))));
-        }
-    }
-}
-#endif
 
 static void norm_rows(const void *p, int64_t begin, int64_t end) {
     const NormArgs *a = (const NormArgs *)p;
@@ -209,12 +100,7 @@ static void norm_rows(const void *p, int64_t begin, int64_t end) {
     const int dt = a->dtype;
     float h[8192], w[8192], t[BUF];
     load(a->weight, dim, dt, w);
-#if defined(VEC_BF16)
-    if (dt == 1) {
-        norm_rows_bf16(a, w, begin, end);
-        return;
-    }
-#endif
+    if (dt == 1 && fused_norm_rows_bf16(a, w, begin, end)) return;
     for (int64_t r = begin; r < end; r++) {
         const int64_t in = (r / a->inner) * a->outer_stride + (r % a->inner) * a->inner_stride;
         load((const char *)a->x + in * size, dim, dt, h);
@@ -256,46 +142,13 @@ void kvtier_rms_norm(const void *x, int64_t outer_stride, int64_t inner, int64_t
 
 /* ---- rotary embedding, in place ----------------------------------------------------------- */
 
-typedef struct {
-    void *x;
-    int64_t token_stride, heads, dim;
-    const void *cos, *sin; /* [tokens, dim] */
-    int dtype;
-} RopeArgs;
 
-#if defined(VEC_BF16)
-/* bfloat16 with half the head a whole number of vectors: each product rounded as torch's ops */
-static void rope_rows_bf16(const RopeArgs *a, int64_t begin, int64_t end) {
-    const int64_t D = a->dim, half = D / 2;
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    for (int64_t r = begin; r < end; r++) {
-        const int64_t t = r / a->heads, h = r % a->heads;
-        uint16_t *x = (uint16_t *)a->x + t * a->token_stride + h * D;
-        const uint16_t *c = (const uint16_t *)a->cos + t * D, *s = (const uint16_t *)a->sin + t * D;
-        for (int64_t d = 0; d < half; d += 16) {
-            const __m512 lo = bf16_load(x + d, 0xffff), hi = bf16_load(x + d + half, 0xffff);
-            const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
-            const __m512 o_lo = _mm512_add_ps(bf16_round16(_mm512_mul_ps(lo, bf16_load(c + d, 0xffff))),
-                                              bf16_round16(_mm512_mul_ps(neg_hi, bf16_load(s + d, 0xffff))));
-            const __m512 o_hi = _mm512_add_ps(bf16_round16(_mm512_mul_ps(hi, bf16_load(c + d + half, 0xffff))),
-                                              bf16_round16(_mm512_mul_ps(lo, bf16_load(s + d + half, 0xffff))));
-            bf16_store(x + d, 0xffff, o_lo);
-            bf16_store(x + d + half, 0xffff, o_hi);
-        }
-    }
-}
-#endif
 
 static void rope_rows(const void *p, int64_t begin, int64_t end) {
     const RopeArgs *a = (const RopeArgs *)p;
     const int64_t D = a->dim, half = D / 2, size = a->dtype == 1 ? 2 : 4;
     const int dt = a->dtype;
-#if defined(VEC_BF16)
-    if (dt == 1 && half % 16 == 0) {
-        rope_rows_bf16(a, begin, end);
-        return;
-    }
-#endif
+    if (dt == 1 && fused_rope_rows_bf16(a, begin, end)) return;
     float v[4096], c[4096], s[4096], o[4096];
     int64_t loaded = -1;
     for (int64_t r = begin; r < end; r++) {
@@ -326,58 +179,13 @@ void kvtier_rope(void *x, int64_t token_stride, int64_t heads, int64_t dim, cons
 
 /* ---- act(gate) * up ----------------------------------------------------------------------- */
 
-typedef struct {
-    const void *gate_up; /* [rows, 2 * inter]: gate, then up */
-    void *out;           /* [rows, inter] */
-    int64_t inter;
-    int act, dtype; /* act: 0 silu, 1 gelu (tanh approximation), 2 gelu (erf) */
-} ActArgs;
 
-#if defined(VEC_BF16)
-/* bfloat16 silu and gelu (tanh): one pass of 16-lane vectors over a row */
-static void act_rows_bf16(const ActArgs *a, int64_t begin, int64_t end) {
-    const int64_t n = a->inter;
-    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), half = _mm512_set1_ps(0.5f);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    for (int64_t r = begin; r < end; r++) {
-        const uint16_t *gate = (const uint16_t *)a->gate_up + r * 2 * n, *up = gate + n;
-        uint16_t *out = (uint16_t *)a->out + r * n;
-        for (int64_t c = 0; c < n; c += 16) {
-            const __mmask16 k = lanes(n - c);
-            const __m512 x = bf16_load(gate + c, k);
-            __m512 act;
-            if (a->act == 0) {
-                act = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            } else { /* torch's order: 0.5x (1 + tanh(y)), y = b (x + k x^3); tanh(y) as
-                      * ±(1 - 2 / (exp(2|y|) + 1)) throughout: near 0 it loses relative bits,
-                      * but 1 + tanh(y) needs only absolute ones there */
-                const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-                const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                    _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
-                const __m512 z = _mm512_abs_ps(y);
-                const __m512 e = exp16(_mm512_add_ps(z, z));
-                __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
-                t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
-                    _mm512_and_si512(_mm512_castps_si512(y), sign))); /* t ≥ 0: y's sign */
-                act = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, t));
-            }
-            /* torch rounds the activation before the product */
-            bf16_store(out + c, k, _mm512_mul_ps(bf16_round16(act), bf16_load(up + c, k)));
-        }
-    }
-}
-#endif
 
 static void act_rows(const void *p, int64_t begin, int64_t end) {
     const ActArgs *a = (const ActArgs *)p;
     const int64_t n = a->inter, size = a->dtype == 1 ? 2 : 4;
     const int dt = a->dtype;
-#if defined(VEC_BF16)
-    if (dt == 1 && a->act != 2) {
-        act_rows_bf16(a, begin, end);
-        return;
-    }
-#endif
+    if (dt == 1 && fused_act_rows_bf16(a, begin, end)) return;
     float g[BUF], u[BUF];
     for (int64_t r = begin; r < end; r++) {
         const char *row = (const char *)a->gate_up + r * 2 * n * size;
@@ -412,7 +220,7 @@ static void act_rows(const void *p, int64_t begin, int64_t end) {
 void kvtier_act_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int act,
                     int dtype, int threads) {
     ActArgs a = {gate_up, out, inter, act, dtype};
-    parallel_rows(act_rows, &a, rows, rows * inter, 1 << 16, threads); /* ~0.5 ns an element */
+    parallel_rows(act_rows, &a, rows, rows * inter, 1 << 16, threads);
 }
 
 /* ---- argmax of float32 or bfloat16 rows (greedy sampling) -------------------------------- */
@@ -426,20 +234,8 @@ typedef struct {
 
 /* element i of a row, widened to float32 (exact for bfloat16, so the order is the row's own) */
 static inline float argmax_elem(const void *x, int64_t i, int dtype) {
-    if (dtype != 1) return ((const float *)x)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
-
-#if defined(__AVX512F__)
-static inline __m512 argmax_vec(const void *x, int64_t i, int dtype) {
-    if (dtype != 1) return _mm512_loadu_ps((const float *)x + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 /* torch.argmax's answer: the first maximal element, or the first NaN if the row has one */
 static void argmax_rows(const void *p, int64_t begin, int64_t end) {
@@ -449,37 +245,18 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
         const void *x = (const char *)a->x + r * a->stride * size;
         float m = -INFINITY;
         int nan = 0;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        __m512 vm = _mm512_set1_ps(-INFINITY);
-        __mmask16 vnan = 0;
-        for (; i + 16 <= n; i += 16) {
-            const __m512 v = argmax_vec(x, i, a->dtype);
-            vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            vm = _mm512_max_ps(vm, v);
-        }
-        m = _mm512_reduce_max_ps(vm);
-        nan = vnan != 0;
-#endif
+        int64_t i = fused_argmax_scan(x, n, a->dtype, &m, &nan);
         for (; i < n; i++) {
             const float v = argmax_elem(x, i, a->dtype);
             nan |= v != v;
             m = v > m ? v : m;
         }
         int64_t at = 0;
-        i = 0;
-#if defined(__AVX512F__)
-        const __m512 target = _mm512_set1_ps(m);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 v = argmax_vec(x, i, a->dtype);
-            const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
-                                      : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
-            if (hit) {
-                at = i + __builtin_ctz((unsigned)hit);
-                goto found;
-            }
+        i = fused_argmax_find(x, n, a->dtype, m, nan, &at);
+        if (i < 0) {
+            a->out[r] = at;
+            continue;
         }
-#endif
         for (; i < n; i++) {
             const float v = argmax_elem(x, i, a->dtype);
             if (nan ? v != v : v == m) {
@@ -487,9 +264,6 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
                 break;
             }
         }
-#if defined(__AVX512F__)
-    found:
-#endif
         a->out[r] = at;
     }
 }
@@ -522,8 +296,6 @@ typedef struct {
     int status;           /* 0, or -1: out of memory (rows not filtered) */
 } FilterArgs;
 
-#define DIGITS 2048
-#define REACHES 6 /* the distances below the maximum counted in the first pass: 1, 2, 4 … 32 */
 
 static inline uint32_t order_key(float f) { /* larger float, larger key */
     uint32_t u;
@@ -539,12 +311,6 @@ static inline int within(uint32_t key, uint32_t i, Bound b) {
     return key > b.key || (key == b.key && i <= b.idx);
 }
 
-/* Scratch of one thread: the gathered candidates (key, index, weight) and the exponentials. */
-typedef struct {
-    uint32_t *key, *idx;
-    float *w, *e;
-    double (*hist4)[DIGITS];
-} FilterScratch;
 
 /* The first of the c candidates (in index order, all above every other token), in the order of
  * the row and among those within `cap` (NULL: all), at which the running sum of the weights
@@ -612,27 +378,7 @@ static int select_bound(FilterScratch *s, int64_t c, const Bound *cap, int count
 /* The tokens ≥ floor into the scratch, in index order, with their exponentials (e: NULL, ones);
  * returns how many. */
 static int64_t gather(const float *x, const float *e, int64_t n, float floor, FilterScratch *s) {
-    int64_t c = 0, i = 0;
-#if defined(__AVX512F__)
-    const __m512 f = _mm512_set1_ps(floor);
-    const __m512i lanes16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        const __mmask16 hit = _mm512_cmp_ps_mask(v, f, _CMP_GE_OQ);
-        if (!hit) continue;
-        const __m512i u = _mm512_castps_si512(v);
-        const __mmask16 neg = _mm512_test_epi32_mask(u, sign);
-        const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u,
-                                                  _mm512_set1_epi32(-1));
-        _mm512_mask_compressstoreu_epi32(s->key + c, hit, key);
-        _mm512_mask_compressstoreu_epi32(s->idx + c, hit,
-                                         _mm512_add_epi32(lanes16, _mm512_set1_epi32((int)i)));
-        _mm512_mask_compressstoreu_ps(s->w + c, hit,
-                                      e ? _mm512_loadu_ps(e + i) : _mm512_set1_ps(1.0f));
-        c += __builtin_popcount((unsigned)hit);
-    }
-#endif
+    int64_t c = 0, i = fused_gather(x, e, n, floor, s, &c);
     for (; i < n; i++)
         if (x[i] >= floor) {
             s->key[c] = order_key(x[i]);
@@ -657,36 +403,7 @@ static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s
     float reach[REACHES], count[REACHES] = {0}, mass[REACHES] = {0}, z = 0.0f;
     for (int j = 0; j < REACHES; j++) reach[j] = m - (float)(1 << j);
     float *e = s->e;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    {
-        __m512 vz = _mm512_setzero_ps(), vmass[REACHES];
-        int64_t vcount[REACHES] = {0};
-        const __m512 vm = _mm512_set1_ps(m), lowest = _mm512_set1_ps(-87.3f);
-        for (int j = 0; j < REACHES; j++) vmass[j] = _mm512_setzero_ps();
-        for (; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            __m512 ev = _mm512_setzero_ps();
-            if (use_p) {
-                const __m512 d = _mm512_sub_ps(v, vm);
-                ev = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, lowest, _CMP_GE_OQ),
-                                         exp_clamped(_mm512_max_ps(d, lowest)));
-                _mm512_storeu_ps(e + i, ev);
-                vz = _mm512_add_ps(vz, ev);
-            }
-            for (int j = 0; j < REACHES; j++) {
-                const __mmask16 in = _mm512_cmp_ps_mask(v, _mm512_set1_ps(reach[j]), _CMP_GE_OQ);
-                vcount[j] += __builtin_popcount((unsigned)in);
-                vmass[j] = _mm512_mask_add_ps(vmass[j], in, vmass[j], ev);
-            }
-        }
-        z = _mm512_reduce_add_ps(vz);
-        for (int j = 0; j < REACHES; j++) {
-            count[j] = (float)vcount[j];
-            mass[j] = _mm512_reduce_add_ps(vmass[j]);
-        }
-    }
-#endif
+    int64_t i = fused_reaches(x, n, m, use_p, reach, count, mass, e, &z);
     for (; i < n; i++) {
         const float ei = use_p ? exp_approx(x[i] - m) : 0.0f;
         if (use_p) e[i] = ei;

@@ -1,0 +1,127 @@
+/* bfloat16 linear layers for few rows: out [M, N] = x [M, K] · W [N, K]ᵀ (+ bias), float32
+ * accumulation over k in order, rounded to bfloat16 once (round to nearest even), as oneDNN's
+ * bf16 matmul. oneDNN's call sets up a primitive before it multiplies anything, which at the
+ * small models' shapes costs more than the product; these kernels set nothing up. At the end of
+ * the file, the float32 linear's entries. The column groups run on one ISA path each, chosen
+ * here (linear_amx.c, linear_avx512bf16.c, linear_f32_avx512.c).
+ *
+ * Weights are packed once into 16 × 32 tiles in the pair layout TDPBF16PS reads: tile (nb, kb) is
+ * 16 rows of k pairs (2r, 2r + 1) by 16 output columns, [Nb][Kb][16][16][2], zero past N and K.
+ * The same layout serves both instruction sets: on AMX a tile is one TDPBF16PS operand; with
+ * AVX512-BF16 only (AMD Zen 4/5, Intel Cooper Lake) a tile row is one 512-bit VDPBF16PS operand
+ * (16 columns' pair r), multiplied by a row's pair r broadcast. Either way each output sums its
+ * k pairs in order into one float32 accumulator.
+ * Output columns are split in groups of four tiles among the pool's threads (pool.c): each
+ * element is computed by one thread in one order, so results do not depend on the thread count.
+ * `kvtier_linear_available` returns 1 (AMX, granted by the OS), 2 (AVX512-BF16) or 0 (neither:
+ * the caller uses oneDNN).
+ */
+#include <stdlib.h>
+
+#include <stdatomic.h>
+
+#include "linear.h"
+
+void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            uint16_t *tile = packed + (nb * kbs + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;
+                        tile[(r * 16 + c) * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
+                    }
+        }
+}
+
+/* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
+ * once), else 2 AVX512-BF16 where built, else 0. */
+static int tile_path(void) {
+    static _Atomic int granted = -1;
+    if (granted < 0) granted = linear_amx_granted();
+    if (LINEAR_AMX && granted) return 1;
+    return LINEAR_AVX512BF16 ? 2 : 0;
+}
+
+static ChunkFn groups_of(int path) {
+    return path == 1 ? linear_amx_groups : path == 2 ? linear_avx512bf16_groups : NULL;
+}
+
+int kvtier_linear_available(void) { return tile_path(); }
+
+#define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
+#define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
+
+/* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
+ * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
+ * where neither tile path is built. */
+int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                  int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
+    const int path = tile_path();
+    const ChunkFn run = groups_of(path);
+    if (!run) return -2;
+    uint16_t *tail = NULL;
+    if (k % 32) {
+        tail = calloc((size_t)(m * 32), sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t r = 0; r < m; r++)
+            memcpy(tail + r * 32, x + r * x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
+    }
+    /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
+     * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
+     * pass from memory and the others from L2 (at 4, 32 and 64 rows 4 tiles were as fast or
+     * faster). AMX: 16 rows by 4 tiles. */
+    int tiles = 4, rows = 6;
+    if (path == 2 && m > 6 && m <= 16) {
+        tiles = 3;
+        rows = m > 8 ? (int)(m + 1) / 2 : (int)m;
+    }
+    /* an item: a column group by a chunk of rows. On a weight that stays in L2 (CHUNK_WEIGHT), a
+     * chunk's x fits there with it (CHUNK_X), and the chunks run one after another, so each group
+     * re-reads the chunk's x from L2 instead of streaming all of x again. A larger weight is read
+     * once per chunk from memory, so it keeps all rows in one. */
+    const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
+    int64_t chunk_rows = m;
+    if (n * k * 2 <= CHUNK_WEIGHT && m * k * 2 > CHUNK_X) {
+        chunk_rows = CHUNK_X / (k * 2) / 16 * 16;
+        if (chunk_rows < 16) chunk_rows = 16;
+    }
+    const int64_t items = groups * ((m + chunk_rows - 1) / chunk_rows);
+    const Job job = {x,     packed, bias, tail,   out,       m,   n, k, x_stride,
+                     tiles, rows,   groups, chunk_rows};
+    /* multiply-adds: below 512K (a 1 MiB weight at one row) a helper saves less than it costs */
+    const int64_t work = m * n * k;
+    pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
+    free(tail);
+    return 0;
+}
+
+/* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the
+ * weight packed once as [Nb][K][16] (16 output columns a vector, zero past N). */
+int kvtier_linear_f32_available(void) { return LINEAR_F32; }
+
+
+void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    const int64_t nbs = (n + 15) / 16;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int c = 0; c < 16; c++) {
+                const int64_t col = nb * 16 + c;
+                packed[(nb * k + kk) * 16 + c] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+/* x [m, k] float32 rows `x_stride` apart; packed by kvtier_linear_f32_pack; out [m, n].
+ * Returns 0, or -2 where the kernel is not built (no AVX-512F). */
+int kvtier_linear_f32(const float *x, int64_t x_stride, int64_t m, const float *packed, int64_t n,
+                      int64_t k, const float *bias, float *out, int threads) {
+    if (!LINEAR_F32) return -2;
+    const JobF32 job = {x, packed, bias, out, m, n, k, x_stride};
+    const int64_t groups = ((n + 15) / 16 + 3) / 4;
+    const int64_t work = m * n * k;
+    pool_run(linear_f32_groups, &job, groups, groups / (4 * threads),
+             work < (1 << 20) ? 1 : threads);
+    return 0;
+}

@@ -1,0 +1,75 @@
+/* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
+ * run the column groups; docs/architecture.md §Kernels): a call's job and its items, and the
+ * float32 linear's job (linear_f32_avx512.c). Internal to the library. */
+#ifndef KVTIER_LINEAR_H
+#define KVTIER_LINEAR_H
+
+#include "internal.h"
+
+typedef struct {
+    const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
+    uint16_t *out;
+    int64_t m, n, k, x_stride;
+    int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
+    int64_t groups, chunk_rows; /* column groups; rows per row chunk (an item: see kvtier_linear) */
+} Job;
+
+/* item `item` of a call (kvtier_linear): column group *g of the rows [*r0, *r1) */
+static inline void item_span(const Job *a, int64_t item, int64_t *g, int64_t *r0, int64_t *r1) {
+    *g = item % a->groups;
+    *r0 = item / a->groups * a->chunk_rows;
+    *r1 = *r0 + a->chunk_rows < a->m ? *r0 + a->chunk_rows : a->m;
+}
+
+/* k block kb of x's row `row`: its 32 bf16, from x or the zero-padded tail */
+static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
+    return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;
+}
+
+/* Rows of float32 accumulators [rows][16] (+ bias) rounded into out's columns n0.. (the two
+ * bfloat16 paths) */
+void linear_store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0);
+
+typedef struct {
+    const float *x, *packed, *bias;
+    float *out;
+    int64_t m, n, k, x_stride;
+} JobF32;
+
+/* ---- the ISA paths: which are built is said here once (LINEAR_AMX, LINEAR_AVX512BF16,
+ * LINEAR_F32); where one is not, its entries are stubs the dispatch never reaches (linear.c
+ * has no #if). Each runs a job's items [i0, i1): output column groups. */
+
+#if defined(KVTIER_AMX)
+#define LINEAR_AMX 1
+int linear_amx_granted(void); /* asks Linux for the tile state (once a process) */
+void linear_amx_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AMX 0
+static inline int linear_amx_granted(void) { return 0; }
+static inline void linear_amx_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX512BF16)
+#define LINEAR_AVX512BF16 1
+void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AVX512BF16 0
+static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX512)
+#define LINEAR_F32 1
+void linear_f32_groups(const void *job, int64_t g0, int64_t g1);
+#else
+#define LINEAR_F32 0
+static inline void linear_f32_groups(const void *job, int64_t g0, int64_t g1) {
+    (void)job, (void)g0, (void)g1;
+}
+#endif
+
+#endif

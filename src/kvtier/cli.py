@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from kvtier.bench import BENCHMARKS
+from kvtier.bench.lab import LAB_BENCHMARKS, run_lab
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,6 +56,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.name in LAB_BENCHMARKS:  # in the checkout's benchmarks/, not in the package
+        run_lab(args.name, args.bench_args)
     # Imported lazily: a benchmark may pull in torch, which `kvtier plan` must not pay for.
     mod = importlib.import_module(f"kvtier.bench.{args.name}")
     parser = argparse.ArgumentParser(prog=f"kvtier bench {args.name}", description=mod.__doc__)

@@ -430,17 +430,29 @@ while True:
 """
 
 
+def wait_for_state(pid: int, state: str, timeout: float = 120.0) -> None:
+    """Until /proc says `pid` is in `state` (T: stopped, R: running); a generous bound."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ", 1)[1][0] == state:
+                return
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.01)
+
+
 def test_paused_tree_uses_no_cpu_until_resumed() -> None:
     child = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"
         with procs.paused(child.pid):
-            time.sleep(0.05)
+            wait_for_state(child.pid, "T")  # the stop has landed (not a sleep that hopes so)
             c0 = procs.cpu_seconds([child.pid])
-            time.sleep(0.4)
+            time.sleep(0.4)  # however long: a stopped process gets no CPU
             assert procs.cpu_seconds([child.pid]) == c0
+        wait_for_state(child.pid, "R")
         c1 = procs.cpu_seconds([child.pid])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a generous bound on a loaded box, not a measurement
         while procs.cpu_seconds([child.pid]) < c1 + 0.05 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert procs.cpu_seconds([child.pid]) >= c1 + 0.05  # runs again

@@ -1,6 +1,6 @@
 """The wheel carries every file the package reads at run time (the native kernels' sources and
 headers, compiled on first use; the embedded model; presets) and nothing of the lab beside it:
-no peer scripts, no roofline experiments (docs/architecture.md §Shipping)."""
+no peer scripts, no experiments (docs/architecture.md §Shipping)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from kvtier.bench.lab import LAB_BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "kvtier"
@@ -35,5 +37,5 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
     missing = [m for m in missing if m not in names]
     assert not missing, f"not in the wheel (pyproject.toml package-data): {missing}"
     lab = [n for n in names if n.startswith(("benchmarks/", "tests/")) or "/peers/" in n]
-    lab += [n for n in names if n.endswith(("bench/compare.py", "bench/roofline.py"))]
+    lab += [n for n in names if n.endswith(tuple(f"bench/{b}.py" for b in LAB_BENCHMARKS))]
     assert not lab, f"the lab is not the product: {lab}"

@@ -4,7 +4,7 @@ A citation is the section sign followed by a heading key (the part of a heading 
 one word: `§Layers`, `§Quarantine`, `§H2`), or a bare hazard id (H1, H2, …) or invariant id (I1, I2,
 …), which must be a heading key too. Mentions of design documents the repository does not ship
 (the working notes it was built from) are dangling by definition. Scanned: every .py and .md file
-under src/, tests/, tools/ and docs/, the README and .ci/run.
+under src/, benchmarks/, tests/, tools/ and docs/, the README and .ci/run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
-SCANNED_DIRS = ("src", "tests", "tools", "docs")
+SCANNED_DIRS = ("src", "benchmarks", "tests", "tools", "docs")
 SCANNED_FILES = ("README.md", ".ci/run")
 SUFFIXES = (".py", ".md")
 

@@ -193,6 +193,38 @@ def _describe(cycle: list[str], edges: list[Import]) -> str:
     return " <-> ".join(cycle) + "\n    " + "\n    ".join(inner)
 
 
+OUTSIDE = ("benchmarks", "tests")  # the lab and the tests: beside the package, never in it
+
+
+def imports_of_outside(package: Path, outside: tuple[str, ...] = OUTSIDE) -> list[str]:
+    """Every import in `package` of a top-level package in `outside` (module level, in
+    functions, type-only, or `importlib.import_module` with a literal name): the wheel does not
+    carry them (docs/architecture.md §Shipping)."""
+    found: list[str] = []
+    for module, path in sorted(module_paths(package).items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                names = [node.args[0].value]
+            for name in names:
+                if name.split(".")[0] in outside:
+                    found.append(
+                        f"{module_file(module, package)}:{node.lineno}: {module} imports {name}"
+                    )
+    return found
+
+
 MODULES, EDGES = collect_imports(PACKAGE)
 LAYERS = layer_order(DOC.read_text())
 
@@ -232,6 +264,11 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(_describe(c, EDGES) for c in cycles)
 
 
+def test_the_package_never_imports_the_lab_or_the_tests() -> None:
+    found = imports_of_outside(PACKAGE)
+    assert not found, "the wheel carries neither benchmarks/ nor tests/:\n" + "\n".join(found)
+
+
 def test_type_checking_and_function_level_imports_are_edges() -> None:
     edges = {(e.source, e.target): e for e in EDGES}
     assert edges[("kvtier.sched.scheduler", "kvtier.config")].type_only
@@ -267,6 +304,24 @@ def test_the_checks_find_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
     ]
     assert import_cycles(modules, edges) == [["kvtier.low.a", "kvtier.low.b"]]
     assert ("kvtier.high.c", "kvtier.low.d") in {(e.source, e.target) for e in edges}
+
+
+def test_the_check_finds_the_package_importing_the_lab(tmp_path: Path) -> None:
+    pkg = tmp_path / "src" / TOP
+    files = {
+        "__init__.py": "",
+        "bench/__init__.py": "",
+        "bench/a.py": "def f():\n    from benchmarks.compare import run\n",
+        "bench/b.py": "import importlib\nimportlib.import_module('tests.sched.oracle')\n",
+        "bench/c.py": "import benchmarks_of_our_own\nfrom . import a\nimport json\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert imports_of_outside(pkg) == [
+        "src/kvtier/bench/a.py:2: kvtier.bench.a imports benchmarks.compare",
+        "src/kvtier/bench/b.py:2: kvtier.bench.b imports tests.sched.oracle",
+    ]
 
 
 def test_layer_order_reads_the_table_rows_only() -> None:

@@ -1,7 +1,9 @@
 """Packaging: the wheel carries every file the package reads at run time (the native kernels'
-sources and headers, the embedded model, presets, the peer scripts); pyproject.toml declares every
-imported package as a compatible range, without an upper bound on Python, and constraints.txt pins
-the tested versions inside those ranges; optional features say which extra they need."""
+sources and headers, compiled on first use; the embedded model; presets) and nothing of the lab
+beside it (no peer scripts, no experiments: docs/architecture.md §Shipping); pyproject.toml
+declares every imported package as a compatible range, without an upper bound on Python, and
+constraints.txt pins the tested versions inside those ranges; optional features say which extra
+they need."""
 
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ from typing import Any
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from kvtier.bench.lab import LAB_BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "kvtier"
 
 
 def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
     tree = tmp_path / "tree"  # a copy: setuptools would reuse the checkout's build/ folder
-    shutil.copytree(
-        ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
-    )
+    for folder in ("src", "benchmarks"):  # the lab beside src/, as in a checkout
+        shutil.copytree(
+            ROOT / folder, tree / folder, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+        )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
@@ -36,11 +41,13 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
         *(PACKAGE / "kernels" / "csrc").iterdir(),
         *(PACKAGE / "model" / "default").iterdir(),
         *(PACKAGE / "presets").glob("*.json"),
-        *(PACKAGE / "bench" / "peers" / "scripts").glob("*.py"),
     ]
     missing = [str(p.relative_to(ROOT / "src")) for p in wanted if p.is_file()]
     missing = [m for m in missing if m not in names]
     assert not missing, f"not in the wheel (pyproject.toml package-data): {missing}"
+    lab = [n for n in names if n.startswith(("benchmarks/", "tests/")) or "/peers/" in n]
+    lab += [n for n in names if n.endswith(tuple(f"bench/{b}.py" for b in LAB_BENCHMARKS))]
+    assert not lab, f"the lab is not the product: {lab}"
 
 
 # Import names that differ from their distribution's name.

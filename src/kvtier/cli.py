@@ -8,6 +8,7 @@ import sys
 
 import kvtier
 from kvtier.bench import BENCHMARKS
+from kvtier.bench.lab import LAB_BENCHMARKS, run_lab
 from kvtier.cli_args import HelpFormatter
 
 
@@ -84,6 +85,8 @@ def require_extras(ns: argparse.Namespace, command: str) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.name in LAB_BENCHMARKS:  # in the checkout's benchmarks/, not in the package
+        run_lab(args.name, args.bench_args)
     # Imported lazily: a benchmark may pull in torch, which `kvtier plan` must not pay for.
     mod = importlib.import_module(f"kvtier.bench.{args.name}")
     command = f"kvtier bench {args.name}"

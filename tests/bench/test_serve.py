@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,11 +129,17 @@ def test_wrong_model_and_timeouts_fail_without_raising(
     res = json.loads(out.read_text())
     assert res["summary"]["failed"] == 3 and res["config"]["prompt_format"] == "text"
     assert all(r["error"].startswith("HTTP 404") for r in res["requests"])
-    args = parser.parse_args([*base, "--model", MODEL, "--timeout", "0.001"])
-    assert serve.run(args) == 1
+    # A server that takes connections and never answers: every request times out, however
+    # fast or loaded the machine (a real server could answer inside any short timeout).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes the connections; nothing reads them
+        mute = [f"--base-url=http://127.0.0.1:{silent.getsockname()[1]}", "--num-prompts", "3"]
+        args = parser.parse_args([*mute, "--out", str(out), "--model", MODEL, "--timeout", "0.5"])
+        assert serve.run(args) == 1
     res = json.loads(out.read_text())
     assert res["summary"]["failed"] == 3
-    assert all(r["error"].startswith("timeout") for r in res["requests"])
+    assert all(r["error"] == "timeout after 0.5 s" for r in res["requests"])
     closed = ["--base-url", "http://127.0.0.1:9", "--model", MODEL, "--timeout", "5"]
     args = parser.parse_args([*closed, "--num-prompts", "2", "--out", str(out)])
     assert serve.run(args) == 1

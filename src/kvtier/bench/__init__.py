@@ -1,8 +1,8 @@
 """Benchmarks: each module `kvtier.bench.<name>` exposes `add_arguments(parser)` and `run(args)`.
 
-`kvtier bench <name>` dispatches here (see `kvtier.cli`). Benchmarks print a summary and save JSON;
-they never assert timings.
-"""
+`kvtier bench <name>` dispatches here (see `kvtier.cli`), or for the lab's benchmarks
+(`lab.LAB_BENCHMARKS`) to `benchmarks/` of a git checkout. Benchmarks print a summary and save
+JSON; they never assert timings."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ def row_name(row: dict[str, Any]) -> str:
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each row against protected `optimistic`: throughput, duration and mean TTFT, as the seed
-    reports them (−34 % throughput, +51 % duration, +125 % mean TTFT for `per-request`)."""
+    """Each row against protected `optimistic`: throughput, duration and mean TTFT as relative
+    changes, the shape in which the seed reports them."""
     base = next(
         (r for r in rows if r["admission"] == "optimistic" and r["protect"] != "none"), None
     )

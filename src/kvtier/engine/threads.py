@@ -1,10 +1,10 @@
 """How many threads torch's kernels get. The host thread (scheduling, output processing, HTTP)
-and each device stream's worker need a core of their own, so kernels get the rest: on a busy
-2-core machine a pool of two spinning OpenMP threads made serving 10–15× slower than one. A model
-whose weights reach `ALL_CORES_WEIGHT_BYTES` gets every core instead: its matmuls are long enough
-that a second thread pays for its start-up and for sharing a core with the host thread (README,
-kvtier beside vLLM: the 0.5B shape's offline tok/s +40 % with two threads on two cores, the
-embedded model's −20 %). The native kernels (`kvtier.model.native`) get every usable core unless
+and each device stream's worker need a core of their own, so kernels get the rest: OpenMP
+threads spin while they wait, so a pool as large as the machine takes the cores the host needs
+and stalls every step behind it. A model whose weights reach `ALL_CORES_WEIGHT_BYTES` gets every
+core instead: its matmuls are long enough that a second thread pays for its start-up and for
+sharing a core with the host thread (`kvtier bench compare` shows it: more threads help the 0.5B
+shape and cost the embedded model). The native kernels (`kvtier.model.native`) get every usable core unless
 threads were requested: they release the GIL, decode attention is memory-bound, and a call starts
 threads only when its work pays for them."""
 

@@ -56,7 +56,8 @@ class AttentionMetadata:
         """From per-sequence counts and `block_ids[group][seq]` (block id per table position;
         0 = null block for positions a window no longer reads). A group given as None holds no
         attention (a Mamba state group): an empty table, and no slot is written."""
-        # numpy, not torch: a few dozen small ops per step, each ~1 µs instead of ~5–10 µs
+        # numpy, not torch: a few dozen small ops per step, where torch's per-op dispatch would
+        # cost more than the work itself
         counts = np.fromiter(num_scheduled_tokens, dtype=np.int64, count=len(num_scheduled_tokens))
         computed = np.fromiter(num_computed_tokens, dtype=np.int64, count=len(counts))
         ends = np.cumsum(counts)

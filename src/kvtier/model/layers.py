@@ -31,22 +31,17 @@ SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements, any ro
 def takes_tiles(rows: int, numel: int) -> bool:
     """Whether the tile linear (`Kernels.tile_linear`) serves `rows` rows of a weight of `numel`
     elements: up to 64 rows on any weight, any row count on weights of at most 2M elements.
-    Measured against oneDNN, one call alone, and end to end:
+    Why these bounds (measured against oneDNN, one call alone, and end to end):
 
-    - AMX: up to 64 rows it is faster on any weight — at the small models' shapes 1.5-6x; at the
-      0.5B shape, weights streamed from memory, 1.1-1.7x at 32-64 rows; above, on large weights,
-      oneDNN's blocking wins (2x at 1,920 rows). On small weights, the tiles run the rows in
-      chunks that keep x in L2 (linear.c), 0.4-1.5x oneDNN's time one call alone at 256-8,192
-      rows, and take the whole step as one call per layer (`fused_layer.py`): a prefill step of
-      1,024-8,192 tokens 0.71-0.91x the time with oneDNN above 256 rows (paired, both small
-      models, Sapphire Rapids).
-    - AVX512-BF16 (AMD Zen 5): both run VDPBF16PS at its peak rate (~220 G multiply-adds/s a
-      core), so what the tiles save is oneDNN's ~10 µs set-up per call: at the small models'
-      shapes 2-5x faster up to 16 rows, 0.8-1.7x at 64, 0.7-1.4x at 256; on the 0.5B shape's
-      weights 0.8-1.3x at one row and 0.75-1.05x at 16-64. What decides it is the step: with
-      every linear on the tiles a layer runs as one call (`fused_layer.py`), and the 0.5B
-      shape's decode step took 21.5 ms at batch 1 (34.8 on oneDNN), 37.6-41.0 at batch 16
-      (45.4 with one row) and 91-101 ms at 64 (99-122 with 16 rows).
+    - AMX: up to 64 rows the tiles beat oneDNN on any weight, small or streamed from memory;
+      above that, on large weights, oneDNN's blocking wins. On small weights the tiles run the
+      rows in chunks that keep x in L2 (linear.c) and take the whole step as one call per layer
+      (`fused_layer.py`), so a long prefill step gains as well.
+    - AVX512-BF16 (AMD Zen 5): both run VDPBF16PS at its peak rate, so what the tiles save is
+      oneDNN's set-up per call, which counts at few rows and small shapes and fades on large
+      weights. What decides it is the step: with every linear on the tiles a layer runs as one
+      call (`fused_layer.py`), and the 0.5B shape's decode step was fastest at every batch size
+      with this bound (against oneDNN, and against tiles for fewer rows).
 
     Bits: a row gets oneDNN's bits in a batch of up to 32 rows (AMX) and wherever oneDNN sums k
     in order (AVX512-BF16: k ≤ 512; with k of 896 and more oneDNN's bits depend on the batch's
@@ -58,9 +53,9 @@ def takes_tiles(rows: int, numel: int) -> bool:
 class Linear(nn.Linear):
     """`nn.Linear` whose weight on a CPU is multiplied through a copy prepacked once. bfloat16:
     for the rows `takes_tiles` gives them, the tile layout of `model/native.py`'s linear kernel
-    (AMX or AVX512-BF16; oneDNN spends 10-40 µs per call on set-up at small shapes, the tiles
-    2-12 µs on the whole product), otherwise oneDNN's blocked layout (`F.linear` reorders the
-    weight on every call, 1.3-2.4x slower at decode sizes); the tiles give `F.linear`'s bits
+    (AMX or AVX512-BF16; at small shapes oneDNN's set-up per call costs more than the tiles'
+    whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
+    every call); the tiles give `F.linear`'s bits
     where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
     is built (AVX-512F; why: `forward`), else `F.linear`. Either way a row's result does not
     depend on its batch on the native kernels. Copies derive from the weight, not state: rebuilt whenever the
@@ -75,8 +70,8 @@ class Linear(nn.Linear):
         w = self.weight
         kernels = _row_kernels(x, w)
         if x.dtype == w.dtype == torch.float32 and kernels is not None and kernels.f32_linear:
-            # not for speed first (though 1.3-4.5x `F.linear` at 1-256 rows, 2-2.4x at 2,048 on
-            # the Zen 5 box) but batch invariance: oneDNN's and MKL's float32 GEMMs sum in an
+            # not for speed first (though it beats `F.linear` at every row count measured) but
+            # batch invariance: oneDNN's and MKL's float32 GEMMs sum in an
             # order that depends on the row count (on AMD Zen 5 one or three rows differ from
             # eight or more in up to a third of the outputs), so a request's logits, and a seeded
             # sample, would depend on what else is in its batch

@@ -18,10 +18,9 @@ from kvtier.sampling import LOGPROBS_MODES, DrawParams
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
 CANDIDATES = 256  # rows whose top-k lies within: filtered on their best tokens, not a full sort
 # logits dtypes whose float32 copy is exact (the same order, so the same argmax): a greedy batch
-# without logprobs skips the copy. bfloat16 logits 64 × 32,000 (the 0.5B shape at batch 64): the
-# argmax 1.15 → 0.33 ms, 16 rows 0.32 → 0.14 ms (paired). A min_tokens ban then goes into a
-# copy of the narrow logits, or in place where the caller hands them over (`sample`'s consume:
-# the step's sampling at 64 rows with a ban 1.13 → 0.79 ms)
+# without logprobs skips the copy, which at a large batch and vocabulary costs more than the
+# argmax itself. A min_tokens ban then goes into a copy of the narrow logits, or in place where
+# the caller hands them over (`sample`'s consume), so no wide copy is made for it either
 WIDENS_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -127,8 +126,8 @@ def sample(
         processed = logits
     else:
         processed = processed_logits(logits, batch)
-        # softmax, not exp(log_softmax): torch's exp of the filtered tokens' -inf takes ~4 ns
-        # each (64 × 32,000 at top-p 0.9: 15.5 ms against 3.9 for the softmax; README)
+        # softmax, not exp(log_softmax): torch's exp is slow on -inf, and after top-p most of
+        # a row's tokens are -inf
         probs = torch.softmax(processed, dim=-1)  # [n, vocab]; 0 where filtered out
         tokens = _inverse_cdf(probs, _uniforms(batch, generator, logits.device))
         if batch.any_greedy:
@@ -176,7 +175,8 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
     """Top-k and top-p where every filtered row's top-k set lies within its best `CANDIDATES`
     tokens (the caller knows from the parameters): those are taken with `topk`, not a sort of
-    the vocabulary (torch sorts 64 × 4,096 in ~9 ms), and cut as `_sorted_filter` cuts. The
+    the whole vocabulary (the costliest part of sampling otherwise), and cut as `_sorted_filter`
+    cuts. The
     same kept sets. Rows without top-k (and so without top-p) keep every token. No value is read
     on the host."""
     sorted_x, order = x.topk(CANDIDATES, dim=-1)  # [n, CANDIDATES], descending
@@ -215,8 +215,8 @@ def _cut(
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token where its cumulative probability first reaches u (0, 1] of the row's
     mass: filtered tokens (probability 0) leave the sum flat, so they are never reached. One
-    uniform a row instead of an exponential per token (torch draws those at ~25 ns each on a CPU:
-    7.5 ms a step at 64 rows and a 4,096-token vocabulary, against ~0.3 ms for this)."""
+    uniform a row instead of an exponential per token: a draw per vocabulary entry would cost
+    more than the rest of the sampling, and a cumulative sum and a search are cheap."""
     cdf = probs.cumsum(dim=-1)  # non-decreasing; its last entry is the row's mass
     target = u[:, None] * cdf[:, -1:]  # in (0, mass]: some entry reaches it
     return torch.searchsorted(cdf, target)[:, 0]  # first entry ≥ target

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from typing import Any
 
+from benchmarks import main
 from kvtier.bench import save_json
 
 
@@ -140,3 +142,7 @@ def run(args: argparse.Namespace) -> int:
     path = save_json({"config": config, "same_tokens": same, "results": results}, args.out)
     print(f"saved {path}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import main
 from kvtier.bench import save_json
 
 
@@ -118,3 +120,7 @@ def run(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items()}
     print(f"saved {save_json({'config': config, 'rows': rows}, args.out)}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

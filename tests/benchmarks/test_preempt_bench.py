@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import preempt
-from kvtier.cli import main
+from benchmarks import main, preempt
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
 from kvtier.model.testing import write_tiny_model
 
@@ -58,9 +57,7 @@ def test_depth_2_and_3_preempt_within_1_2x_of_sync_with_the_same_tokens(llama: P
 
 def test_bench_preempt_prints_and_saves_every_configuration(llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "preempt.json"
-    rc = main(
-        ["bench", "preempt", "--model", str(llama), *TOY, "--depths", "1", "2", "--out", str(out)]
-    )
+    rc = main(preempt, ["--model", str(llama), *TOY, "--depths", "1", "2", "--out", str(out)])
     assert rc == 0
     saved = json.loads(out.read_text())
     assert saved["same_tokens"] is True

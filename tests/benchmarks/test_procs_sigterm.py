@@ -1,4 +1,4 @@
-"""`bench/peers/procs.py`: a benchmark that started peer servers and is stopped by SIGTERM (a
+"""`benchmarks/peers/procs.py`: a benchmark that started peer servers and is stopped by SIGTERM (a
 `timeout`, a CI job's end) still stops them — their `finally` blocks run — instead of leaving
 servers in their own sessions behind it."""
 
@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the lab is `benchmarks/` there
 
 HEALTH_SERVER = """
 import http.server, sys
@@ -24,7 +26,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 BENCH = """
 import os, sys, time
 from pathlib import Path
-from kvtier.bench.peers import procs
+from benchmarks.peers import procs
 port = procs.free_port()
 srv = procs.Server([sys.executable, "-c", sys.argv[1], str(port)], port, dict(os.environ),
                    Path(sys.argv[2]), 60)
@@ -50,6 +52,7 @@ def test_sigterm_stops_the_peer_servers(tmp_path: Path) -> None:
         [sys.executable, "-c", BENCH, HEALTH_SERVER, str(tmp_path / "server.log")],
         stdout=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path])),
     )
     assert bench.stdout is not None
     server_pid = int(bench.stdout.readline())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import device as bench
+from benchmarks import device as bench
 from kvtier.device import KVLayout, RaceError
 
 

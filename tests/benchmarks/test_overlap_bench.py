@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvtier.cli import main
+from benchmarks import main, overlap
 
 
 def test_overlap_bench_reports_every_depth_with_the_same_tokens(tmp_path: Path) -> None:
     out = tmp_path / "overlap.json"
     argv = ["--model", "tiny-llama", "--dtype", "float32", "--num-prompts", "4"]
     argv += ["--input-len", "16", "--output-len", "8", "--rounds", "1", "--out", str(out)]
-    assert main(["bench", "overlap", *argv]) == 0
+    assert main(overlap, argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["async_depth"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -1,5 +1,6 @@
-"""`kvtier bench roofline` at toy size: the bytes a decode step reads (weights once, each sequence's
-KV over its readable context), a measured copy bandwidth, and one row per batch size."""
+"""`python -m benchmarks.roofline` (`kvtier bench roofline`) at toy size: the bytes a decode step
+reads (weights once, each sequence's KV over its readable context), a measured copy bandwidth,
+and one row per batch size."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.bench import roofline
-from kvtier.cli import main
+from benchmarks import main, roofline
 from kvtier.model.loader import load_model
 from kvtier.model.testing import write_tiny_model
 
@@ -33,8 +33,9 @@ def test_roofline_rows_per_batch_size(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(roofline, "copy_bandwidth", falling)
     out = tmp_path / "rl.json"
     rc = main(
+        roofline,
         [
-            "bench", "roofline", "--model", "tiny-llama", "--batch-sizes", "1", "3",
+            "--model", "tiny-llama", "--batch-sizes", "1", "3",
             "--input-len", "8", "--output-len", "3", "--rounds", "1", "--copy-mib", "8",
             "--threads", "2", "--out", str(out),
         ]

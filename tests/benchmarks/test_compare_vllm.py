@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import compare
+from benchmarks import compare
 
 pytestmark = pytest.mark.slow
 

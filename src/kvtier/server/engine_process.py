@@ -71,9 +71,14 @@ class EngineProcess:
         self._proc = ctx.Process(
             target=_child_main,
             args=(
-                child_conn, args, max_waiting_requests, fail_at_step, log_level, liveness,
+                child_conn,
+                args,
+                max_waiting_requests,
+                fail_at_step,
+                log_level,
+                liveness,
                 metric_names,
-            ),  # fmt: skip
+            ),
             name="kvtier-engine",
             daemon=True,  # never outlives this process
         )
@@ -324,7 +329,9 @@ def _child_main(
         with send_lock:
             conn.send(msg)
 
-    loop = EngineLoop(args, max_waiting_requests, fail_at_step, *liveness, metric_names=metric_names)
+    loop = EngineLoop(
+        args, max_waiting_requests, fail_at_step, *liveness, metric_names=metric_names
+    )
     try:
         loop.start()
     except BaseException as exc:

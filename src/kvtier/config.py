@@ -334,7 +334,7 @@ class CacheConfig:
     kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
     admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
     # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL (and
-    # the expiry of its keys), and how long a lookup of 64 blocks may wait for them.
+    # the expiry of its keys), and the longest a lookup may wait for them in total.
     kv_disk_path: str | None = None
     kv_disk_size: float | None = None  # GiB (default DEFAULT_DISK_GIB with a disk path)
     kv_remote_url: str | None = None  # redis://host:port/db (valkey:// too)
@@ -632,8 +632,8 @@ FLAG_HELP = {
         "under a volatile-* maxmemory policy"
     ),
     "kv_tier_timeout_s": (
-        "longest a lookup of 64 blocks waits for the disk and remote tiers (longer lookups wait "
-        "proportionally); past it the request recomputes what did not arrive"
+        "longest a lookup waits for the disk and remote tiers in total, however many blocks it "
+        "asks for; past it the request recomputes what did not arrive"
     ),
     "admission": (
         "what admission charges window groups for tokens in flight: shared (steady window per "

@@ -85,3 +85,26 @@ def test_an_orphaned_read_past_its_deadline_does_not_end_the_wait(
     assert chain.wait_for_io(30) is True
     for r in (b, c, d):
         chain.finish_request(r)
+
+
+def test_a_lookup_of_many_blocks_waits_at_most_the_timeout(
+    parts: tuple[TierChain, HeldDiskStore, Clock],
+) -> None:
+    """Issue 37: a lookup waits at most `timeout_s` in total, however many blocks it asks for.
+    The deadline grew with the blocks beyond the host's hit (`timeout_s` per 64), so a long
+    prompt against a store that answers, slowly, waited past `--kv-tier-timeout-s`."""
+    chain, disk, clock = parts
+    a = request(chain.host.device_kv, "a", [*PREFIX, *range(1000, 1400), 1, 2, 3])
+    assert (a.num_tokens - 1) // 4 > 64  # blocks beyond the host's (empty) hit
+    put_prefix(chain, disk, a, chain.io.block_bytes)
+    disk.reads.clear()  # the store hangs
+    clock.now = 3.0
+    assert chain.lookup(a, 0).wait_for_load  # the read starts: deadline 3 + timeout_s
+    clock.now = 3.99
+    assert chain.lookup(a, 0).wait_for_load
+    assert chain.wait_for_io(0.01) is False
+    clock.now = 4.0
+    assert chain.wait_for_io(0.01) is True  # the deadline passed
+    assert not chain.lookup(a, 0).wait_for_load  # the host's answer, the rest recomputed
+    assert chain.metrics.num_fetch_timeouts == 1
+    chain.finish_request(a)

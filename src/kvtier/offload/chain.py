@@ -37,9 +37,6 @@ from kvtier.stores import SEGMENT_BLOCKS, StoreKey, StoreLayout, StoreStats
 
 log = logging.getLogger("kvtier.offload")
 
-BLOCKS_PER_TIMEOUT = 64  # a lookup of n blocks may wait timeout_s × max(1, n / 64)
-
-
 class HostBlockBytes(Protocol):
     """Whole host blocks as bytes (the payload of store layout version 1), read and written in
     declared host ops so the device's sanitizer orders them with every copy. `runner/host_io.py`
@@ -120,8 +117,8 @@ class TierChain:
     """The host tier and the tiers below it, as one `KVTier`.
 
     `lowers`: the tiers below the host, in lookup order (disk before remote). `io`: host-block
-    bytes. `layouts`: the store layout of each KV-cache group. `timeout_s`: how long a lookup of
-    up to 64 blocks waits (more blocks wait proportionally longer). `max_fetches`: jobs in
+    bytes. `layouts`: the store layout of each KV-cache group. `timeout_s`: the longest a lookup
+    waits for them in total, however many blocks it asks for. `max_fetches`: jobs in
     flight at most; more lookups skip the lower tiers. `clock`: seconds, monotonic.
     """
 
@@ -206,9 +203,7 @@ class TierChain:
             st.done = True
             return answer
         fut = self._pool.submit(run_fetch, job, self.specs, self.align, self.lowers)
-        n = sum(len(range(end // s.block_size, max_len // s.block_size)) for s in self.specs)
-        deadline = now + self.timeout_s * max(1.0, n / BLOCKS_PER_TIMEOUT)
-        st.fetch = _Fetch(job, fut, deadline)
+        st.fetch = _Fetch(job, fut, now + self.timeout_s)
         self._fetches.append(st.fetch)
         for key in self._start_keys(request, end):
             self._fetching[key] = st.fetch

@@ -37,6 +37,7 @@ from kvtier.stores import SEGMENT_BLOCKS, StoreKey, StoreLayout, StoreStats
 
 log = logging.getLogger("kvtier.offload")
 
+
 class HostBlockBytes(Protocol):
     """Whole host blocks as bytes (the payload of store layout version 1), read and written in
     declared host ops so the device's sanitizer orders them with every copy. `runner/host_io.py`

@@ -20,6 +20,7 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.stats import EngineStats
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.chain import TierStats
+from kvtier.stores import redis_store
 from tests.stores.servers import RedisServer, start_cluster, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -56,6 +57,24 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+HUNG_S = 3600.0  # longer than any test: a read of a SIGSTOPped Redis ends only by SIGCONT
+
+
+class _HungReadsWait(redis_store.RedisStore):
+    """A real `RedisStore` whose socket timeout outlasts the test, so a read of a paused Redis
+    is in flight until the test resumes it, and only a deadline can end a wait before that
+    (the default socket timeout would end it as a miss whenever a loaded box stalls the test)."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **(kwargs | {"io_timeout_s": HUNG_S}))
+
+
+@pytest.fixture
+def hung_reads_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine built in the test gets `_HungReadsWait` for its remote tier."""
+    monkeypatch.setattr(redis_store, "RedisStore", _HungReadsWait)
 
 
 def prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
@@ -265,11 +284,12 @@ def test_corrupted_values_and_a_restarted_redis_change_no_token(
         llm.engine.close()
 
 
+@pytest.mark.usefixtures("hung_reads_wait")
 def test_a_hung_redis_times_out_to_recompute(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
-    """SIGSTOP: the server holds its connections and answers nothing; lookups stop waiting at
-    the deadline and recompute, with the same tokens."""
+    """SIGSTOP: the server holds its connections and answers nothing (no read ends before
+    SIGCONT); lookups stop waiting at the deadline and recompute, with the same tokens."""
     llm = LLM(
         str(llama), **(BASE | {"kv_tier_timeout_s": 0.05}), **SMALL, kv_remote_url=redis_server.url
     )
@@ -314,6 +334,7 @@ def test_remote_keys_expire_after_the_ttl_flag_and_reads_wait_the_tier_timeout(
         llm.engine.close()
 
 
+@pytest.mark.usefixtures("hung_reads_wait")
 def test_a_request_waiting_on_a_lower_tier_runs_no_empty_steps(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
@@ -382,23 +403,27 @@ def test_an_orphaned_read_past_its_deadline_runs_no_empty_steps(
     engine.close()
 
 
+@pytest.mark.usefixtures("hung_reads_wait")
 def test_a_step_never_blocks_on_a_lower_tier_read(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
-    """A request waits for a hung Redis (deadline 60 s; the client's 2 s socket timeout ends the
-    read as a miss): `step()` returns at once with nothing to do (the caller — the server's loop —
+    """A request waits for a hung Redis (its read and deadline outlast the test, until SIGCONT):
+    `step()` returns at once with nothing to do (the caller — the server's loop —
     stays free to take new requests), a request that needs no read runs meanwhile, and the
     waiting one finishes with the same tokens."""
     fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
-        str(llama), **(BASE | {"kv_tier_timeout_s": 60}), **SMALL, kv_remote_url=redis_server.url
+        str(llama),
+        **(BASE | {"kv_tier_timeout_s": HUNG_S}),
+        **SMALL,
+        kv_remote_url=redis_server.url,
     )
     engine, chain = llm.engine, llm.engine.tier_chain
     assert chain is not None
     redis_server.pause()
     try:
         engine.add_request("blocked", prompts()[0], GREEDY)
-        for _ in range(3):  # it blocked for the whole read (2 s, the socket timeout) here
+        for _ in range(3):  # it blocked for the whole read (until the socket timeout) here
             assert engine.step() == []
         assert chain.waiting_on_io() == {"blocked"}
         engine.add_request("free", [5, 6, 7], GREEDY)  # too short to look below the host
@@ -414,6 +439,7 @@ def test_a_step_never_blocks_on_a_lower_tier_read(
     engine.close()
 
 
+@pytest.mark.usefixtures("hung_reads_wait")
 def test_a_request_aborted_while_its_read_is_in_flight_leaks_nothing(
     llama: Path, reference: list[list[list[int]]], redis_server: RedisServer
 ) -> None:
@@ -421,7 +447,10 @@ def test_a_request_aborted_while_its_read_is_in_flight_leaks_nothing(
     next; pools and pins end empty and the next request runs with the same tokens."""
     fill_tier(llama, reference[:1], kv_remote_url=redis_server.url)
     llm = LLM(
-        str(llama), **(BASE | {"kv_tier_timeout_s": 60}), **SMALL, kv_remote_url=redis_server.url
+        str(llama),
+        **(BASE | {"kv_tier_timeout_s": HUNG_S}),
+        **SMALL,
+        kv_remote_url=redis_server.url,
     )
     engine, chain = llm.engine, llm.engine.tier_chain
     assert chain is not None

@@ -53,7 +53,7 @@ def free_cluster_port() -> int:
     raise AssertionError("no free port pair for a cluster node")
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_until(cond: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

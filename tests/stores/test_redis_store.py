@@ -6,7 +6,6 @@ three-master Redis Cluster where a chain segment's batch is one MGET on one node
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,17 +123,18 @@ def test_redis_killed_mid_run_gives_misses_and_drops_then_reconnects(server: Red
 
 
 def test_a_hung_redis_answers_misses_at_the_deadline_and_drops_sets(server: RedisServer) -> None:
-    """SIGSTOP: connections stay open and nothing answers. The socket timeout (30 s) would hold a
-    caller that talked to Redis itself; the store's caller waits only its 0.2 s get deadline."""
-    store = RedisStore(server.url, get_timeout_s=0.2, io_timeout_s=30, max_pending_bytes=50_000)
+    """SIGSTOP: connections stay open and nothing answers. The socket timeout (longer than the
+    whole test) would hold a caller that talked to Redis itself; the store's caller waits only
+    its get deadline: misses counted as one timeout and no error, while Redis is still stopped
+    (a read ended by the socket would count an error)."""
+    store = RedisStore(server.url, get_timeout_s=0.2, io_timeout_s=3600, max_pending_bytes=50_000)
     keys = chain(12)
     stored(store, keys[:2])
     server.pause()
     try:
-        start = time.monotonic()
         assert store.get(keys[:2]) == [None, None]
-        assert time.monotonic() - start < 15  # far below the 30 s socket timeout
-        assert store.stats().num_timeouts == 1
+        s = store.stats()
+        assert (s.num_timeouts, s.num_errors) == (1, 0)
         # The writer is stuck on the hung server: the bounded queue fills and drops the rest.
         accepted = sum(store.put([(k, payload(k, 10_000))]) for k in keys[2:])
         assert accepted < 10 and store.stats().num_dropped >= 10 - accepted

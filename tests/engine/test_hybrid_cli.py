@@ -43,7 +43,7 @@ def test_kvtier_serve_answers_completions_from_a_hybrid(tmp_path: Path) -> None:
     thread.start()
     handle = ServerHandle(engine, app, server, thread, sock.getsockname()[1])
     try:
-        wait_until(lambda: _up(handle), 30)
+        wait_until(lambda: _up(handle), 120)
         body = {"model": "falcon-h1-toy", "prompt": "Once", "max_tokens": 8, "temperature": 0}
         status, payload = handle.post("/v1/completions", body)
         assert status == 200, payload

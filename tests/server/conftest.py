@@ -95,7 +95,7 @@ def start_server(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     handle = ServerHandle(engine, app, server, thread, port)
-    wait_until(lambda: _health(port) == 200, 30)
+    wait_until(lambda: _health(port) == 200, 120)
     return handle
 
 
@@ -133,7 +133,7 @@ def _health(port: int) -> int:
         return 0
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_until(cond: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

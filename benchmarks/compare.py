@@ -329,7 +329,7 @@ def _per_cpu(r: dict[str, Any]) -> float:
     return float(r["cold"]["output_tokens"] + r["warm"]["output_tokens"]) / float(r["cpu_s"])
 
 
-# Ratios ours / theirs the performance issue asks for (README, kvtier beside vLLM).
+# Ratios ours / theirs the performance issue asks for (docs/benchmarks.md).
 TARGETS = {
     "offline": 1.2,  # output tok/s, cold and warm: at least
     "ttft": 1.0,  # serving medians, every concurrency: at most

@@ -272,6 +272,7 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "kv_disk_path": st.none(),
     "kv_disk_size": st.none(),
     "kv_remote_url": st.none(),
+    "kv_remote_ttl_s": st.one_of(st.none(), st.just(30.0)),  # without a remote url: refused
     "kv_tier_timeout_s": st.sampled_from([0.05, 0.5]),
     "block_sise": HOSTILE,  # not an engine argument
 }

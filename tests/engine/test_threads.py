@@ -56,7 +56,7 @@ def test_the_engine_sets_and_logs_its_thread_count(caplog: pytest.LogCaptureFixt
 
 def test_native_kernels_get_every_core_by_default() -> None:
     """They release the GIL and decode attention is memory-bound: the host thread's core helps
-    (README, kvtier beside vLLM); torch keeps its own count."""
+    (docs/benchmarks.md); torch keeps its own count."""
     LLM(max_model_len=64, num_device_blocks=64)
     assert native.threads() == usable_cores()
     assert torch.get_num_threads() == default_torch_threads()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.server")
 DEFAULT_MODEL_NAME = "kvtier-default"
-# Testing aid (documented in the README): the engine thread raises at this step, as a crashing
+# Testing aid (documented in docs/serving.md): the engine thread raises at this step, as a crashing
 # forward would, so the dead-engine path can be exercised end to end.
 FAIL_AT_STEP_ENV = "KVTIER_DEBUG_FAIL_AT_STEP"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 from kvtier.config import CacheConfig, SchedulerConfig
@@ -239,7 +240,8 @@ def check_prefix_caching_hash_algo(c: Ctx) -> None:
     """The disk tier names blocks by their chained hash: another algorithm, other names."""
     sha = disk_files(c, "sha", prefix_caching_hash_algo="sha256")
     xx = disk_files(c, "xx", prefix_caching_hash_algo="xxhash")
-    assert len(sha) == len(xx) > 1 and len(sha & xx) <= 1  # at most a lock file in common
+    sha, xx = ({n for n in names if n.endswith(".kvb")} for names in (sha, xx))
+    assert len(sha) == len(xx) > 1 and not sha & xx  # the lock and marker files aside
 
 
 def check_kv_offloading_size(c: Ctx) -> None:
@@ -300,6 +302,23 @@ def check_kv_remote_url(c: Ctx) -> None:
         (remote,) = eng.stats().tiers
         assert remote.name == "remote" and remote.store.num_puts > 0
         eng.close()
+    finally:
+        server.stop()
+
+
+def check_kv_remote_ttl_s(c: Ctx) -> None:
+    with pytest.raises(ValueError, match="--kv-remote-ttl-s"):
+        c.engine(kv_remote_ttl_s=30.0)  # no remote tier to expire keys in
+    server = RedisServer(c.tmp / "redis-ttl").start()
+    try:
+        eng = c.engine(num_host_blocks=32, kv_remote_url=server.url, kv_remote_ttl_s=30.0)
+        c.run(eng)
+        assert eng.flush_tiers(timeout=60)
+        eng.close()
+        client = redis.Redis.from_url(server.url)
+        keys = client.keys("*")
+        assert keys and all(0 < client.ttl(k) <= 30 for k in keys)
+        client.close()
     finally:
         server.stop()
 

@@ -147,7 +147,7 @@ def check_minimal_pool_workload(models: list[Path], seed: int) -> None:
         "block_size": rng.choice([4, 5]),
         "max_num_batched_tokens": rng.choice([4, 5, 8]),
         "async_scheduling": depth > 1,
-        "async_depth": max(depth, 2),
+        "async_depth": depth,
         "num_speculative_tokens": rng.choice([0, 0, 2]),
         "admission": rng.choice(ADMISSIONS),
         "num_host_blocks": rng.choice([8, 15, 40]),

@@ -62,6 +62,7 @@ def kvtier_port(tmp_path_factory: pytest.TempPathFactory, vllm: list[str]) -> It
     finally:
         proc.terminate()
         proc.wait(60)
+        log.close()
 
 
 def sharegpt_file(path: Path) -> Path:

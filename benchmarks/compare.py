@@ -21,9 +21,9 @@ from typing import Any
 
 from benchmarks import compare_report, main
 from benchmarks.peers import (
+    VLLM_CLI_SCRIPT,
     VLLM_OFFLINE_SCRIPT,
     VLLM_SCHED_SCRIPT,
-    VLLM_SERVE_SCRIPT,
     procs,
     venv,
 )
@@ -260,7 +260,7 @@ def serving(args: argparse.Namespace, path: Path, python: Path, logs: Path) -> d
                  "--log-level", "warning", *common]  # fmt: skip
     if args.threads is not None:
         ours_argv += ["--torch-threads", str(args.threads)]
-    theirs_argv = [str(python), str(VLLM_SERVE_SCRIPT), str(path), "--port", str(p2),
+    theirs_argv = [str(python), str(VLLM_CLI_SCRIPT), "serve", str(path), "--port", str(p2),
                    "--uvicorn-log-level", "warning", *common]  # fmt: skip
     if args.peer_block_size:
         theirs_argv += ["--block-size", str(args.peer_block_size)]

@@ -15,4 +15,4 @@ from pathlib import Path
 SCRIPTS = Path(__file__).parent / "scripts"
 VLLM_OFFLINE_SCRIPT = SCRIPTS / "vllm_offline.py"
 VLLM_SCHED_SCRIPT = SCRIPTS / "vllm_sched.py"
-VLLM_SERVE_SCRIPT = SCRIPTS / "vllm_serve.py"
+VLLM_CLI_SCRIPT = SCRIPTS / "vllm_cli.py"

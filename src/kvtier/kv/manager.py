@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvtier.ids import BlockHash, BlockId
 from kvtier.kv.block import KVBlock
-from kvtier.kv.block_pool import BlockPool
+from kvtier.kv.block_pool import BlockPool, IntegrityError
 from kvtier.kv.charge import AdmissionCharges, Charge
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
@@ -317,9 +317,10 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
-        """Assert pool invariants and that every reference has a holder (architecture.md §I1, §I5):
+        """Check pool invariants and that every reference has a holder (architecture.md §I1, §I5):
         tables, quarantine, and `num_pinned` references held by others (e.g. transfers); and that
-        every admitted request carries its admission charge."""
+        every admitted request carries its admission charge. Raises `IntegrityError` naming the
+        first broken one."""
         self.pool.check_integrity()
         self.charges.check_integrity()
         holders: dict[BlockId, int] = dict(num_pinned or {})
@@ -330,12 +331,16 @@ class KVCacheManager:
                     if not block.is_null:
                         holders[block.block_id] = holders.get(block.block_id, 0) + 1
                         real += 1
-                assert real == mgr.num_real_blocks(req_id), f"{req_id}: real-block count drifted"
+                if real != (counted := mgr.num_real_blocks(req_id)):
+                    raise IntegrityError(
+                        f"{req_id}: real-block count drifted: {counted} counted, {real} in its table"
+                    )
         for block_id in self.pool.quarantined_block_ids():
             holders[block_id] = holders.get(block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             expected = holders.get(block.block_id, 0)
-            assert block.ref_cnt == expected, f"{block!r}: {expected} holders"
+            if block.ref_cnt != expected:
+                raise IntegrityError(f"{block!r}: {expected} holders")
 
 
 __all__ = ["KVBlock", "KVCacheManager", "PrefixCacheStats"]

@@ -7,6 +7,10 @@ block size 16, as the scenarios' harness does; pool-only behaviour is tested on 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from kvtier.kv import (
@@ -15,6 +19,7 @@ from kvtier.kv import (
     BlockRemoved,
     BlockStored,
     HashExtras,
+    IntegrityError,
     MultiModalItem,
 )
 from tests.kv.factories import admit, fresh_tokens, ids, manager, pool
@@ -352,8 +357,29 @@ def test_check_integrity_names_the_broken_invariant(corrupt, message):
     p.free([b], last_step_seq=3)  # quarantined: ref kept
     p.check_integrity()
     corrupt(p)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(IntegrityError, match=message):
         p.check_integrity()
+
+
+def test_check_integrity_still_raises_under_python_O():
+    """`python -O` strips asserts; the integrity check raises explicitly, so it still catches a
+    corrupted pool there (the check stays usable in optimised debug runs)."""
+    code = textwrap.dedent(
+        """
+        from kvtier.kv import BlockPool, IntegrityError
+        p = BlockPool(5)
+        p.get_new_blocks(1)[0].ref_cnt = 0  # a block neither held nor in the free queue
+        try:
+            p.check_integrity()
+        except IntegrityError as e:
+            print("raised:", e)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    if run.returncode != 0 or "raised:" not in run.stdout or "misfiled" not in run.stdout:
+        pytest.fail(f"no IntegrityError under -O: rc {run.returncode}, {run.stdout}{run.stderr}")
 
 
 # ---- quarantine ----------------------------------------------------------------------------------

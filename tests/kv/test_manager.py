@@ -13,6 +13,7 @@ from kvtier.kv import (
     BlockStored,
     ChunkedLocal,
     FullAttention,
+    IntegrityError,
     KVCacheManager,
     KVSpec,
     Mamba,
@@ -346,9 +347,18 @@ def test_check_integrity_accounts_for_pins_held_outside_the_tables():
     admit(m, "a", fresh_tokens(32))
     block = m.get_blocks("a")[0][0]
     m.pool.touch([block])  # e.g. a transfer pins it
-    with pytest.raises(AssertionError, match="1 holders"):
+    with pytest.raises(IntegrityError, match="1 holders"):
         m.check_integrity()
     m.check_integrity(num_pinned={block.block_id: 1})
+
+
+def test_check_integrity_names_an_admission_charge_dropped_while_its_table_lives():
+    m = manager(11)
+    admit(m, "a", fresh_tokens(32))
+    m.check_integrity()
+    m.charges.release("a")  # out of order: `free` releases the charge with the table
+    with pytest.raises(IntegrityError, match=r"a table without a charge \['a'\]"):
+        m.check_integrity()
 
 
 # ---- admission with the shared transient reserve -------------------------------------------------

@@ -413,7 +413,8 @@ class EngineCore:
         return None if last == self.eos_token_id and not state.params.ignore_eos else last
 
     def check_integrity(self) -> None:
-        """Assert the KV pools' invariants (every device reference has a holder)."""
+        """Check the KV pools' invariants (every device reference has a holder); raises
+        `IntegrityError` (`kv/block_pool.py`) naming the first broken one."""
         pins = self.host_tier.device_pins() if self.host_tier is not None else None
         self.kv.check_integrity(num_pinned=pins)
         if self.host_tier is not None:

@@ -2,7 +2,7 @@
 
 from kvtier.ids import BlockHash, BlockId
 from kvtier.kv.block import FreeBlockQueue, KVBlock
-from kvtier.kv.block_pool import BlockPool
+from kvtier.kv.block_pool import BlockPool, IntegrityError
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras, MultiModalItem, get_hash_fn
@@ -33,6 +33,7 @@ __all__ = [
     "FullAttention",
     "GroupBlocks",
     "HashExtras",
+    "IntegrityError",
     "KVBlock",
     "KVCacheCoordinator",
     "KVCacheManager",

@@ -16,6 +16,11 @@ from kvtier.kv.stats import PoolStats
 _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 
 
+class IntegrityError(RuntimeError):
+    """A `check_integrity` found a pool's or a manager's bookkeeping broken (a bug, never bad
+    input). Raised explicitly rather than asserted so that `python -O` still checks."""
+
+
 class BlockPool:
     """Pre-allocated blocks with ref counts, a null block, an LRU free queue and a hash map.
 
@@ -292,36 +297,53 @@ class BlockPool:
         )
 
     def check_integrity(self) -> None:
-        """Assert the pool's invariants; raises AssertionError naming the first broken one."""
+        """Check the pool's invariants; raises `IntegrityError` naming the first broken one."""
         in_queue = set()
         for block in self.free_queue:
-            assert block.ref_cnt == 0, f"{block!r} in the free queue with references"
-            assert not block.is_null, "null block in the free queue"
+            if block.ref_cnt != 0:
+                raise IntegrityError(f"{block!r} in the free queue with references")
+            if block.is_null:
+                raise IntegrityError("null block in the free queue")
             in_queue.add(block.block_id)
-        assert len(in_queue) == self.num_free_blocks, "free count disagrees with the queue"
+        if len(in_queue) != self.num_free_blocks:
+            raise IntegrityError(
+                f"free count {self.num_free_blocks} disagrees with the queue's {len(in_queue)}"
+            )
         for block in self.blocks[1:]:
-            assert block.ref_cnt >= 0, f"{block!r} has a negative ref count"
-            assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"{block!r} misfiled"
+            if block.ref_cnt < 0:
+                raise IntegrityError(f"{block!r} has a negative ref count")
+            if (block.ref_cnt == 0) != (block.block_id in in_queue):
+                raise IntegrityError(f"{block!r} misfiled (free iff unreferenced)")
             if block.block_hash is not None:
                 found = self._cached.get(block.group_id, {}).get(block.block_hash)
                 ok = found is block or (
                     isinstance(found, dict) and found.get(block.block_id) is block
                 )
-                assert ok, f"{block!r} has a hash but is not in the map"
-        assert self.null_block.block_hash is None and self.null_block.ref_cnt == 0
+                if not ok:
+                    raise IntegrityError(f"{block!r} has a hash but is not in the map")
+        if self.null_block.block_hash is not None or self.null_block.ref_cnt != 0:
+            raise IntegrityError(f"null block {self.null_block!r} hashed or referenced")
         num_cached = 0
         for gid, table in self._cached.items():
             for block_hash, entry in table.items():
                 group = [entry] if isinstance(entry, KVBlock) else list(entry.values())
-                assert group, "empty duplicate set in the map"
+                if not group:
+                    raise IntegrityError(f"empty duplicate set in the map of group {gid}")
                 for block in group:
-                    assert block.block_hash == block_hash and block.group_id == gid
+                    if block.block_hash != block_hash or block.group_id != gid:
+                        raise IntegrityError(f"{block!r} filed under another hash or group")
                 num_cached += len(group)
-        assert num_cached == self._num_cached, "cached block count drifted"
+        if num_cached != self._num_cached:
+            raise IntegrityError(f"cached block count drifted: {self._num_cached} ≠ {num_cached}")
         refs = 0
         for stamp, _, blocks in self._quarantine:
-            assert stamp > self.processed_step_seq, "quarantine entry past its stamp"
+            if stamp <= self.processed_step_seq:
+                raise IntegrityError(f"quarantine entry of step {stamp} past its stamp")
             for block in blocks:
-                assert block.ref_cnt > 0, f"quarantined {block!r} without a reference"
+                if block.ref_cnt <= 0:
+                    raise IntegrityError(f"quarantined {block!r} without a reference")
             refs += len(blocks)
-        assert refs == self.num_quarantined_refs, "quarantine ref count drifted"
+        if refs != self.num_quarantined_refs:
+            raise IntegrityError(
+                f"quarantine ref count drifted: {self.num_quarantined_refs} ≠ {refs} held"
+            )

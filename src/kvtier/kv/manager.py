@@ -1,8 +1,7 @@
 """KVCacheManager: the scheduler's one door to the KV cache of a tier (lookup, allocate, prune, free).
 
-Request semantics on top of the coordinator: hit accounting, admission by the sizing formula (each
-request's charge and the pool-wide transient reserve), caching bounds. Never decides which request
-runs; never reads a clock or a device.
+Request semantics on top of the coordinator: hit accounting, caching bounds, and admission through
+`AdmissionCharges` (`charge.py`). Never decides which request runs; never reads a clock or a device.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from dataclasses import dataclass
 
 from kvtier.ids import BlockHash, BlockId
 from kvtier.kv.block import KVBlock
-from kvtier.kv.block_pool import BlockPool
+from kvtier.kv.block_pool import BlockPool, IntegrityError
+from kvtier.kv.charge import AdmissionCharges, Charge
 from kvtier.kv.coordinator import GroupBlocks, KVCacheCoordinator
 from kvtier.kv.events import KVEvent
 from kvtier.kv.hashing import BlockHasher, HashExtras
@@ -21,9 +21,7 @@ from kvtier.kv.specs import (
     SHARED,
     AdmissionPolicy,
     KVSpec,
-    Mamba,
     blocks_for_requests,
-    cdiv,
     max_concurrency,
 )
 from kvtier.kv.stats import PoolStats
@@ -58,14 +56,6 @@ class PrefixCacheStats:
             self.num_hit_tokens += num_hit_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class _Charge:
-    """What admission charged one request: steady blocks per group, and blocks beyond them."""
-
-    steady: tuple[int, ...]
-    extra: int
-
-
 class KVCacheManager:
     """Facade over one pool and its coordinator.
 
@@ -74,7 +64,7 @@ class KVCacheManager:
     flight. `admission` says how that need is charged: per request (beyond its steady window, at
     its length when admitted) and once per pool (default: one shared reserve, nothing per request).
     A new request is admitted when its blocks and the part of that reserve not held by tables fit
-    in the free blocks. With `admit_whole_prompt` (vLLM's `scheduler_reserve_full_isl`) they must
+    in the free blocks (`charges`, an `AdmissionCharges`, keeps what each request was charged). With `admit_whole_prompt` (vLLM's `scheduler_reserve_full_isl`) they must
     also hold the steady windows of its whole prompt, not only of this chunk, beside what admitted
     requests were promised and have not allocated yet: admission is then the sizing formula
     (`blocks_for_requests`, `max_concurrency`) over the prompts of the requests admitted.
@@ -108,12 +98,13 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_in_flight_tokens = max_in_flight_tokens
         self.admission = admission
-        self.admit_whole_prompt = admit_whole_prompt
-        # What each admitted request was charged when admitted: its steady blocks per group at
-        # its prompt length, and blocks beyond them (per-request policies only).
-        # INVARIANT: keys are the coordinator's requests; num_extra_blocks == Σ extra.
-        self._charges: dict[str, _Charge] = {}
-        self.num_extra_blocks = 0
+        self.charges = AdmissionCharges(
+            self.coordinator,
+            max_model_len=max_model_len,
+            max_in_flight_tokens=max_in_flight_tokens,
+            admission=admission,
+            admit_whole_prompt=admit_whole_prompt,
+        )
         self.hasher = BlockHasher(self.coordinator.hash_block_size, hash_fn)
         self.stats = PrefixCacheStats()
         self._no_hits: GroupBlocks = [[] for _ in self.specs]
@@ -145,70 +136,10 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def reserve_shortfall(
-        self,
-        num_new_requests: int = 0,
-        num_new_excess_blocks: int = 0,
-        num_new_extra_blocks: int = 0,
-    ) -> int:
-        """Blocks of the transient reserve not currently held (≥ 0).
-
-        Reserve: what the admission policy charges the pool for its requests plus what it
-        charged each admitted request beyond its steady window (`num_new_extra_blocks` for one
-        being admitted); held: blocks tables keep beyond their steady charge, quarantined blocks
-        that will come back free, and `num_new_excess_blocks` that a request being admitted will
-        hold beyond its steady charge.
-        """
-        n = self.coordinator.num_requests + num_new_requests
-        reserve = self.pool_reserve(n) + self.num_extra_blocks + num_new_extra_blocks
-        if reserve == 0:
-            return 0
-        held = sum(m.num_excess_blocks for m in self.coordinator.managers) + num_new_excess_blocks
-        return max(0, reserve - held - self.pool.num_quarantined_freeable())
-
-    def pool_reserve(self, num_requests: int) -> int:
-        """Blocks the admission policy charges once for the pool with `num_requests` requests."""
-        if self.max_in_flight_tokens <= 0:
-            return 0
-        f, n = self.max_in_flight_tokens, num_requests
-        return sum(self.admission.pool_blocks(s, f, n, self.max_model_len) for s in self.specs)
-
-    def extra_charge(self, num_tokens: int) -> int:
-        """Blocks the admission policy charges one request of `num_tokens` beyond its steady
-        windows (all groups; 0 for the shared reserve)."""
-        n, f = min(num_tokens, self.max_model_len), self.max_in_flight_tokens
-        return sum(self.admission.request_blocks(s, n, f) - s.steady_blocks(n) for s in self.specs)
-
-    def _steady_need(self, steady: tuple[int, ...], hits: GroupBlocks) -> int:
-        """Blocks a new request's `steady` windows take from the free queue: prefix hits other
-        tables already hold are not taken again."""
-        need = 0
-        for blocks, group_hits in zip(steady, hits, strict=True):
-            held = sum(1 for b in group_hits if not b.is_null and b.ref_cnt > 0)
-            need += max(0, blocks - held)
-        return need
-
-    def num_promised_blocks(self) -> int:
-        """Steady blocks admitted requests were charged for and have not allocated yet (their
-        prompts still prefilling): free now, but theirs."""
-        managers = self.coordinator.managers
-        return sum(
-            max(0, blocks - mgr.num_real_blocks(req_id))
-            for req_id, charge in self._charges.items()
-            for blocks, mgr in zip(charge.steady, managers, strict=True)
-        )
-
-    def _excess_of_new(self, num_tokens: int, total_computed: int) -> int:
-        """Real blocks a new request's table will hold beyond each group's steady charge: they
-        are its share of the transient reserve, not a second charge on top of it."""
-        excess = 0
-        for spec in self.specs:
-            bs = spec.block_size
-            real = cdiv(num_tokens, bs) - spec.num_skipped_tokens(total_computed) // bs
-            if isinstance(spec, Mamba):  # the page it starts from (a hit) and the one it writes
-                real = min(2, real)
-            excess += max(0, real - spec.steady_blocks(1 << 62))
-        return excess
+    def reserve_shortfall(self, num_new_requests: int = 0) -> int:
+        """Blocks of the transient reserve not currently held (≥ 0) with `num_new_requests`
+        more requests (`AdmissionCharges.reserve_shortfall`). Changes nothing."""
+        return self.charges.reserve_shortfall(num_new_requests)
 
     def allocate_slots(
         self,
@@ -246,8 +177,7 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks:
             return None
         if charge is not None:
-            self._charges[req_id] = charge
-            self.num_extra_blocks += charge.extra
+            self.charges.add(req_id, charge)
             self.coordinator.add_computed_blocks(req_id, hits, total_computed)
         new_blocks = self.coordinator.allocate_new_blocks(req_id, num_tokens, total_computed)
         if self.enable_caching and not delay_cache_blocks:
@@ -256,22 +186,13 @@ class KVCacheManager:
 
     def _num_needed(
         self, request: KVSequence, num_tokens: int, hits: GroupBlocks, total_computed: int
-    ) -> tuple[int, _Charge | None]:
+    ) -> tuple[int, Charge | None]:
         """(free blocks `allocate_slots` needs, the admission charge of a new request or None)."""
         req_id = request.request_id
         need = self.coordinator.num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
         if self.coordinator.has_request(req_id):
             return need, None
-        # a new request: the reserve it does not hold must stay free beside its blocks
-        excess = self._excess_of_new(num_tokens, total_computed)
-        length = min(request.num_tokens, self.max_model_len)
-        charge = _Charge(
-            tuple(s.steady_blocks(length) for s in self.specs), self.extra_charge(length)
-        )
-        if self.admit_whole_prompt:  # and the steady windows of its whole prompt
-            need = max(need, self._steady_need(charge.steady, hits) + excess)
-            need += self.num_promised_blocks()
-        return need + self.reserve_shortfall(1, excess, charge.extra), charge
+        return self.charges.charge_new(request.num_tokens, num_tokens, hits, total_computed, need)
 
     def num_blocks_short(self, request: KVSequence, num_new_tokens: int) -> int:
         """Blocks beyond the free ones that `allocate_slots(request, num_new_tokens)` of a
@@ -315,9 +236,7 @@ class KVCacheManager:
         """Release every block of the request (tail first), quarantined until `last_step_seq`,
         and its admission charge."""
         self.coordinator.free(request_id, last_step_seq)
-        charge = self._charges.pop(request_id, None)
-        if charge is not None:
-            self.num_extra_blocks -= charge.extra
+        self.charges.release(request_id)
 
     def release_quarantine(self, processed_step_seq: int) -> int:
         """Steps up to `processed_step_seq` are processed; returns references released."""
@@ -398,13 +317,12 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self, num_pinned: dict[BlockId, int] | None = None) -> None:
-        """Assert pool invariants and that every reference has a holder (architecture.md §I1, §I5):
+        """Check pool invariants and that every reference has a holder (architecture.md §I1, §I5):
         tables, quarantine, and `num_pinned` references held by others (e.g. transfers); and that
-        every admitted request carries its admission charge."""
+        every admitted request carries its admission charge. Raises `IntegrityError` naming the
+        first broken one."""
         self.pool.check_integrity()
-        assert self._charges.keys() == self.coordinator.managers[0].req_to_blocks.keys()
-        extra = sum(c.extra for c in self._charges.values())
-        assert self.num_extra_blocks == extra, "admission charges drifted"
+        self.charges.check_integrity()
         holders: dict[BlockId, int] = dict(num_pinned or {})
         for mgr in self.coordinator.managers:
             for req_id, table in mgr.req_to_blocks.items():
@@ -413,12 +331,16 @@ class KVCacheManager:
                     if not block.is_null:
                         holders[block.block_id] = holders.get(block.block_id, 0) + 1
                         real += 1
-                assert real == mgr.num_real_blocks(req_id), f"{req_id}: real-block count drifted"
+                if real != (counted := mgr.num_real_blocks(req_id)):
+                    raise IntegrityError(
+                        f"{req_id}: real-block count drifted: {counted} counted, {real} in its table"
+                    )
         for block_id in self.pool.quarantined_block_ids():
             holders[block_id] = holders.get(block_id, 0) + 1
         for block in self.pool.blocks[1:]:
             expected = holders.get(block.block_id, 0)
-            assert block.ref_cnt == expected, f"{block!r}: {expected} holders"
+            if block.ref_cnt != expected:
+                raise IntegrityError(f"{block!r}: {expected} holders")
 
 
 __all__ = ["KVBlock", "KVCacheManager", "PrefixCacheStats"]

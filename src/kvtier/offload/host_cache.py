@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.ids import BlockHash
 from kvtier.kv.block import KVBlock
-from kvtier.kv.block_pool import BlockPool
+from kvtier.kv.block_pool import BlockPool, IntegrityError
 from kvtier.offload.types import Key
 
 
@@ -182,12 +182,17 @@ class HostCache:
         return True
 
     def check_integrity(self) -> None:
+        """Check the pool and the chain links; raises `IntegrityError` naming the broken one."""
         self.pool.check_integrity()
         for key in self._parent:
-            assert self.contains(key), f"parent link kept for evicted {key[1].hex()[:8]}"
+            if not self.contains(key):
+                raise IntegrityError(f"parent link kept for evicted {key[1].hex()[:8]}")
         for key in self._origin:
-            assert self.contains(key), f"origin kept for evicted {key[1].hex()[:8]}"
-        for (g, _), children in self._children.items():
-            assert children, "empty child set kept"
+            if not self.contains(key):
+                raise IntegrityError(f"origin kept for evicted {key[1].hex()[:8]}")
+        for (g, parent), children in self._children.items():
+            if not children:
+                raise IntegrityError(f"empty child set kept for {parent.hex()[:8]}")
             for c in children:
-                assert (g, c) in self._parent, "child link without a parent link"
+                if (g, c) not in self._parent:
+                    raise IntegrityError(f"child link to {c.hex()[:8]} without a parent link")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.ids import BlockId, ReqId
 from kvtier.kv.block import KVBlock
+from kvtier.kv.block_pool import IntegrityError
 from kvtier.offload.context import HostContext
 from kvtier.offload.lookup import HostHit, extend_device_hit
 from kvtier.offload.types import Key, Transfer
@@ -286,7 +287,13 @@ class LoadPlanner:
         return bool(self._loads or self._pending)
 
     def check_integrity(self) -> None:
+        """Check claims and the pending-load count; raises `IntegrityError` naming what drifted."""
         claimed = {k for h in self._pending.values() for k in h.keys}
         claimed |= {k for ld in self._loads.values() for k in ld.keys}
-        assert set(self._claims) <= claimed, "load claim without a pending hit or load"
-        assert self.metrics.num_pending_loads == len(self._loads)
+        if not set(self._claims) <= claimed:
+            raise IntegrityError("load claim without a pending hit or load")
+        if self.metrics.num_pending_loads != len(self._loads):
+            raise IntegrityError(
+                f"pending-load count drifted: {self.metrics.num_pending_loads} counted, "
+                f"{len(self._loads)} loads"
+            )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvtier.kv.block import KVBlock
+from kvtier.kv.block_pool import IntegrityError
 from kvtier.offload.context import HostContext
 from kvtier.offload.store_records import (
     Candidate,
@@ -389,18 +390,29 @@ class StorePlanner:
         return [b for s in self._stores.values() for b in s.device_blocks]
 
     def check_integrity(self) -> None:
+        """Check stores, keys and holders agree; raises `IntegrityError` naming what drifted."""
         keys = {c.key: tid for tid, s in self._stores.items() for c in s.cands}
-        assert keys == self._store_keys, "in-flight store keys drifted"
+        if keys != self._store_keys:
+            raise IntegrityError("in-flight store keys drifted")
         for s in self._stores.values():
             for b in s.host_blocks:
-                assert b.block_hash is None, f"host {b!r} published before its store completed"
+                if b.block_hash is not None:
+                    raise IntegrityError(f"host {b!r} published before its store completed")
         for key, rids in self._holders.items():
-            assert rids, "empty holder set"
+            if not rids:
+                raise IntegrityError("empty holder set")
             for rid in rids:
-                assert self._states[rid].keys.get(key) is not None, "holder without its key"
+                if self._states[rid].keys.get(key) is None:
+                    raise IntegrityError(f"holder {rid} without its key")
         for rid, st in self._states.items():
             for key in st.keys:
-                assert rid in self._holders.get(key, ()), "key without its holder"
+                if rid not in self._holders.get(key, ()):
+                    raise IntegrityError(f"key of {rid} without its holder")
             for tid in st.transfers:
-                assert tid in self._stores, "request lists an ended store"
-        assert self.ctx.metrics.num_pending_stores == len(self._stores)
+                if tid not in self._stores:
+                    raise IntegrityError(f"{rid} lists an ended store {tid}")
+        if self.ctx.metrics.num_pending_stores != len(self._stores):
+            raise IntegrityError(
+                f"pending-store count drifted: {self.ctx.metrics.num_pending_stores} counted, "
+                f"{len(self._stores)} stores"
+            )

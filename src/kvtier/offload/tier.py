@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from kvtier.ids import BlockHash, BlockId, ReqId
 from kvtier.kv.block import KVBlock
+from kvtier.kv.block_pool import IntegrityError
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import KVSpec
 from kvtier.kv.stats import PoolStats
@@ -316,7 +317,8 @@ class HostTier:
         return self.loads.device_blocks() + self.stores.pinned_device_blocks()
 
     def check_integrity(self) -> None:
-        """Assert every host reference has exactly one holder and every device pin is backed."""
+        """Check that every host reference has exactly one holder and every device pin is backed;
+        raises `IntegrityError` naming the first broken one."""
         self.host.check_integrity()
         holders: dict[BlockId, int] = {}
         held = self.loads.pending_host_blocks() + self.loads.host_blocks()
@@ -324,11 +326,11 @@ class HostTier:
         for b in held:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for b in self.host.pool.blocks[1:]:
-            assert b.ref_cnt == holders.get(b.block_id, 0), (
-                f"host {b!r}: {holders.get(b.block_id, 0)} holders"
-            )
+            if b.ref_cnt != (expected := holders.get(b.block_id, 0)):
+                raise IntegrityError(f"host {b!r}: {expected} holders")
         pins = self.device_pins()
         for b in self._pinned_device_blocks():
-            assert b.ref_cnt >= pins[b.block_id], f"device {b!r} unpinned"
+            if b.ref_cnt < pins[b.block_id]:
+                raise IntegrityError(f"device {b!r} unpinned: {pins[b.block_id]} pins")
         self.loads.check_integrity()
         self.stores.check_integrity()

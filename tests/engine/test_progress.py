@@ -49,6 +49,18 @@ def alone(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
     return e.drain()["alone"].token_ids
 
 
+def prefix_on_host(e: EngineCore, rng: random.Random) -> list[int]:
+    """A 10-token prompt run once, then evicted from the device by two others: its blocks are on
+    the host tier only."""
+    prefix = [rng.randrange(3, 290) for _ in range(10)]
+    e.add_request("owner", prefix, greedy(2))
+    e.drain()
+    for i in range(2):
+        e.add_request(f"churn{i}", [rng.randrange(3, 290) for _ in range(15)], greedy(2))
+        e.drain()
+    return prefix
+
+
 @pytest.mark.parametrize("admission", ["shared", "per-request", "optimistic"])
 @pytest.mark.parametrize(
     "mode",
@@ -72,12 +84,7 @@ def test_prompt_logprobs_do_not_starve_behind_a_loaded_request(
     ahead of `b`. Now the running request takes back the loaded blocks before it preempts itself."""
     rng = random.Random(0)
     e = engine(mistral, admission=admission, **mode)
-    prefix = [rng.randrange(3, 290) for _ in range(10)]
-    e.add_request("owner", prefix, greedy(2))
-    e.drain()
-    for i in range(2):  # evict the prefix from the device: it is on the host only
-        e.add_request(f"churn{i}", [rng.randrange(3, 290) for _ in range(15)], greedy(2))
-        e.drain()
+    prefix = prefix_on_host(e, rng)
     prompts = {"b": prefix + [rng.randrange(3, 290) for _ in range(3)]}
     prompts["a"] = [rng.randrange(3, 290) for _ in range(12)]
     dog = Watchdog(e, BOUND)
@@ -218,12 +225,7 @@ def test_a_head_request_takes_back_the_blocks_of_a_loaded_request_behind_it(
     wait on the other forever)."""
     rng = random.Random(3)
     e = engine(mistral, policy="priority", scheduler_reserve_full_isl=True)
-    prefix = [rng.randrange(3, 290) for _ in range(10)]
-    e.add_request("owner", prefix, greedy(2))
-    e.drain()
-    for i in range(2):  # evict the prefix from the device: it is on the host only
-        e.add_request(f"churn{i}", [rng.randrange(3, 290) for _ in range(15)], greedy(2))
-        e.drain()
+    prefix = prefix_on_host(e, rng)
     prompts = {"b": prefix + [rng.randrange(3, 290) for _ in range(3)]}
     prompts["h"] = [rng.randrange(3, 290) for _ in range(15)]
     dog = Watchdog(e, BOUND)

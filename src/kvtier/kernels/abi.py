@@ -72,31 +72,37 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
 }
 
 
+# The structs' fields in kvtier.h's order: the mirrors below declare them, the checks read them.
+LAYER_FIELDS: list[tuple[str, Any]] = [
+    *((name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")),
+    *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
+    *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
+    *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
+    *((name, _F) for name in ("eps", "scale", "softcap")),
+    *((name, _INT) for name in ("gemma", "qk_gemma", "act")),
+]
+STEP_FIELDS: list[tuple[str, Any]] = [
+    ("tables", _P),
+    ("table_stride", _I64),
+    *((name, _P) for name in ("seq_token", "seq_qlen", "seq_row", "lo", "hi")),
+    ("num_seqs", _I64),
+    ("write_rows", _P),
+    ("write_tokens", _P),
+    ("num_written", _I64),
+    ("block_size", _I64),
+]
+
+
 class Layer(ctypes.Structure):  # kvtier.h `Layer`
-    _fields_ = [
-        *((name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")),
-        *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
-        *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
-        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((name, _F) for name in ("eps", "scale", "softcap")),
-        *((name, _INT) for name in ("gemma", "qk_gemma", "act")),
-    ]
+    _fields_ = LAYER_FIELDS
 
 
 class Step(ctypes.Structure):  # kvtier.h `Step`
-    _fields_ = [
-        ("tables", _P),
-        ("table_stride", _I64),
-        *((name, _P) for name in ("seq_token", "seq_qlen", "seq_row", "lo", "hi")),
-        ("num_seqs", _I64),
-        ("write_rows", _P),
-        ("write_tokens", _P),
-        ("num_written", _I64),
-        ("block_size", _I64),
-    ]
+    _fields_ = STEP_FIELDS
 
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {"Layer": Layer, "Step": Step}
+FIELDS: dict[str, list[tuple[str, Any]]] = {"Layer": LAYER_FIELDS, "Step": STEP_FIELDS}
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -128,9 +134,9 @@ def layout_mismatches(library: ctypes.CDLL) -> list[str]:
         size, fields = library.kvtier_abi_sizeof(key), library.kvtier_abi_fields(key)
         if size != ctypes.sizeof(mirror):
             wrong.append(f"sizeof({name}) is {size} in C, {ctypes.sizeof(mirror)} here")
-        if fields != len(mirror._fields_):
-            wrong.append(f"{name} has {fields} fields in C, {len(mirror._fields_)} here")
-        for field, *_ in mirror._fields_:
+        if fields != len(FIELDS[name]):
+            wrong.append(f"{name} has {fields} fields in C, {len(FIELDS[name])} here")
+        for field, _ in FIELDS[name]:
             offset = library.kvtier_abi_offsetof(key, field.encode())
             ours = getattr(mirror, field).offset
             if offset != ours:
@@ -200,8 +206,7 @@ def header_mismatches(text: str) -> list[str]:
         elif declared[name] != SIGNATURES[name]:
             wrong.append(f"{name}: the header has {declared[name]}, abi.py {SIGNATURES[name]}")
     structs = header_structs(text)
-    for name, mirror in STRUCTS.items():
-        ours = [(field, kind) for field, kind, *_ in mirror._fields_]
+    for name, ours in FIELDS.items():
         if structs.get(name) != ours:
             wrong.append(f"struct {name}: the header has {structs.get(name)}, abi.py {ours}")
     return wrong

@@ -125,18 +125,21 @@ class EngineMetrics:
         self._seen[name] = value
         return d
 
+    def _prefix(self, tier: str, num_query_tokens: int, num_hit_tokens: int) -> tuple[int, int]:
+        """Advance `tier`'s prefix-cache counters to the snapshot's totals; the increments."""
+        queries = self._delta(f"{tier}:queries", num_query_tokens)
+        hits = self._delta(f"{tier}:hits", num_hit_tokens)
+        self.prefix_queries.labels(tier).inc(queries)
+        self.prefix_hits.labels(tier).inc(hits)
+        return queries, hits
+
     def update(self, stats: EngineStats) -> None:
         """Set the gauges and advance the counters to an engine snapshot (`EngineCore.stats`)."""
         prefix, v = stats.prefix_cache, self.vllm
         self.kv_usage.labels("device").set(stats.device.usage)
         v.kv_usage.set(stats.device.usage)
         v.gpu_usage.set(stats.device.usage)
-        queries, hits = (
-            self._delta("q", prefix.num_query_tokens),
-            self._delta("h", prefix.num_hit_tokens),
-        )
-        self.prefix_queries.labels("device").inc(queries)
-        self.prefix_hits.labels("device").inc(hits)
+        queries, hits = self._prefix("device", prefix.num_query_tokens, prefix.num_hit_tokens)
         v.prefix_queries.inc(queries)
         v.prefix_hits.inc(hits)
         v.running.set(stats.num_running)
@@ -146,12 +149,7 @@ class EngineMetrics:
         m = stats.host_metrics
         if stats.host is not None and m is not None:
             self.kv_usage.labels("host").set(stats.host.usage)
-            queries, hits = (
-                self._delta("hq", m.num_query_tokens),
-                self._delta("hh", m.num_hit_tokens),
-            )
-            self.prefix_queries.labels("host").inc(queries)
-            self.prefix_hits.labels("host").inc(hits)
+            queries, hits = self._prefix("host", m.num_query_tokens, m.num_hit_tokens)
             v.external_queries.inc(queries)
             v.external_hits.inc(hits)
             self.transfer_bytes.labels("device_to_host").inc(self._delta("sb", m.num_stored_bytes))

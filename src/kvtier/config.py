@@ -26,11 +26,17 @@ DTYPE_BYTES = {
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
     "int64": 8,
     "int32": 4,
 }
 KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
-KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # --kv-cache-dtype: auto is the model's (run) dtype
+# 8-bit KV pools (docs/kernels.md §8-bit KV): vLLM's --kv-cache-dtype spellings → the dtype the
+# pool holds. Per-tensor k/v scales live with the model's layers, not in the pages.
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# --kv-cache-dtype: auto is the model's (run) dtype; the resolved fp8 names are accepted too
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *FP8_KV_DTYPES, *sorted(set(FP8_KV_DTYPES.values())))
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
@@ -390,18 +396,19 @@ class CacheConfig:
         if value is None or value in KV_CACHE_DTYPES:
             return
         why = "is not a dtype the KV pool stores"
-        if value.startswith("fp8") or value.startswith("int8"):
-            # The plan would size 1 byte per element while the pool holds the model's dtype.
-            why = "asks for an 8-bit KV cache, which kvtier does not have yet"
+        if value.startswith("int8") or value.startswith("fp8"):
+            why = "is not an 8-bit KV cache kvtier has (the 8-bit ones are fp8 formats)"
         raise ValueError(
-            f"--kv-cache-dtype {value} {why}; use auto (the model's dtype, the default) or one "
-            f"the pool allocates: {', '.join(KV_DTYPES)}"
+            f"--kv-cache-dtype {value} {why}; use auto (the model's dtype, the default), "
+            f"{', '.join(FP8_KV_DTYPES)} (8-bit: fp8 is fp8_e4m3) or one of {', '.join(KV_DTYPES)}"
         )
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The dtype the KV pool holds for a model run in `model_dtype` (auto: that one)."""
         value = self.kv_cache_dtype
-        return model_dtype if value in (None, "auto") else value
+        if value in (None, "auto"):
+            return model_dtype
+        return FP8_KV_DTYPES.get(value, value)
 
     @property
     def has_host_tier(self) -> bool:
@@ -605,8 +612,8 @@ FLAG_HELP = {
     "num_device_blocks": "device KV blocks (instead of --kv-cache-memory-bytes)",
     "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
     "kv_cache_dtype": (
-        "dtype the KV pool stores: auto (the model's, default), float32, bfloat16, float16 or "
-        "float64; 8-bit KV caches are refused (none exists yet)"
+        "dtype the KV pool stores: auto (the model's, default), fp8 (= fp8_e4m3) or fp8_e5m2 "
+        "(8-bit, half of bfloat16's bytes in every tier), float32, bfloat16, float16 or float64"
     ),
     "enable_prefix_caching": "reuse KV blocks of shared prefixes",
     "prefix_caching_hash_algo": "block hash: sha256 or xxhash",

@@ -49,6 +49,9 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
             _F,
             _INT,
             _INT,
+            _F,
+            _F,
+            _INT,
         ),
     ),
     "kvtier_attention_amx": (_INT, (_INT,)),
@@ -78,8 +81,8 @@ LAYER_FIELDS: list[tuple[str, Any]] = [
     *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
     *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
     *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
-    *((name, _F) for name in ("eps", "scale", "softcap")),
-    *((name, _INT) for name in ("gemma", "qk_gemma", "act")),
+    *((name, _F) for name in ("eps", "scale", "softcap", "k_scale", "v_scale")),
+    *((name, _INT) for name in ("gemma", "qk_gemma", "act", "kv_dtype")),
 ]
 STEP_FIELDS: list[tuple[str, Any]] = [
     ("tables", _P),

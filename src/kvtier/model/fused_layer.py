@@ -56,6 +56,8 @@ class _Built:
         s.head_dim, s.inter = attn.head_dim, mlp.down_proj.in_features
         s.eps, s.scale, s.softcap = layer.input_layernorm.eps, attn.scale, attn.softcap or 0.0
         s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
+        s.k_scale, s.v_scale = attn.k_scale, attn.v_scale
+        s.kv_dtype = native.KV_DTYPES[torch.bfloat16]  # `run` sets its cache's
         self.struct = s
         self.address = ctypes.addressof(s)
         self.work = int(kernels.lib.kvtier_layer_work(self.address))  # bytes per token
@@ -137,10 +139,15 @@ class FusedLayers:
         if built is None:
             return None
         rows = x.shape[0]
+        kv_dtype = native.KV_DTYPES.get(kv_caches[0].dtype, -1)
         if not _fits(built, rows) or not all(
-            c.dtype == torch.bfloat16 and c.is_contiguous() for c in kv_caches
+            c.dtype == kv_caches[0].dtype and c.is_contiguous() for c in kv_caches
         ):
             return None
+        if kv_dtype < 1:  # the layer kernel's caches: bfloat16 or fp8 codes (8-bit KV)
+            return None
+        for b in built:
+            b.struct.kv_dtype = kv_dtype
         steps = [_step(p) for p in plans]
         step_addresses = [ctypes.addressof(s) for s in steps]
         hidden = built[0].hidden

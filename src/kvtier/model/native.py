@@ -20,6 +20,8 @@ from kvtier.kernels import build as kernel_build
 log = logging.getLogger("kvtier.model")
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types the kernels take
+# a KV cache's element types (kernels/csrc/internal.h KV_*): the queries' dtype, or fp8 codes
+KV_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers (kvtier.h)
 LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16"}  # kvtier_linear_available's answers
@@ -72,11 +74,14 @@ class Kernels:
         index: tuple[torch.Tensor, ...],
         scale: float,
         softcap: float | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write the attention of the queries `index` names into their rows of `out`.
 
         q [T, H, D] (rows may be strided), kv_cache [blocks, 2, block_size, kv_heads, D]
-        contiguous, out [T, H, D] contiguous, all of one dtype in DTYPES on the CPU; index =
+        contiguous, out [T, H, D] contiguous, all of one dtype in DTYPES on the CPU — or the
+        cache fp8 (8-bit KV: codes of k / k_scale and v / v_scale, read in registers); index =
         (tables [n, max_blocks], seq_token [n], seq_qlen [n], seq_row [n], lo [rows], hi [rows]),
         int64, contiguous, as `paged.NativePlan` builds them (their values are not checked)."""
         _host("q", q)
@@ -95,9 +100,13 @@ class Kernels:
                  f"q's {num_heads} heads are not a multiple of the cache's {kv_heads} KV heads")  # fmt: skip
         _require(out.shape == q.shape, f"out must have q's shape {tuple(q.shape)}, got "
                  f"{tuple(out.shape)}")  # fmt: skip
-        for name, t in (("kv_cache", kv_cache), ("out", out)):
-            _host(name, t, q.dtype)
-            _contiguous(name, t)
+        _host("out", out, q.dtype)
+        _contiguous("out", out)
+        fp8 = kv_cache.dtype in KV_DTYPES and kv_cache.dtype not in DTYPES
+        if not fp8:
+            _host("kv_cache", kv_cache, q.dtype)
+        _require(kv_cache.device == CPU, f"kv_cache must be on the CPU, got {kv_cache.device}")
+        _contiguous("kv_cache", kv_cache)
         _require(len(index) == 6, f"index must be the 6 tensors of NativePlan.index(), got "
                  f"{len(index)}")  # fmt: skip
         for name, t in zip(("tables", "seq_token", "seq_qlen", "seq_row", "lo", "hi"), index,
@@ -114,7 +123,8 @@ class Kernels:
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(),
             tables.data_ptr(), tables.stride(0), seq_token.data_ptr(), seq_qlen.data_ptr(),
             seq_row.data_ptr(), lo.data_ptr(), hi.data_ptr(), n, num_heads, kv_heads, dim,
-            kv_cache.shape[2], scale, softcap or 0.0, DTYPES[q.dtype], threads(),
+            kv_cache.shape[2], scale, softcap or 0.0, DTYPES[q.dtype], KV_DTYPES[kv_cache.dtype],
+            k_scale, v_scale, threads(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError("kvtier_paged_attention: no scratch memory for its work items")
@@ -342,9 +352,11 @@ def usable(x: torch.Tensor) -> bool:
 
 def attention_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the attention kernel serves queries of `q`'s dtype and device (any tensor of
-    them) over `kv_cache`: head_dim a multiple of 16, at most MAX_HEAD_DIM."""
+    them) over `kv_cache` (of q's dtype, or fp8): head_dim a multiple of 16, at most
+    MAX_HEAD_DIM."""
     dim = kv_cache.shape[-1]
-    return usable(q) and kv_cache.dtype == q.dtype and dim % 16 == 0 and dim <= MAX_HEAD_DIM
+    fp8 = kv_cache.dtype in KV_DTYPES and kv_cache.dtype not in DTYPES
+    return usable(q) and (kv_cache.dtype == q.dtype or fp8) and dim % 16 == 0 and dim <= MAX_HEAD_DIM
 
 
 @functools.cache

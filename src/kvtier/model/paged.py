@@ -28,6 +28,18 @@ from kvtier.model import native
 from kvtier.model.attention import AttentionMetadata, LayerKind
 
 MAX_BATCHED_QUERY = 8  # sequences with at most this many queries share one padded gather call
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # 8-bit KV dtypes: largest finite
+
+
+def stored(x: torch.Tensor, cache_dtype: torch.dtype, x_scale: float = 1.0) -> torch.Tensor:
+    """What a cache of `cache_dtype` holds for K or V `x`: x itself cast, or for an 8-bit cache
+    x / x_scale in float32, saturated to the format's largest finite value and rounded to nearest
+    even (vLLM's fp8 KV; the native layer kernel rounds to the same bits)."""
+    if cache_dtype not in FP8:
+        return x.to(cache_dtype)
+    top = FP8[cache_dtype]
+    y = x.float() if x_scale == 1.0 else x.float() / x_scale
+    return y.clamp(-top, top).to(cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -241,8 +253,11 @@ def paged_attention(
     plan: GroupPlan,
     scale: float,
     softcap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] → [T, H, D]; writes k/v into `kv_cache` first."""
+    """q [T, H, D], k/v [T, KVH, D] → [T, H, D]; writes k/v into `kv_cache` first (an 8-bit
+    cache holds k / k_scale and v / v_scale, `stored`)."""
     num_tokens, num_heads, dim = q.shape
     kvh = k.shape[1]
     bs = plan.block_size
@@ -250,32 +265,40 @@ def paged_attention(
     kw, vw = k, v
     if plan.write_tokens is not None:
         kw, vw = k[plan.write_tokens], v[plan.write_tokens]
-    flat.index_copy_(0, plan.write_rows, kw.reshape(-1, kvh * dim).to(flat.dtype))
-    flat.index_copy_(0, plan.write_rows + bs, vw.reshape(-1, kvh * dim).to(flat.dtype))
+    rows = flat.view(torch.uint8) if flat.dtype in FP8 else flat  # no fp8 index_copy_ on CPU
+    for x, at, x_scale in ((kw, plan.write_rows, k_scale), (vw, plan.write_rows + bs, v_scale)):
+        rows.index_copy_(0, at, stored(x.reshape(-1, kvh * dim), flat.dtype, x_scale).view(rows.dtype))
     out = None
     if plan.native is not None:
         out = q.new_empty(num_tokens, num_heads, dim)
         kernels = native.kernels()
         assert kernels is not None, "plan_group(native=True) needs the native kernels"
-        kernels.paged_attention(q, kv_cache, out, plan.native.index(), scale, softcap)
+        kernels.paged_attention(
+            q, kv_cache, out, plan.native.index(), scale, softcap, k_scale, v_scale
+        )
     pieces: list[tuple[torch.Tensor, torch.Tensor | int]] = []  # rows; their tokens or first
+    # 8-bit caches: the k scale folds into the score scale, the v scale into the output (exact:
+    # every fp8 code is a bfloat16/float16 value), as the native kernel does
+    kscale = scale * k_scale
     for g in plan.gathers:
-        ob = _attend_gathered(q, kv_cache, g, scale, softcap)  # [n * Q, H, D]
+        ob = _attend_gathered(q, kv_cache, g, kscale, softcap)  # [n * Q, H, D]
         pieces.append((ob, 0) if g.in_order else (ob.index_select(0, g.out_rows), g.out_tokens))
     for o in plan.owns:
-        own = _attend_own(q, k, v, kv_cache.dtype, o, scale, softcap)  # [n * q, H, D]
+        own = _attend_own(q, k, v, kv_cache.dtype, o, scale, softcap, k_scale, v_scale)
         pieces.append((own, o.tokens if o.token_start is None else o.token_start))
+    if v_scale != 1.0:
+        pieces = [(p * v_scale, where) for p, where in pieces]
     if out is None and len(pieces) == 1 and pieces[0][0].shape[0] == num_tokens:
-        rows, where = pieces[0]
+        rows_out, where = pieces[0]
         if isinstance(where, int) and where == 0:
-            return rows
+            return rows_out
     if out is None:
         out = q.new_empty(num_tokens, num_heads, dim)
-    for rows, where in pieces:
+    for piece, where in pieces:
         if isinstance(where, int):
-            out[where : where + rows.shape[0]] = rows
+            out[where : where + piece.shape[0]] = piece
         else:
-            out.index_copy_(0, where, rows)
+            out.index_copy_(0, where, piece)
     return out
 
 
@@ -294,8 +317,9 @@ def _attend_gathered(
         qb = qb.view(n, nq, kvh, group, dim).permute(0, 2, 3, 1, 4).reshape(n, kvh, -1, dim)
     keys, values = (kv_cache[:, i].index_select(0, g.blocks) for i in (0, 1))  # [n*nb, bs, ..]
     if g.tail_rows is not None:  # whatever lies past a sequence's end must not be NaN
-        keys.view(-1, kvh * dim).index_fill_(0, g.tail_rows, 0)
-        values.view(-1, kvh * dim).index_fill_(0, g.tail_rows, 0)
+        for t in (keys, values):  # through bytes: no fp8 index_fill_ on CPU; 0 is 0.0 in each
+            rows = t.view(-1, kvh * dim)
+            (rows.view(torch.uint8) if t.dtype in FP8 else rows).index_fill_(0, g.tail_rows, 0)
     kb = keys.view(n, width, kvh, dim).transpose(1, 2).to(q.dtype)  # [n, KVH, width, D]
     vb = values.view(n, width, kvh, dim).transpose(1, 2).to(q.dtype)
     if softcap is None:
@@ -315,8 +339,11 @@ def _attend_own(
     o: OwnPlan,
     scale: float,
     softcap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """First chunks over their own keys → [n * q, H, D], causal (or the plan's mask)."""
+    """First chunks over their own keys → [n * q, H, D], causal (or the plan's mask); an 8-bit
+    cache's scales as `paged_attention` applies them (the caller scales the output by v's)."""
     _, num_heads, dim = q.shape
     kvh = k.shape[1]
     n, nq = o.num_seqs, o.num_queries
@@ -326,7 +353,9 @@ def _attend_own(
     else:
         qs, ks, vs = (t.index_select(0, o.tokens) for t in (q, k, v))
     if cache_dtype != q.dtype:  # read what the cache holds, as a gather would
-        ks, vs = ks.to(cache_dtype).to(q.dtype), vs.to(cache_dtype).to(q.dtype)
+        ks = stored(ks, cache_dtype, k_scale).to(q.dtype)
+        vs = stored(vs, cache_dtype, v_scale).to(q.dtype)
+        scale *= k_scale
     qs = qs.view(n, nq, num_heads, dim).transpose(1, 2)  # [n, H, q, D]
     ks = ks.view(n, nq, kvh, dim).transpose(1, 2)  # [n, KVH, q, D]
     vs = vs.view(n, nq, kvh, dim).transpose(1, 2)

@@ -33,6 +33,9 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = spec.query_scale
         self.softcap = spec.attn_softcap
+        # An 8-bit cache's per-tensor scales (vLLM's k_scale/v_scale): 1.0, vLLM's default for a
+        # checkpoint without them; a float cache ignores them
+        self.k_scale = self.v_scale = 1.0
         self.native = native
 
     def forward(
@@ -60,7 +63,9 @@ class Attention(nn.Module):
             k = self.k_norm(k.view(num_tokens, kv_heads, dim))  # [T, KVH, D]
             q = apply_rope(q, *rope, native=self.native)
             k = apply_rope(k, *rope, native=self.native)
-        out = paged_attention(q, k, v, kv_cache, plan, self.scale, self.softcap)
+        out = paged_attention(
+            q, k, v, kv_cache, plan, self.scale, self.softcap, self.k_scale, self.v_scale
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
         return projected
 

@@ -21,7 +21,8 @@ static const Field layer_fields[] = {
     F(Layer, qkv_bias), F(Layer, o), F(Layer, o_bias), F(Layer, gate_up),
     F(Layer, gate_up_bias), F(Layer, down), F(Layer, down_bias), F(Layer, hidden),
     F(Layer, heads), F(Layer, kv_heads), F(Layer, head_dim), F(Layer, inter), F(Layer, eps),
-    F(Layer, scale), F(Layer, softcap), F(Layer, gemma), F(Layer, qk_gemma), F(Layer, act),
+    F(Layer, scale), F(Layer, softcap), F(Layer, k_scale), F(Layer, v_scale), F(Layer, gemma),
+    F(Layer, qk_gemma), F(Layer, act), F(Layer, kv_dtype),
 };
 
 static const Field step_fields[] = {

@@ -10,7 +10,9 @@
  * q is [tokens, heads, head_dim] with a token stride (a view of the fused qkv output); out is
  * contiguous [tokens, heads, head_dim]. Query head h reads KV head h / group. Each query row r of
  * a sequence attends to key positions [lo[r], hi[r]) (causal, window and chunk masks are all
- * one range per query). Element type: 0 float32, 1 bfloat16 (round to nearest even on output).
+ * one range per query). Element type: 0 float32, 1 bfloat16 (round to nearest even on output);
+ * the cache's may be an fp8 code instead (kv_dtype, internal.h), read as bfloat16 or float32 in
+ * registers, its per-tensor k scale folded into the score scale and v's into the output.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -32,7 +34,7 @@ int kvtier_attention_amx(int want) {
 
 /* The one dispatch: the path an item of `rows` query rows takes in this call. */
 static Path path_of(const Args *a, int64_t rows) {
-    if (a->dtype != 1 || a->head_dim % 32) return PATH_FLOAT;
+    if (a->dtype != KV_BF16 || a->kv_dtype == KV_F32 || a->head_dim % 32) return PATH_FLOAT;
     if (ATTENTION_AMX && a->amx && rows <= 16 && a->head_dim <= AMX_MAX_D) return PATH_AMX;
     return ATTENTION_PAIRS ? PATH_PAIRS : PATH_FLOAT;
 }
@@ -57,7 +59,7 @@ static void prefetch_chunk(const char *k, int64_t bytes, int64_t value) {
  * softmax (attention.h's two steps). */
 static void attend_float(const Args *a, const Item *it, char *scratch) {
     const int64_t D = a->head_dim, bs = a->block_size, G = it->G, rows = it->nq * G;
-    const int64_t size = a->dtype == 1 ? 2 : 4, row_size = a->kv_heads * D; /* a key, every head */
+    const int64_t size = kv_bytes(a->kv_dtype), row_size = a->kv_heads * D; /* a key, all heads */
     float *buf[6];
     float_layout(scratch, D, rows, buf);
     float *qf = buf[0], *acc = buf[1], *kt = buf[2], *vf = buf[3], *m = buf[4], *l = buf[5];
@@ -83,7 +85,7 @@ static void attend_float(const Args *a, const Item *it, char *scratch) {
                            bs * row_size * size);
         }
         attention_keys_t(a->cache, kbase + h * D, kbase + bs * row_size + h * D, row_size, cn, D,
-                         a->dtype, kt, vf);
+                         a->kv_dtype, kt, vf);
         for (int64_t qi = 0; qi < it->nq; qi++) {
             const int64_t lo = a->lo[it->row0 + qi] > c0 ? a->lo[it->row0 + qi] - c0 : 0;
             const int64_t hi = a->hi[it->row0 + qi] < c0 + cn ? a->hi[it->row0 + qi] - c0 : cn;
@@ -95,7 +97,7 @@ static void attend_float(const Args *a, const Item *it, char *scratch) {
         c0 += cn;
     }
     for (int64_t r = 0; r < rows; r++) {
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        const float inv = (l[r] > 0.0f ? 1.0f / l[r] : 0.0f) * a->v_scale;
         const int64_t o = ((it->tok0 + r / G) * a->num_heads + h * G + r % G) * D;
         if (a->dtype == 1) {
             uint16_t *dst = (uint16_t *)a->out + o;
@@ -180,7 +182,8 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
                            const int64_t *seq_qlen, const int64_t *seq_row, const int64_t *lo,
                            const int64_t *hi, int64_t num_seqs, int64_t num_heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                           float softcap, int dtype, int num_threads) {
+                           float softcap, int dtype, int kv_dtype, float k_scale, float v_scale,
+                           int num_threads) {
     int64_t items = 0, keys = 0; /* work items; the work: keys read, summed over sequences */
     for (int64_t i = 0; i < num_seqs; i++)
         if (seq_qlen[i] > 0) {
@@ -202,9 +205,11 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
     if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* waking a helper costs more */
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)items;
+    const float unit = KV_UNIT(kv_dtype);
     Job job = {.args = {q, q_stride, cache, out, tables, table_stride, seq_token, seq_qlen,
-                        seq_row, lo, hi, num_heads, kv_heads, head_dim, block_size, scale,
-                        softcap, dtype, kvtier_attention_amx(-1)},
+                        seq_row, lo, hi, num_heads, kv_heads, head_dim, block_size,
+                        scale * k_scale * unit, softcap, v_scale * unit, dtype, kv_dtype,
+                        kvtier_attention_amx(-1)},
                .items = table};
     /* chunks of a quarter of a thread's share: sequences differ in length */
     pool_run(run_chunk, &job, items, items / (4 * num_threads), num_threads);

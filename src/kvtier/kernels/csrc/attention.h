@@ -22,8 +22,10 @@ typedef struct {
     const int64_t *seq_row;   /* [num_seqs] index of its first query in lo / hi */
     const int64_t *lo, *hi;   /* [rows] key range of each query */
     int64_t num_heads, kv_heads, head_dim, block_size;
-    float scale, softcap;
-    int dtype;
+    float scale, softcap; /* scale: k's scale folded in (and KV_UNIT) */
+    float v_scale;        /* the output's factor: v's scale and KV_UNIT (1 for a float cache) */
+    int dtype;            /* q and out: 0 float32, 1 bfloat16 */
+    int kv_dtype;         /* the cache: KV_F32, KV_BF16 or fp8 codes (internal.h) */
     int amx; /* items of ≤ 16 query rows on AMX tiles (attention_amx.c) */
 } Args;
 
@@ -40,12 +42,16 @@ typedef struct { /* one work item, resolved (attention.c) */
     const int64_t *table; /* its sequence's block table */
 } Item;
 
-/* n elements of a row at base + offset as float32 */
+/* n elements of a row at base + offset (in elements of `dtype`, a KV_* type) as float32 (fp8
+ * codes in the kernels' unit) */
 static inline void load_row(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
-    if (dtype == 1) {
+    if (dtype == KV_BF16) {
         const uint16_t *src = (const uint16_t *)base + offset;
 #pragma omp simd
         for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
+    } else if (dtype != KV_F32) {
+        const uint8_t *src = (const uint8_t *)base + offset;
+        for (int64_t d = 0; d < n; d++) dst[d] = f16_to_f32(fp8_to_f16(src[d], dtype));
     } else {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
     }
@@ -72,17 +78,17 @@ static inline int64_t key_row(const Args *a, const int64_t *table, int64_t c) {
  * each one cold; two ahead measured best (docs/architecture.md §Kernels). */
 #define AHEAD 2
 
-/* Request the lines of head h's bfloat16 keys and values in the chunk starting at key c (of
- * < kmax); returns the next chunk's first key. */
+/* Request the lines of head h's keys and values (bfloat16 or fp8) in the chunk starting at key c
+ * (of < kmax); returns the next chunk's first key. */
 static inline int64_t prefetch_pairs(const Args *a, const int64_t *table, int64_t h, int64_t c,
                                      int64_t kmax) {
     const int64_t D = a->head_dim, bs = a->block_size, row_size = a->kv_heads * D;
-    const int64_t cn = chunk_len(c, kmax, bs);
-    const uint16_t *k = (const uint16_t *)a->cache + key_row(a, table, c);
+    const int64_t cn = chunk_len(c, kmax, bs), es = kv_bytes(a->kv_dtype);
+    const char *k = (const char *)a->cache + key_row(a, table, c) * es;
     for (int64_t j = 0; j < cn; j++)
         for (int64_t kv = 0; kv < 2; kv++) { /* key j, then value j */
-            const char *row = (const char *)(k + (kv * bs + j) * row_size + h * D);
-            for (uintptr_t line = (uintptr_t)row & ~(uintptr_t)63; line < (uintptr_t)(row + 2 * D);
+            const char *row = k + ((kv * bs + j) * row_size + h * D) * es;
+            for (uintptr_t line = (uintptr_t)row & ~(uintptr_t)63; line < (uintptr_t)(row + es * D);
                  line += 64)
                 __builtin_prefetch((const void *)line);
         }
@@ -106,8 +112,8 @@ static inline void *take(char *p, size_t *at, size_t bytes) {
 }
 
 /* ---- the float path's two steps on a chunk of up to CHUNK keys of one block and KV head ----
- *   keys_t:  keys transposed to kt [D, CHUNK] float32 (key j in lane j) and values to
- *            vf [CHUNK, D] float32;
+ *   keys_t:  keys (of a KV_* type) transposed to kt [D, CHUNK] float32 (key j in lane j) and
+ *            values to vf [CHUNK, D] float32;
  *   softmax: scores of `rows` query rows (qr [rows, D]) against them, then the online-softmax
  *            update of each row's running max m, sum l and accumulator acc [D] with keys
  *            [lo, hi) of the chunk.

@@ -45,12 +45,18 @@ static size_t amx_scratch(char *p, int64_t D, AmxScratch *s) {
     return at;
 }
 
+/* 32 elements of the cache (bfloat16, or fp8 codes converted) at element `at` as bfloat16 */
+static inline __m512i amx_load32(const void *cache, int64_t at, int kv_dtype) {
+    if (kv_dtype == KV_BF16) return _mm512_loadu_si512((const uint16_t *)cache + at);
+    return fp8x32_bf16((const uint8_t *)cache + at, kv_dtype);
+}
+
 /* A chunk's values as rows of its P · V block's B tiles: the rows of key pairs (2jp, 2jp + 1),
  * jp < 8, of each 16 dimensions' tile (vt: the chunk's first row in the first tile; tiles 512
  * words apart), dimension by dimension the two keys' values; keys from cn on are zeros (a chunk
  * past the keys, cn 0, reads nothing). */
-static inline void amx_values(const uint16_t *vh, int64_t row_size, int64_t cn, int64_t KB,
-                              uint16_t *vt) {
+static inline void amx_values(const void *cache, int64_t vh, int kv_dtype, int64_t row_size,
+                              int64_t cn, int64_t KB, uint16_t *vt) {
     const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
                                          0x00240004, 0x00250005, 0x00260006, 0x00270007,
                                          0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
@@ -59,10 +65,11 @@ static inline void amx_values(const uint16_t *vh, int64_t row_size, int64_t cn, 
     for (int64_t jp = 0; jp < 8; jp++) {
         const int64_t j = 2 * jp;
         for (int64_t b = 0; b < KB; b++) { /* 32 dimensions: two tiles' rows */
-            const __m512i x =
-                j < cn ? _mm512_loadu_si512(vh + j * row_size + 32 * b) : _mm512_setzero_si512();
-            const __m512i y = j + 1 < cn ? _mm512_loadu_si512(vh + (j + 1) * row_size + 32 * b)
-                                         : _mm512_setzero_si512();
+            const __m512i x = j < cn ? amx_load32(cache, vh + j * row_size + 32 * b, kv_dtype)
+                                     : _mm512_setzero_si512();
+            const __m512i y = j + 1 < cn
+                                  ? amx_load32(cache, vh + (j + 1) * row_size + 32 * b, kv_dtype)
+                                  : _mm512_setzero_si512();
             _mm512_store_si512(vt + (2 * b) * 512 + jp * 32, _mm512_permutex2var_epi16(x, lo, y));
             _mm512_store_si512(vt + (2 * b + 1) * 512 + jp * 32,
                                _mm512_permutex2var_epi16(x, hi, y));
@@ -153,12 +160,19 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
             const int64_t cn = chunk_len(c0, kmax, bs);
             const int64_t kbase = key_row(a, table, c0);
             if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
-            const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
-            const uint16_t *src = kh;
+            const int64_t kh = kbase + h * D;
+            const uint16_t *src = (const uint16_t *)a->cache + kh;
             int64_t stride = row_size * 2;
-            if (c0 % bs + 16 > bs) { /* the tile's 16 rows would leave the block's keys */
+            if (a->kv_dtype != KV_BF16) { /* fp8 codes: the chunk's keys as bfloat16 first */
                 for (int64_t j = 0; j < cn; j++)
-                    memcpy(s->kb + j * D, kh + j * row_size, 2 * (size_t)D);
+                    for (int64_t d = 0; d < D; d += 32)
+                        _mm512_storeu_si512(s->kb + j * D + d,
+                                            fp8x32_bf16((const uint8_t *)a->cache + kh +
+                                                            j * row_size + d, a->kv_dtype));
+                src = s->kb, stride = 2 * D;
+            } else if (c0 % bs + 16 > bs) { /* the tile's 16 rows would leave the block's keys */
+                for (int64_t j = 0; j < cn; j++)
+                    memcpy(s->kb + j * D, src + j * row_size, 2 * (size_t)D);
                 src = s->kb, stride = 2 * D;
             }
             float *sc = s->scores + nc * 256;
@@ -167,9 +181,8 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
                 AMX_SCORES(0);
             else
                 AMX_SCORES(3);
-            const uint16_t *vh = kh + bs * row_size;
             uint16_t *vt = s->vt + (nc / 2) * DB * 512 + (nc % 2) * 8 * 32;
-            amx_values(vh, row_size, cn, KB, vt);
+            amx_values(a->cache, kh + bs * row_size, a->kv_dtype, row_size, cn, KB, vt);
             if (nc > 0) /* the previous chunk's scores, its tile stored by now */
                 amx_rows(a, s, nc - 1, c0s[nc - 1], cns[nc - 1], rows, G, row0);
             c0s[nc] = c0, cns[nc] = cn;
@@ -177,7 +190,7 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
         }
         amx_rows(a, s, nc - 1, c0s[nc - 1], cns[nc - 1], rows, G, row0);
         if (nc % 2) { /* a P · V block takes two chunks: the last one's partner has no keys */
-            amx_values(NULL, 0, 0, KB, s->vt + (nc / 2) * DB * 512 + 8 * 32);
+            amx_values(NULL, 0, KV_BF16, 0, 0, KB, s->vt + (nc / 2) * DB * 512 + 8 * 32);
             for (int64_t r = 0; r < rows; r++) s->valid[r * AMX_SEG + nc] = 0;
         }
         for (int64_t r = 0; r < rows; r++) { /* max, exponentials and sum of the segment */
@@ -267,7 +280,8 @@ void attention_amx(const Args *a, const Item *it, char *scratch) {
     attend_amx(a, q, it->nq, G, it->row0, it->table, it->h, it->kmin, it->kmax, &s, sums);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = ((it->tok0 + r / G) * a->num_heads + it->h * G + r % G) * D;
-        store_row(s.acc + r * D, sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f, D, (uint16_t *)a->out + o);
+        store_row(s.acc + r * D, (sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f) * a->v_scale, D,
+                  (uint16_t *)a->out + o);
     }
 }
 #endif

@@ -7,7 +7,8 @@
 #include "vec512.h"
 
 static inline __m512 load16(const void *base, int64_t offset, int dtype) {
-    if (dtype == 1) {
+    if (dtype >= KV_E4M3) return fp8x16_ps((const uint8_t *)base + offset, dtype);
+    if (dtype == KV_BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }

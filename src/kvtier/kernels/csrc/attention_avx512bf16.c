@@ -11,24 +11,34 @@
 #if defined(KVTIER_AVX512BF16)
 #include "vec512.h"
 
-static void keys_pairs(const uint16_t *k, int64_t stride, int64_t n, int64_t D, uint32_t *kp) {
+/* 32 elements of the cache (bfloat16, or fp8 codes converted) at element `at` as bfloat16 */
+static inline __m512i load32(const void *cache, int64_t at, int kv_dtype) {
+    if (kv_dtype == KV_BF16) return _mm512_loadu_si512((const uint16_t *)cache + at);
+    return fp8x32_bf16((const uint8_t *)cache + at, kv_dtype);
+}
+
+/* keys from element k of the cache, rows `stride` elements apart */
+static void keys_pairs(const void *cache, int64_t k, int kv_dtype, int64_t stride, int64_t n,
+                       int64_t D, uint32_t *kp) {
     for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
         __m512 r[16];
         for (int64_t j = 0; j < 16; j++)
-            r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k + j * stride + 2 * p0))
+            r[j] = j < n ? _mm512_castsi512_ps(load32(cache, k + j * stride + 2 * p0, kv_dtype))
                          : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t p = 0; p < 16; p++) _mm512_store_ps((float *)kp + (p0 + p) * CHUNK, r[p]);
     }
 }
 
-static void values_pairs(const uint16_t *v, int64_t stride, int64_t n, int64_t D, uint32_t *vp) {
+static void values_pairs(const void *cache, int64_t v, int kv_dtype, int64_t stride, int64_t n,
+                         int64_t D, uint32_t *vp) {
     const int64_t blocks = D / 32;
     for (int64_t jp = 0; jp < CHUNK / 2; jp++) {
         const int64_t j = 2 * jp;
         for (int64_t b = 0; b < blocks; b++) {
-            const __m512i x = j < n ? _mm512_loadu_si512(v + j * stride + 32 * b) : _mm512_setzero_si512();
-            const __m512i y = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * stride + 32 * b)
+            const __m512i x =
+                j < n ? load32(cache, v + j * stride + 32 * b, kv_dtype) : _mm512_setzero_si512();
+            const __m512i y = j + 1 < n ? load32(cache, v + (j + 1) * stride + 32 * b, kv_dtype)
                                         : _mm512_setzero_si512();
             uint32_t *dst = vp + (jp * blocks + b) * 32;
             _mm512_store_si512(dst, _mm512_unpacklo_epi16(x, y));
@@ -145,9 +155,10 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
             const int64_t cn = chunk_len(c0, kmax, bs);
             const int64_t kbase = key_row(a, table, c0);
             if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
-            const uint16_t *kh = (const uint16_t *)a->cache + kbase + h * D;
-            keys_pairs(kh, row_size, cn, D, s->kp);
-            values_pairs(kh + bs * row_size, row_size, cn, D, s->vseg + nc * 8 * D);
+            const int64_t kh = kbase + h * D;
+            keys_pairs(a->cache, kh, a->kv_dtype, row_size, cn, D, s->kp);
+            values_pairs(a->cache, kh + bs * row_size, a->kv_dtype, row_size, cn, D,
+                         s->vseg + nc * 8 * D);
             s->count[nc] = cn;
             for (int64_t qi = 0; qi < nq; qi++) {
                 const int64_t lo = a->lo[row0 + qi] > c0 ? a->lo[row0 + qi] - c0 : 0;
@@ -240,7 +251,8 @@ void attention_pairs(const Args *a, const Item *it, char *scratch) {
     attend_pairs(a, q, it->nq, G, it->row0, it->table, it->h, it->kmin, it->kmax, &s, m, l, acc);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = ((it->tok0 + r / G) * a->num_heads + it->h * G + r % G) * D;
-        store_pairs_row(acc + r * D, l[r] > 0.0f ? 1.0f / l[r] : 0.0f, D, (uint16_t *)a->out + o);
+        store_pairs_row(acc + r * D, (l[r] > 0.0f ? 1.0f / l[r] : 0.0f) * a->v_scale, D,
+                        (uint16_t *)a->out + o);
     }
 }
 #endif

@@ -5,6 +5,7 @@
 #ifndef KVTIER_INTERNAL_H
 #define KVTIER_INTERNAL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -53,5 +54,49 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* f rounded to bfloat16 and widened back */
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* ---- 8-bit KV: fp8 codes (docs/kernels.md §8-bit KV) -------------------------------------- */
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 }; /* a cache's element types */
+
+static inline int64_t kv_bytes(int kv_dtype) { return kv_dtype == KV_F32 ? 4 : kv_dtype == KV_BF16 ? 2 : 1; }
+
+/* The float16 whose bits an fp8 code is read as: e5m2 is float16's top byte (the same value);
+ * e4m3 lands as its value × 2^-8 (float16's exponent bias is 8 more), which the callers' scales
+ * undo (KV_UNIT). Its NaN (0x7f, 0xff) stays NaN: NaN poison must reach the checks. */
+static inline uint16_t fp8_to_f16(uint8_t c, int kv_dtype) {
+    if (kv_dtype == KV_E5M2) return (uint16_t)(c << 8);
+    if ((c & 0x7f) == 0x7f) return (uint16_t)(((c & 0x80) << 8) | 0x7e00);
+    return (uint16_t)(((c & 0x80) << 8) | ((c & 0x7f) << 7));
+}
+#define KV_UNIT(kv_dtype) ((kv_dtype) == KV_E4M3 ? 256.0f : 1.0f) /* value / fp8_to_f16's */
+
+static inline float f16_to_f32(uint16_t h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const float mag = e == 0 ? ldexpf((float)m, -24)
+                    : e == 31 ? (m ? NAN : INFINITY)
+                              : ldexpf((float)(1024 + m), e - 25);
+    return h & 0x8000 ? -mag : mag;
+}
+
+/* f (already divided by its scale) as an fp8 code: saturated to the largest finite value and
+ * rounded to nearest even, the bits of torch's float32 → float8 cast of the clamped value
+ * (model/paged.py `stored`; tests/kernels compare every bfloat16 input). */
+static inline uint8_t f32_to_fp8(float f, int kv_dtype) {
+    const int mbits = kv_dtype == KV_E4M3 ? 3 : 2, bias = kv_dtype == KV_E4M3 ? 7 : 15;
+    const float top = kv_dtype == KV_E4M3 ? 448.0f : 57344.0f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return sign | 0x7f;
+    float a = fabsf(f);
+    if (a > top) a = top;
+    if (a < ldexpf(1.0f, 1 - bias)) /* subnormal: multiples of 2^(1 - bias - mbits) */
+        return sign | (uint8_t)nearbyintf(ldexpf(a, bias - 1 + mbits));
+    memcpy(&u, &a, 4);
+    const int keep = 23 - mbits;
+    u += (1u << (keep - 1)) - 1u + ((u >> keep) & 1u);
+    return sign | (uint8_t)((u >> keep) - ((uint32_t)(127 - bias) << mbits));
+}
 
 #endif

@@ -27,7 +27,9 @@ typedef struct { /* one layer: its weights (linears packed by kvtier_linear_pack
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale, softcap; /* softcap 0: none */
+    float k_scale, v_scale;    /* an fp8 cache's per-tensor scales (1 for a bfloat16 one) */
     int gemma, qk_gemma, act;  /* norm flavours; act as kvtier_act_mul's */
+    int kv_dtype;              /* the cache's elements: 1 bfloat16, 2 fp8 e4m3, 3 fp8 e5m2 */
 } Layer;
 
 typedef struct { /* one forward's attention inputs for one KV group (model/paged.py NativePlan) */
@@ -54,14 +56,16 @@ KVTIER_API int kvtier_layers(int64_t n, const Layer *const *layers, const Step *
 
 /* cache [num_blocks, 2, block_size, kv_heads, head_dim]; q [tokens, heads, head_dim] rows
  * q_stride apart; out [tokens, heads, head_dim]; query row r of a sequence reads keys
- * [lo[r], hi[r]). head_dim a multiple of 16, at most 512. */
+ * [lo[r], hi[r]). head_dim a multiple of 16, at most 512. kv_dtype: the cache's elements, 0
+ * float32, 1 bfloat16 (q's dtype), 2 fp8 e4m3, 3 fp8 e5m2 (codes of k / k_scale, v / v_scale). */
 KVTIER_API int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache,
                                       void *out, const int64_t *tables, int64_t table_stride,
                                       const int64_t *seq_token, const int64_t *seq_qlen,
                                       const int64_t *seq_row, const int64_t *lo, const int64_t *hi,
                                       int64_t num_seqs, int64_t num_heads, int64_t kv_heads,
                                       int64_t head_dim, int64_t block_size, float scale,
-                                      float softcap, int dtype, int threads);
+                                      float softcap, int dtype, int kv_dtype, float k_scale,
+                                      float v_scale, int threads);
 
 /* want 1: bfloat16 decode items on AMX tiles where the OS grants them; 0: never; -1: ask only.
  * Returns whether the tiles are in use (0 where the library has no AMX path). */

@@ -50,16 +50,25 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
     } else { /* q and k rotated together */
         kvtier_rope(qkv, width, H + KVH, D, cos, sin, rows, bf16, threads);
     }
-    uint16_t *kv = (uint16_t *)cache; /* token rows of kvd elements; a block's V rows follow its K */
+    /* token rows of kvd elements; a block's V rows follow its K */
     for (int64_t i = 0; i < S->num_written; i++) {
         const int64_t t = S->write_tokens ? S->write_tokens[i] : i, row = S->write_rows[i];
-        memcpy(kv + row * kvd, k + t * k_stride, (size_t)kvd * 2);
-        memcpy(kv + (row + S->block_size) * kvd, v + t * width, (size_t)kvd * 2);
+        const int64_t vrow = row + S->block_size;
+        if (L->kv_dtype == KV_BF16) {
+            memcpy((uint16_t *)cache + row * kvd, k + t * k_stride, (size_t)kvd * 2);
+            memcpy((uint16_t *)cache + vrow * kvd, v + t * width, (size_t)kvd * 2);
+            continue;
+        }
+        uint8_t *kc = (uint8_t *)cache + row * kvd, *vc = (uint8_t *)cache + vrow * kvd;
+        for (int64_t d = 0; d < kvd; d++) { /* quantize on store, as paged.py `stored` */
+            kc[d] = f32_to_fp8(bf16_to_f32(k[t * k_stride + d]) / L->k_scale, L->kv_dtype);
+            vc[d] = f32_to_fp8(bf16_to_f32(v[t * width + d]) / L->v_scale, L->kv_dtype);
+        }
     }
     status |= kvtier_paged_attention(q, q_stride, cache, attn, S->tables, S->table_stride,
                                      S->seq_token, S->seq_qlen, S->seq_row, S->lo, S->hi,
                                      S->num_seqs, H, KVH, D, S->block_size, L->scale, L->softcap,
-                                     bf16, threads);
+                                     bf16, L->kv_dtype, L->k_scale, L->v_scale, threads);
     status |= kvtier_linear(attn, qd, rows, L->o, hid, qd, L->o_bias, o, threads);
     if (L->pre_ff_norm) {
         kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_attn_norm, o2, rows, hid, eps, gemma, bf16,

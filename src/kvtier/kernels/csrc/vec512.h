@@ -72,6 +72,22 @@ static inline float raise_max(float new_max, int64_t D, float *m, float *l, floa
     return new_max;
 }
 
+/* 16 fp8 codes as float32 in the kernels' unit (internal.h fp8_to_f16, 16 lanes) */
+static inline __m512 fp8x16_ps(const uint8_t *src, int kv_dtype) {
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    __m256i h;
+    if (kv_dtype == KV_E5M2) {
+        h = _mm256_slli_epi16(c, 8);
+    } else {
+        const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                            _mm256_slli_epi16(mag, 7));
+        const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+        h = _mm256_blendv_epi8(h, _mm256_or_si256(h, _mm256_set1_epi16(0x7e00)), nan);
+    }
+    return _mm512_cvtph_ps(h);
+}
+
 static inline __m256i bf16_round_16(__m512 f) { /* internal.h f32_to_bf16 on 16 lanes */
     const __m512i u = _mm512_castps_si512(f);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -81,6 +97,13 @@ static inline __m256i bf16_round_16(__m512 f) { /* internal.h f32_to_bf16 on 16 
         _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, quiet));
+}
+#endif
+
+#if defined(KVTIER_AVX512BF16)
+/* 32 fp8 codes as bfloat16 in the kernels' unit (exact: every code is a bfloat16 value) */
+static inline __m512i fp8x32_bf16(const uint8_t *src, int kv_dtype) {
+    return (__m512i)_mm512_cvtne2ps_pbh(fp8x16_ps(src + 16, kv_dtype), fp8x16_ps(src, kv_dtype));
 }
 #endif
 

@@ -217,8 +217,9 @@ def check_kv_cache_memory_bytes(c: Ctx) -> None:
 
 def check_kv_cache_dtype(c: Ctx) -> None:
     assert pool(c.engine(kv_cache_dtype="bfloat16")).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):
-        c.engine(kv_cache_dtype="fp8")
+    assert pool(c.engine(kv_cache_dtype="fp8")).dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
+        c.engine(kv_cache_dtype="int8")
 
 
 def check_enable_prefix_caching(c: Ctx) -> None:

@@ -1,7 +1,8 @@
 """The KV dtype the plan sizes is the dtype the pool stores: for every `--kv-cache-dtype` the
-engine accepts, the plan's bytes per tier equal the bytes of that tier's pool tensors; a value
-it cannot store (fp8: no 8-bit KV cache exists yet) is refused where it is given. Before, fp8
-was sized at one byte per element and allocated in the model's dtype: twice the budget."""
+engine accepts (fp8 included: one byte an element, float8 codes), the plan's bytes per tier
+equal the bytes of that tier's pool tensors; a value it cannot store (int8) is refused where it
+is given. Before, fp8 was sized at one byte per element and allocated in the model's dtype:
+twice the budget."""
 
 from __future__ import annotations
 
@@ -39,14 +40,20 @@ def assert_plan_is_allocated(eng: EngineCore, dtype: str) -> None:
         assert {t.dtype for t in eng.device.kv(tier.name)} == {TORCH_DTYPES[dtype]}  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "auto", "float64", "float32", "bfloat16", "float16"])
+KV_DTYPES = [None, "auto", "float64", "float32", "bfloat16", "float16", "fp8", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("budget", [{"num_device_blocks": 40}, {"kv_cache_memory_bytes": 1 << 20}])
 def test_the_plans_bytes_are_the_pools_bytes(
     llama: Path, kv_dtype: str | None, budget: dict[str, int]
 ) -> None:
     kw = {**ARGS, **budget, "kv_cache_dtype": kv_dtype, "num_host_blocks": 24}
     eng = EngineCore(EngineArgs.from_kwargs(str(llama), **kw))
-    stored = "float32" if kv_dtype in (None, "auto") else kv_dtype
+    stored = CacheConfig(kv_cache_dtype=kv_dtype).kv_dtype("float32")
+    assert stored == {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
+        str(kv_dtype), "float32" if kv_dtype in (None, "auto") else kv_dtype
+    )
     assert_plan_is_allocated(eng, stored)
     if "kv_cache_memory_bytes" in budget:
         assert pool_bytes(eng, "device") <= budget["kv_cache_memory_bytes"]
@@ -61,8 +68,10 @@ def test_a_hybrids_plan_is_its_pool(falcon_h1: Path, kv_dtype: str | None) -> No
     assert_plan_is_allocated(eng, "bfloat16")
 
 
-def test_a_kv_dtype_other_than_a_hybrids_is_refused(falcon_h1: Path) -> None:
-    kw = {**ARGS, "dtype": "bfloat16", "kv_cache_dtype": "float32"}
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
+def test_a_kv_dtype_other_than_a_hybrids_is_refused(falcon_h1: Path, kv_dtype: str) -> None:
+    """Mamba states share the pages in the model's dtype, so a hybrid keeps its KV there."""
+    kw = {**ARGS, "dtype": "bfloat16", "kv_cache_dtype": kv_dtype}
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, num_device_blocks=16))
 
@@ -85,20 +94,24 @@ def test_bfloat16_kv_halves_a_float32_models_pool_and_keeps_its_greedy_tokens(
     assert tokens["bfloat16"] == tokens["float32"]
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("value", ["int8", "fp8_e4m3fnuz", "fp4", "uint8"])
 def test_a_kv_dtype_the_pool_cannot_store_is_refused_naming_the_flag_and_the_fix(
     value: str,
 ) -> None:
     with pytest.raises(ValueError, match="--kv-cache-dtype") as err:
         CacheConfig(kv_cache_dtype=value)
-    assert "auto" in str(err.value) and "bfloat16" in str(err.value)
+    assert "auto" in str(err.value) and "fp8" in str(err.value) and "bfloat16" in str(err.value)
 
 
-def test_plan_refuses_fp8_too(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--kv-cache-dtype", "fp8"]) == 2
+def test_plan_sizes_fp8_at_half_of_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--kv-cache-dtype", "int8"]) == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
+    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"):
+        assert CacheConfig(kv_cache_dtype=value).kv_dtype("bfloat16") in (
+            "bfloat16", "float8_e4m3fn", "float8_e5m2",
+        )  # fmt: skip
 
 
-def test_an_engine_refuses_fp8_before_loading_anything(llama: Path) -> None:
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):
-        EngineArgs.from_kwargs(str(llama), kv_cache_dtype="fp8")
+def test_an_engine_refuses_int8_before_loading_anything(llama: Path) -> None:
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
+        EngineArgs.from_kwargs(str(llama), kv_cache_dtype="int8")

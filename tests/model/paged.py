@@ -21,13 +21,16 @@ class PagedKV:
     num_blocks: int
     block_size: int
     poison: bool = True
+    kv_dtype: torch.dtype | None = None  # the pool's (None: the model's); fp8 for 8-bit KV
     kv_caches: list[torch.Tensor] = field(init=False)
     free: list[int] = field(init=False)
     tables: dict[str, list[list[int]]] = field(default_factory=dict)  # seq -> per group ids
     num_computed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
+        self.kv_caches = self.model.allocate_kv_caches(
+            self.num_blocks, self.block_size, self.kv_dtype
+        )
         self.free = list(range(self.num_blocks - 1, 0, -1))  # block 0 is the null block
 
     def step(self, batch: list[tuple[str, list[int]]]) -> list[torch.Tensor]:

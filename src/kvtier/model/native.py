@@ -356,7 +356,9 @@ def attention_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     MAX_HEAD_DIM."""
     dim = kv_cache.shape[-1]
     fp8 = kv_cache.dtype in KV_DTYPES and kv_cache.dtype not in DTYPES
-    return usable(q) and (kv_cache.dtype == q.dtype or fp8) and dim % 16 == 0 and dim <= MAX_HEAD_DIM
+    return (
+        usable(q) and (kv_cache.dtype == q.dtype or fp8) and dim % 16 == 0 and dim <= MAX_HEAD_DIM
+    )
 
 
 @functools.cache

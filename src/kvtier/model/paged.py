@@ -267,7 +267,9 @@ def paged_attention(
         kw, vw = k[plan.write_tokens], v[plan.write_tokens]
     rows = flat.view(torch.uint8) if flat.dtype in FP8 else flat  # no fp8 index_copy_ on CPU
     for x, at, x_scale in ((kw, plan.write_rows, k_scale), (vw, plan.write_rows + bs, v_scale)):
-        rows.index_copy_(0, at, stored(x.reshape(-1, kvh * dim), flat.dtype, x_scale).view(rows.dtype))
+        rows.index_copy_(
+            0, at, stored(x.reshape(-1, kvh * dim), flat.dtype, x_scale).view(rows.dtype)
+        )
     out = None
     if plan.native is not None:
         out = q.new_empty(num_tokens, num_heads, dim)

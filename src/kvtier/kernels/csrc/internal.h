@@ -81,7 +81,7 @@ static inline float f16_to_f32(uint16_t h) {
 
 /* f (already divided by its scale) as an fp8 code: saturated to the largest finite value and
  * rounded to nearest even, the bits of torch's float32 → float8 cast of the clamped value
- * (model/paged.py `stored`; tests/kernels compare every bfloat16 input). */
+ * (model/paged.py `stored`; tests/model/test_kv_fp8.py compares the stored bytes). */
 static inline uint8_t f32_to_fp8(float f, int kv_dtype) {
     const int mbits = kv_dtype == KV_E4M3 ? 3 : 2, bias = kv_dtype == KV_E4M3 ? 7 : 15;
     const float top = kv_dtype == KV_E4M3 ? 448.0f : 57344.0f;

@@ -46,6 +46,9 @@ from kvtier.model.served import ServedDecoder
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=models.QWEN2_05B, help=models.HELP)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="the KV pool's dtype (auto: --dtype; fp8: 8-bit)"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
@@ -131,12 +134,12 @@ def linear_pass_s(layers: list[Linear], batch: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def step_macs(model: Any, batch: int, weights: int, kv: float) -> float:
+def step_macs(model: Any, batch: int, weights: int, kv: float, kv_element: int) -> float:
     """Multiply-adds of one decode step: each row by every weight read, and each query head by
-    its KV head's keys and values over the context (from `kv_bytes`)."""
+    its KV head's keys and values over the context (from `kv_bytes`, `kv_element` bytes each)."""
     cfg = model.config
     size = model.model.embed_tokens.weight.element_size()
-    return float(batch * weights / size + kv / size * cfg.num_heads / cfg.num_kv_heads)
+    return float(batch * weights / size + kv / kv_element * cfg.num_heads / cfg.num_kv_heads)
 
 
 def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
@@ -152,10 +155,11 @@ def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
     return total
 
 
-def kv_bytes(model: Any, batch: int, context: float) -> float:
-    """KV bytes one decode step reads: every layer's keys and values over its readable context."""
+def kv_bytes(model: Any, batch: int, context: float, element_bytes: int) -> float:
+    """KV bytes one decode step reads: every layer's keys and values over its readable context
+    (`element_bytes` an element of the KV pool)."""
     cfg = model.config
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * model.model.embed_tokens.weight.element_size()
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
     total = 0.0
     for g, kind in enumerate(model.group_kinds):
         span = context if kind.window is None else min(context, kind.window)
@@ -203,8 +207,10 @@ def with_bounds(row: dict[str, Any], bandwidth: float, rate: float) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.config import DTYPE_BYTES, CacheConfig
     from kvtier.engine import LLM
 
+    kv_element = DTYPE_BYTES[CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_dtype(args.dtype)]
     if args.output_len < 2 or args.rounds < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--output-len must be ≥ 2, --rounds and --batch-sizes ≥ 1")
     rows = []
@@ -219,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             # batch size and the best of the run taken for all (after the loop)
             bandwidths.append(copy_bandwidth(args.copy_mib))
             rates.append(matmul_rate(dtype))
-            llm = LLM(str(path), dtype=args.dtype, block_size=args.block_size, max_num_seqs=batch,
+            llm = LLM(str(path), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      block_size=args.block_size, max_num_seqs=batch,
                       max_model_len=args.input_len + args.output_len + args.block_size,
                       max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed,
                       torch_threads=threads)  # fmt: skip
@@ -230,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             vocab = model.config.vocab_size
             context = args.input_len + args.output_len / 2  # mean over the decode steps
             weights = weight_bytes(model, model.spec.tie_word_embeddings)
-            kv = kv_bytes(model, batch, context)
+            kv = kv_bytes(model, batch, context, kv_element)
             layers = linears(model)
             steps, passes = [], []
             for r in range(args.rounds):  # the linears alone right after each round's steps
@@ -243,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                 "kv_bytes": kv,
                 "step_ms": step * 1e3,
                 "step_ms_rounds": [s * 1e3 for s in steps],
-                "macs": step_macs(model, batch, weights, kv),
+                "macs": step_macs(model, batch, weights, kv, kv_element),
                 "linear_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
                 "linear_ms": linear * 1e3,
                 "linear_ms_rounds": [s * 1e3 for s in passes],

@@ -76,3 +76,32 @@ def test_offload_bench_one_line_per_tier_with_disk_and_redis(tmp_path: Path) -> 
     assert rows["+remote"]["hit_tokens"]["remote"] > 0
     assert rows["+remote"]["lower_tiers"]["remote"]["demoted_blocks"] > 0
     assert "disk" not in rows["+host"]["hit_tokens"]
+
+
+def test_offload_bench_8bit_kv_at_equal_tier_bytes(tmp_path: Path) -> None:
+    """--kv-cache-dtypes bfloat16,fp8: each tier keeps its bytes, so the fp8 run's device pool
+    and host tier hold twice the blocks, and more of the prompts are served from them (fewer
+    recomputed) than at bfloat16; within each dtype every tier gives the device-only tokens."""
+    out = tmp_path / "kv8.json"
+    rc = main(
+        [
+            "bench", "offload", "--tiers", "device,host", "--dtype", "bfloat16",
+            "--kv-cache-dtypes", "bfloat16,fp8", "--device-fraction", "0.3",
+            "--num-prefixes", "4", "--prefix-len", "128", "--users-per-prefix", "6",
+            "--rounds", "2", "--question-len", "32", "--answer-len", "4",
+            "--concurrency", "2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert list(rows) == ["bfloat16 device", "bfloat16 +host", "fp8 device", "fp8 +host"]
+    block = result["kv_block_bytes"]
+    assert block["bfloat16"] == 2 * block["fp8"]
+    for tier in ("device", "host"):
+        bf16, fp8 = rows["bfloat16 +host"][f"{tier}_blocks"], rows["fp8 +host"][f"{tier}_blocks"]
+        assert 2 * bf16 - 1 <= fp8 <= 2 * bf16, (tier, bf16, fp8)
+    for row in rows.values():
+        assert row["same_tokens_as_off"] == 48 and row["hazards"] == 0
+    recompute = {d: rows[f"{d} +host"]["hit_tokens"]["recompute"] for d in ("bfloat16", "fp8")}
+    assert recompute["fp8"] < recompute["bfloat16"]

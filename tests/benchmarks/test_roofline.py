@@ -118,8 +118,13 @@ def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> N
     cfg = qwen.config  # Qwen2 slides from layer max_window_layers = 1 on: 1 full, 3 over 4 tokens
     assert cfg.layer_kinds == ("full", "sliding", "sliding", "sliding")
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    assert roofline.kv_bytes(qwen, 2, 10.0) == 2 * (1 * 10 + 3 * 4) * per_token
+    assert roofline.kv_bytes(qwen, 2, 10.0, 2) == 2 * (1 * 10 + 3 * 4) * per_token
+    assert roofline.kv_bytes(qwen, 2, 10.0, 1) * 2 == roofline.kv_bytes(qwen, 2, 10.0, 2)  # fp8
     # a step's multiply-adds: every weight element per row, KV elements per query head
-    weights, kv = roofline.weight_bytes(qwen, tied=True), roofline.kv_bytes(qwen, 2, 10.0)
+    weights, kv = roofline.weight_bytes(qwen, tied=True), roofline.kv_bytes(qwen, 2, 10.0, 2)
     heads = cfg.num_heads // cfg.num_kv_heads
-    assert roofline.step_macs(qwen, 2, weights, kv) == 2 * weights / 2 + kv / 2 * heads
+    assert roofline.step_macs(qwen, 2, weights, kv, 2) == 2 * weights / 2 + kv / 2 * heads
+    kv8 = roofline.kv_bytes(qwen, 2, 10.0, 1)  # an 8-bit KV: the same multiply-adds
+    assert roofline.step_macs(qwen, 2, weights, kv8, 1) == roofline.step_macs(
+        qwen, 2, weights, kv, 2
+    )

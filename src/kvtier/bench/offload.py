@@ -15,6 +15,10 @@ blocks at the history's end); the device pool is --device-fraction of it (never 
 concurrency needs), the host tier holds every block of every conversation in every group. The
 tier runs once per --store-modes entry (eager, lazy); --copy-gbps sets the sim's copy bandwidth.
 
+--kv-cache-dtypes bfloat16,fp8 runs every configuration once per KV dtype at EQUAL tier bytes:
+the device pool, the host tier and the disk keep the bytes the first dtype's blocks take, so an
+8-bit KV holds twice the blocks in each (`equal_bytes`).
+
 Per configuration: TTFT (mean / median / p99) and output tokens/s on the modelled device clock
 and on the wall clock, prompt tokens served by device hits / host hits / recompute, host loads and
 stores, preemptions, sanitizer hazards; the on/off ratios; and whether every completion has the
@@ -90,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_tier_arguments(parser)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="KV dtypes to run, comma-separated (e.g. bfloat16,fp8): every tier keeps the bytes "
+        "the first one's blocks take (an 8-bit KV holds twice the blocks)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument(
@@ -209,6 +219,19 @@ def configurations(modes: list[str], host_blocks: int) -> list[tuple[str, dict[s
     return configs
 
 
+def equal_bytes(
+    kw: dict[str, Any], block_bytes_of: dict[str, int], kv_dtype: str
+) -> dict[str, Any]:
+    """Engine keywords `kw`, sized for the first KV dtype, with each tier's blocks rescaled to the
+    same bytes in `kv_dtype`'s blocks (the disk's size is in bytes already)."""
+    first = next(iter(block_bytes_of.values()))
+    out = dict(kw)
+    for key in ("num_device_blocks", "num_host_blocks"):
+        if key in out:
+            out[key] = out[key] * first // block_bytes_of[kv_dtype]
+    return out
+
+
 def cost_model(args: argparse.Namespace) -> CostModel:
     """The sim's default cost model, with --copy-gbps applied (1 GB/s = 1 byte/ns)."""
     from kvtier.device.costs import CostModel
@@ -238,8 +261,17 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.concurrency,
     )
     dtype = cfg.dtype if args.dtype == "auto" else args.dtype
-    cache = CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20, kv_cache_dtype=dtype)
-    probe = plan_kv(cfg, cache, sched)
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()] or ["auto"]
+    block_bytes_of = {}  # bytes of one block id (every slot) per KV dtype
+    for kv_dtype in kv_dtypes:
+        try:
+            cache = CacheConfig(
+                block_size=args.block_size, num_device_blocks=1 << 20, kv_cache_dtype=kv_dtype
+            )
+        except ValueError as exc:
+            raise SystemExit(f"--kv-cache-dtypes: {exc}") from None
+        block_bytes_of[kv_dtype] = plan_kv(replace(cfg, dtype=dtype), cache, sched).bytes_per_block
+    probe = plan_kv(replace(cfg, dtype=dtype), replace(cache, kv_cache_dtype=kv_dtypes[0]), sched)
     specs = probe.specs
     working, every = working_set_blocks(specs, w)
     floor = blocks_for_requests(specs, args.concurrency, max_len, sched.max_in_flight_tokens) + 1
@@ -295,19 +327,33 @@ def run(args: argparse.Namespace) -> int:
             block_bytes = probe.bytes_per_block
             configs = tier_configurations(tiers, args, every, block_bytes, str(disk))
             print(f"tiers: {'; '.join(f'{n} {kw}' for n, kw in configs)}", flush=True)
-        for name, kw in configs:
-            if disk.exists():  # each configuration starts with an empty disk tier
-                shutil.rmtree(disk)
-            row, tokens = run_config(args, w, {**common, **kw})
-            outputs[name] = tokens
-            ref = outputs[configs[0][0]]
-            same = sum(tokens[k] == ref[k] for k in ref)
-            row = {"config": name, "same_tokens_as_off": same, **row}
-            rows.append(row)
-            print_row(row, len(ref))
-    off = rows[0]
+        label = (lambda d, n: n) if len(kv_dtypes) == 1 else (lambda d, n: f"{d} {n}")
+        for kv_dtype in kv_dtypes:
+            if len(kv_dtypes) > 1:
+                sizes = [equal_bytes({"num_device_blocks": device_blocks, **kw}, block_bytes_of,
+                                     kv_dtype) for _, kw in configs[-1:]]  # fmt: skip
+                print(f"{kv_dtype}: {block_bytes_of[kv_dtype]} B a block; {sizes[0]}", flush=True)
+            for name, kw in configs:
+                if disk.exists():  # each configuration starts with an empty disk tier
+                    shutil.rmtree(disk)
+                sized = equal_bytes(
+                    {"num_device_blocks": device_blocks, **kw}, block_bytes_of, kv_dtype
+                )
+                engine_kw = {**common, **kw, **sized, "kv_cache_dtype": kv_dtype}
+                row, tokens = run_config(args, w, engine_kw)
+                outputs[label(kv_dtype, name)] = tokens
+                ref = outputs[label(kv_dtype, configs[0][0])]
+                same = sum(tokens[k] == ref[k] for k in ref)
+                row = {"config": label(kv_dtype, name), "kv_cache_dtype": kv_dtype,
+                       "same_tokens_as_off": same, **row}  # fmt: skip
+                rows.append(row)
+                print_row(row, len(ref))
     ratios = {}
-    for row in rows[1:]:
+    firsts = {r["kv_cache_dtype"]: r for r in reversed(rows)}  # each dtype's first row
+    for row in rows:
+        off = firsts[row["kv_cache_dtype"]]
+        if row is off:
+            continue
         ratios[row["config"]] = {
             "ttft_device_mean_off_over_on": ratio(
                 off["ttft_device_ms"]["mean"], row["ttft_device_ms"]["mean"]
@@ -352,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "rows": rows,
         "ratios": ratios,
+        "kv_block_bytes": block_bytes_of,
     }
     print(f"saved {save_json(result, args.out)}")
     if args.plot:

@@ -6,6 +6,10 @@ gives its bits; and the quality cost against bfloat16 KV on the goldens' tiny mo
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+
 import pytest
 import torch
 
@@ -158,3 +162,35 @@ def test_fp8_kv_costs_a_bounded_logit_error_against_bfloat16_kv(tiny_model_dir, 
         assert base_err < err <= ratio * base_err, (fmt, err, base_err)  # a cost, bounded
         agree = (logits[fmt].argmax(-1) == logits[None].argmax(-1)).float().mean()
         assert agree >= agreement, (fmt, agree)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
+@pytest.mark.parametrize("fmt", FORMATS, ids=["e4m3", "e5m2"])
+def test_the_portable_build_reads_fp8_as_the_vector_paths(fmt):
+    """Every fp8 code, NaN and ±inf included, decoded by the portable loops and by the AVX-512
+    lanes: keys that are each code in turn give the same attention on both builds."""
+    if shutil.which(os.environ.get("CC", "cc")) is None or kernels is None:
+        pytest.skip("no C compiler")
+    portable = native.build("x86-64")
+    assert portable is not None, "the portable build failed (its log says why)"
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    outs = [attend_codes(build, codes, fmt) for build in (kernels, portable)]
+    values = codes.view(fmt).float()
+    finite = values.isfinite()
+    assert (~finite).sum() == {torch.float8_e4m3fn: 2, torch.float8_e5m2: 8}[fmt]
+    for out in outs:  # one key: the output is its value (weight 1); NaN poison shows
+        assert torch.equal(out[finite], values[finite])
+        assert not out[~finite].isfinite().any()
+
+
+def attend_codes(build: native.Kernels, codes: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """Sequence i of one key whose every element is codes[i] (and its value too), read by one
+    float32 query of zero scale: [len(codes)] the first element of each output."""
+    dim, seqs = 32, len(codes)
+    cache = codes.view(seqs, 1, 1, 1, 1).expand(seqs, 2, 1, 1, dim).contiguous().view(fmt)
+    q = torch.ones(seqs, 1, dim, dtype=torch.float32)
+    ones, count = torch.ones(seqs, dtype=torch.int64), torch.arange(seqs)
+    index = (count.view(-1, 1).contiguous(), count, ones, count, torch.zeros(seqs).long(), ones)
+    out = torch.empty_like(q)
+    build.paged_attention(q, cache, out, index, 0.0, None, 1.0, 1.0)
+    return out[:, 0, 0]

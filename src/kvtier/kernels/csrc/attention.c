@@ -205,10 +205,9 @@ int kvtier_paged_attention(const void *q, int64_t q_stride, const void *cache, v
     if (keys * kv_heads * head_dim < (1 << 17)) num_threads = 1; /* waking a helper costs more */
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)items;
-    const float unit = KV_UNIT(kv_dtype);
     Job job = {.args = {q, q_stride, cache, out, tables, table_stride, seq_token, seq_qlen,
                         seq_row, lo, hi, num_heads, kv_heads, head_dim, block_size,
-                        scale * k_scale * unit, softcap, v_scale * unit, dtype, kv_dtype,
+                        scale * k_scale, softcap, v_scale, dtype, kv_dtype,
                         kvtier_attention_amx(-1)},
                .items = table};
     /* chunks of a quarter of a thread's share: sequences differ in length */

@@ -22,8 +22,8 @@ typedef struct {
     const int64_t *seq_row;   /* [num_seqs] index of its first query in lo / hi */
     const int64_t *lo, *hi;   /* [rows] key range of each query */
     int64_t num_heads, kv_heads, head_dim, block_size;
-    float scale, softcap; /* scale: k's scale folded in (and KV_UNIT) */
-    float v_scale;        /* the output's factor: v's scale and KV_UNIT (1 for a float cache) */
+    float scale, softcap; /* scale: k's scale folded in */
+    float v_scale;        /* the output's factor: v's scale (1 for a float cache) */
     int dtype;            /* q and out: 0 float32, 1 bfloat16 */
     int kv_dtype;         /* the cache: KV_F32, KV_BF16 or fp8 codes (internal.h) */
     int amx; /* items of ≤ 16 query rows on AMX tiles (attention_amx.c) */
@@ -51,7 +51,7 @@ static inline void load_row(const void *base, int64_t offset, int64_t n, int dty
         for (int64_t d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
     } else if (dtype != KV_F32) {
         const uint8_t *src = (const uint8_t *)base + offset;
-        for (int64_t d = 0; d < n; d++) dst[d] = f16_to_f32(fp8_to_f16(src[d], dtype));
+        for (int64_t d = 0; d < n; d++) dst[d] = fp8_to_f32(src[d], dtype);
     } else {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
     }

@@ -61,22 +61,17 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 }; /* a cache's element
 
 static inline int64_t kv_bytes(int kv_dtype) { return kv_dtype == KV_F32 ? 4 : kv_dtype == KV_BF16 ? 2 : 1; }
 
-/* The float16 whose bits an fp8 code is read as: e5m2 is float16's top byte (the same value);
- * e4m3 lands as its value × 2^-8 (float16's exponent bias is 8 more), which the callers' scales
- * undo (KV_UNIT). Its NaN (0x7f, 0xff) stays NaN: NaN poison must reach the checks. */
-static inline uint16_t fp8_to_f16(uint8_t c, int kv_dtype) {
-    if (kv_dtype == KV_E5M2) return (uint16_t)(c << 8);
-    if ((c & 0x7f) == 0x7f) return (uint16_t)(((c & 0x80) << 8) | 0x7e00);
-    return (uint16_t)(((c & 0x80) << 8) | ((c & 0x7f) << 7));
-}
-#define KV_UNIT(kv_dtype) ((kv_dtype) == KV_E4M3 ? 256.0f : 1.0f) /* value / fp8_to_f16's */
-
-static inline float f16_to_f32(uint16_t h) {
-    const int e = (h >> 10) & 31, m = h & 1023;
-    const float mag = e == 0 ? ldexpf((float)m, -24)
-                    : e == 31 ? (m ? NAN : INFINITY)
-                              : ldexpf((float)(1024 + m), e - 25);
-    return h & 0x8000 ? -mag : mag;
+/* An fp8 code's value (exact in float32 and in bfloat16); the NaN codes (e4m3: 0x7f, 0xff;
+ * e5m2: exponent all ones with a mantissa) stay NaN, so NaN poison reaches the checks. */
+static inline float fp8_to_f32(uint8_t c, int kv_dtype) {
+    const int mbits = kv_dtype == KV_E4M3 ? 3 : 2, bias = kv_dtype == KV_E4M3 ? 7 : 15;
+    const int e = (c & 0x7f) >> mbits, m = c & ((1 << mbits) - 1);
+    float mag;
+    if (kv_dtype == KV_E4M3 && (c & 0x7f) == 0x7f) mag = NAN;
+    else if (kv_dtype == KV_E5M2 && e == 31) mag = m ? NAN : INFINITY;
+    else if (e == 0) mag = ldexpf((float)m, 1 - bias - mbits); /* subnormal */
+    else mag = ldexpf((float)((1 << mbits) + m), e - bias - mbits);
+    return c & 0x80 ? -mag : mag;
 }
 
 /* f (already divided by its scale) as an fp8 code: saturated to the largest finite value and

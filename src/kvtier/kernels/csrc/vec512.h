@@ -72,21 +72,49 @@ static inline float raise_max(float new_max, int64_t D, float *m, float *l, floa
     return new_max;
 }
 
-/* 16 fp8 codes as float32 in the kernels' unit (internal.h fp8_to_f16, 16 lanes) */
-static inline __m512 fp8x16_ps(const uint8_t *src, int kv_dtype) {
-    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-    __m256i h;
-    if (kv_dtype == KV_E5M2) {
-        h = _mm256_slli_epi16(c, 8);
+#if defined(__AVX512BW__)
+/* 32 fp8 codes (widened to 16-bit lanes) as bfloat16, exactly, in integer lanes (internal.h fp8_to_f32's values): the
+ * sign moves to bit 15, exponent and mantissa shift into bfloat16's and the exponent is rebiased;
+ * subnormal codes come from a table; e4m3's 0x7f and e5m2's top exponent become NaN (and ±inf).
+ * As cheap as an int8 code times a scale (docs/kernels.md §8-bit KV). */
+static inline __m512i fp8_lanes_bf16(__m512i x, int kv_dtype) {
+    static const uint16_t sub_e4m3[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+    static const uint16_t sub_e5m2[32] = {0, 0x3780, 0x3800, 0x3840};
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    const int e4m3 = kv_dtype == KV_E4M3;
+    __m512i b = _mm512_add_epi16(_mm512_slli_epi16(mag, e4m3 ? 4 : 5),
+                                 _mm512_set1_epi16(e4m3 ? (120 << 7) : (112 << 7)));
+    const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(e4m3 ? 8 : 4));
+    b = _mm512_mask_permutexvar_epi16(b, sub, mag, _mm512_loadu_si512(e4m3 ? sub_e4m3 : sub_e5m2));
+    if (e4m3) {
+        b = _mm512_mask_mov_epi16(b, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                                  _mm512_set1_epi16(0x7fc0));
     } else {
-        const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
-        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
-                            _mm256_slli_epi16(mag, 7));
-        const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
-        h = _mm256_blendv_epi8(h, _mm256_or_si256(h, _mm256_set1_epi16(0x7e00)), nan);
+        b = _mm512_mask_mov_epi16(b, _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7c)),
+                                  _mm512_set1_epi16(0x7fc0));
+        b = _mm512_mask_mov_epi16(b, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7c)),
+                                  _mm512_set1_epi16(0x7f80));
     }
-    return _mm512_cvtph_ps(h);
+    return _mm512_or_si512(b, _mm512_slli_epi16(_mm512_andnot_si512(_mm512_set1_epi16(0x7f), x), 8));
 }
+
+static inline __m512i fp8x32_bf16(const uint8_t *src, int kv_dtype) {
+    return fp8_lanes_bf16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src)), kv_dtype);
+}
+
+/* 16 fp8 codes as float32 (their bfloat16 values widened) */
+static inline __m512 fp8x16_ps(const uint8_t *src, int kv_dtype) {
+    const __m256i c = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)src));
+    const __m256i h = _mm512_castsi512_si256(fp8_lanes_bf16(_mm512_cvtepu8_epi16(c), kv_dtype));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+static inline __m512 fp8x16_ps(const uint8_t *src, int kv_dtype) {
+    float f[16];
+    for (int j = 0; j < 16; j++) f[j] = fp8_to_f32(src[j], kv_dtype);
+    return _mm512_loadu_ps(f);
+}
+#endif
 
 static inline __m256i bf16_round_16(__m512 f) { /* internal.h f32_to_bf16 on 16 lanes */
     const __m512i u = _mm512_castps_si512(f);
@@ -97,13 +125,6 @@ static inline __m256i bf16_round_16(__m512 f) { /* internal.h f32_to_bf16 on 16 
         _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, quiet));
-}
-#endif
-
-#if defined(KVTIER_AVX512BF16)
-/* 32 fp8 codes as bfloat16 in the kernels' unit (exact: every code is a bfloat16 value) */
-static inline __m512i fp8x32_bf16(const uint8_t *src, int kv_dtype) {
-    return (__m512i)_mm512_cvtne2ps_pbh(fp8x16_ps(src + 16, kv_dtype), fp8x16_ps(src, kv_dtype));
 }
 #endif
 

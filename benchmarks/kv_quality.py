@@ -9,6 +9,7 @@ checkout (it reuses the goldens' drivers in tests/model/)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -26,10 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/bench_kv_quality.json")
 
 
-def logits_of(model: Any, tokens: list[int], prompt_len: int, kv_dtype: torch.dtype | None):
-    from tests.model.paged import PagedKV
+def goldens(name: str) -> Any:
+    """A module of the goldens' drivers in tests/model/ (this lab tool runs from a checkout)."""
+    return importlib.import_module(f"tests.model.{name}")
 
-    kv = PagedKV(model, num_blocks=64, block_size=4, kv_dtype=kv_dtype)
+
+def logits_of(
+    model: Any, tokens: list[int], prompt_len: int, kv_dtype: torch.dtype | None
+) -> torch.Tensor:
+    kv = goldens("paged").PagedKV(model, num_blocks=64, block_size=4, kv_dtype=kv_dtype)
     steps = [kv.step([("s", tokens[:prompt_len])])[0]]
     steps += [kv.step([("s", [t])])[0] for t in tokens[prompt_len:]]
     return torch.cat(steps).double()
@@ -38,10 +44,11 @@ def logits_of(model: Any, tokens: list[int], prompt_len: int, kv_dtype: torch.dt
 def run(args: argparse.Namespace) -> int:
     from kvtier.model.loader import load_model
     from kvtier.model.testing import ARCHITECTURES, write_tiny_model
-    from tests.model.reference import hf_logits, hf_model
-    from tests.model.test_goldens import PROMPT_LEN, prompt
 
-    rows = []
+    hf_logits, hf_model = goldens("reference").hf_logits, goldens("reference").hf_model
+    prompt, PROMPT_LEN = goldens("test_goldens").prompt, goldens("test_goldens").PROMPT_LEN
+
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHITECTURES:
             for head, config in ((16, {}), (64, {"hidden_size": 256})):

@@ -194,3 +194,12 @@ def attend_codes(build: native.Kernels, codes: torch.Tensor, fmt: torch.dtype) -
     out = torch.empty_like(q)
     build.paged_attention(q, cache, out, index, 0.0, None, 1.0, 1.0)
     return out[:, 0, 0]
+
+
+def test_scales_apply_to_an_fp8_cache_only():
+    """A float cache holds K/V as they are: scales given with one change nothing."""
+    meta, q, k, v, cache = make_case(RAGGED, 4, torch.float32)
+    plan = plan_group(meta, 0, LayerKind(), KV_HEADS, HEADS // KV_HEADS, own_keys=False)
+    plain = paged_attention(q, k, v, cache.clone(), plan, 0.25, None)
+    scaled = paged_attention(q, k, v, cache.clone(), plan, 0.25, None, K_SCALE, V_SCALE)
+    assert torch.equal(plain, scaled)

@@ -56,8 +56,7 @@ class _Built:
         s.head_dim, s.inter = attn.head_dim, mlp.down_proj.in_features
         s.eps, s.scale, s.softcap = layer.input_layernorm.eps, attn.scale, attn.softcap or 0.0
         s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
-        s.k_scale, s.v_scale = attn.k_scale, attn.v_scale
-        s.kv_dtype = native.KV_DTYPES[torch.bfloat16]  # `run` sets its cache's
+        self.kv_scales = (attn.k_scale, attn.v_scale)  # an fp8 cache's (`run` sets them)
         self.struct = s
         self.address = ctypes.addressof(s)
         self.work = int(kernels.lib.kvtier_layer_work(self.address))  # bytes per token
@@ -146,8 +145,9 @@ class FusedLayers:
             return None
         if kv_dtype < 1:  # the layer kernel's caches: bfloat16 or fp8 codes (8-bit KV)
             return None
-        for b in built:
+        for b in built:  # as paged_attention: scales apply to an fp8 cache only
             b.struct.kv_dtype = kv_dtype
+            b.struct.k_scale, b.struct.v_scale = b.kv_scales if kv_dtype > 1 else (1.0, 1.0)
         steps = [_step(p) for p in plans]
         step_addresses = [ctypes.addressof(s) for s in steps]
         hidden = built[0].hidden

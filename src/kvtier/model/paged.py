@@ -2,8 +2,10 @@
 group's layers) and the layer step — write the new K/V by slot mapping, then attend: first chunks
 of a prompt (no cached prefix) on their own new keys; sequences with few queries (decodes, drafts)
 with the native kernel straight from the cache where it serves (`native.py`: CPU, float32 or
-bfloat16), else, like longer chunks after a prefix, on keys gathered from the cache block by
-block; causal/window/chunk masks throughout. Holds no state between forwards.
+bfloat16 queries, the cache theirs or fp8), else, like longer chunks after a prefix, on keys
+gathered from the cache block by block; causal/window/chunk masks throughout. An fp8 cache holds
+codes of K/V over per-tensor scales (`stored`; docs/kernels.md §8-bit KV). Holds no state
+between forwards.
 
 A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`), so
 the keys of one block are one contiguous [block_size, kv_heads, head_dim] chunk: a gather copies a
@@ -261,6 +263,8 @@ def paged_attention(
     num_tokens, num_heads, dim = q.shape
     kvh = k.shape[1]
     bs = plan.block_size
+    if kv_cache.dtype not in FP8:  # scales are an 8-bit cache's; a float cache holds K/V as is
+        k_scale = v_scale = 1.0
     flat = kv_cache.view(-1, kvh * dim)  # token rows [num_blocks * 2 * block_size, KVH * D]
     kw, vw = k, v
     if plan.write_tokens is not None:

@@ -105,36 +105,71 @@ class BlockPool:
 
         Null blocks are skipped; a block that already carries a hash (a prefix hit) must carry the
         expected one. Duplicates of identical content are kept side by side, never merged.
+        `token_ids`: the sequence's tokens from its first block on (for the events).
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        table = self._cached.setdefault(group_id, {})
-        new_hashes: list[BlockHash] = []
+        # runs of consecutive hashes cached here for the first time: one BlockStored each
+        runs: list[list[int]] = [[]]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
-                continue
-            block_hash = block_hashes[i]
-            if block.block_hash is not None:
-                assert block.block_hash == block_hash and block.group_id == group_id
-                continue
-            block.block_hash = block_hash
-            block.group_id = group_id
-            entry = table.get(block_hash)
-            if entry is None:
-                table[block_hash] = block
-            elif isinstance(entry, KVBlock):
-                table[block_hash] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
-            new_hashes.append(block_hash)
-        self._num_cached += len(new_hashes)
-        if self.enable_kv_events and new_hashes:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            toks = list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size])
+            if block.is_null or block.block_hash is not None:
+                assert block.is_null or (
+                    block.block_hash == block_hashes[i] and block.group_id == group_id
+                )
+                runs.append([])
+            elif self._register(group_id, block, block_hashes[i]):
+                runs[-1].append(i)
+            else:  # another copy of a hash already cached (and announced)
+                runs.append([])
+        if not self.enable_kv_events:
+            return
+        for run in runs:
+            if run:
+                start, end = run[0], run[-1] + 1
+                self._events.append(
+                    BlockStored(
+                        [block_hashes[i] for i in run],
+                        block_hashes[start - 1] if start > 0 else None,
+                        list(token_ids[start * block_size : end * block_size]),
+                        block_size,
+                        group_id,
+                        self.medium,
+                    )
+                )
+
+    def cache_block(
+        self,
+        group_id: int,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        block_size: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """Register one block whose chain is known only by its parent's hash (a tier's copy);
+        `token_ids`: its own tokens (for the event)."""
+        assert block.block_hash is None and not block.is_null
+        if self._register(group_id, block, block_hash) and self.enable_kv_events:
+            toks = list(token_ids)
             self._events.append(
-                BlockStored(new_hashes, parent, toks, block_size, group_id, self.medium)
+                BlockStored([block_hash], parent, toks, block_size, group_id, self.medium)
             )
+
+    def _register(self, group_id: int, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Put `block` in the map under `block_hash`; True when it is the hash's first copy."""
+        block.block_hash = block_hash
+        block.group_id = group_id
+        table = self._cached.setdefault(group_id, {})
+        entry = table.get(block_hash)
+        if entry is None:
+            table[block_hash] = block
+        elif isinstance(entry, KVBlock):
+            table[block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+        self._num_cached += 1
+        return entry is None
 
     def _uncache(self, block: KVBlock) -> None:
         block_hash = block.block_hash
@@ -142,14 +177,15 @@ class BlockPool:
             return
         table = self._cached[block.group_id]
         entry = table[block_hash]
-        if isinstance(entry, KVBlock):
+        last_copy = isinstance(entry, KVBlock)
+        if last_copy:
             del table[block_hash]
         else:
             del entry[block.block_id]
             if len(entry) == 1:
                 table[block_hash] = next(iter(entry.values()))
         self._num_cached -= 1
-        if self.enable_kv_events:
+        if self.enable_kv_events and last_copy:  # a consumer tracks hashes, not copies
             self._events.append(BlockRemoved([block_hash], block.group_id, self.medium))
         block.block_hash = None
         block.group_id = -1

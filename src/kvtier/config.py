@@ -548,6 +548,7 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for a certificate
     root_path: str | None = None
+    kv_events_config: str | None = None  # vLLM's JSON (server/kv_events.py); None: no events
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -673,6 +674,12 @@ FLAG_HELP = {
     "ssl_certfile": "TLS: the server's certificate file (PEM); needs --ssl-keyfile",
     "ssl_ca_certs": "TLS: CA certificates that client certificates are checked against",
     "ssl_cert_reqs": "TLS: client certificates: 0 not asked, 1 optional, 2 required",
+    "kv_events_config": (
+        "publish KV cache events as vLLM does (ZMQ, msgpack), a JSON object such as "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        "\"tcp://*:5558\"}'; fields publisher, buffer_steps, hwm, max_queue_size, topic as vLLM's "
+        "(docs/serving.md)"
+    ),
     "root_path": (
         "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; "
         "the OpenAPI schema names it"

@@ -118,7 +118,9 @@ class BlockPool:
                     block.block_hash == block_hashes[i] and block.group_id == group_id
                 )
                 runs.append([])
-            elif self._register(group_id, block, block_hashes[i]):
+            elif self._register(
+                group_id, block, block_hashes[i], self._tokens(token_ids, i, block_size)
+            ):
                 runs[-1].append(i)
             else:  # another copy of a hash already cached (and announced)
                 runs.append([])
@@ -145,21 +147,35 @@ class BlockPool:
         block_hash: BlockHash,
         parent: BlockHash | None,
         block_size: int,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | None,
     ) -> None:
-        """Register one block whose chain is known only by its parent's hash (a tier's copy);
-        `token_ids`: its own tokens (for the event)."""
+        """Register one block whose chain is known only by its parent's hash (a tier's copy).
+        `token_ids`: its own tokens; without them no event announces it (a consumer matches
+        blocks by their tokens)."""
         assert block.block_hash is None and not block.is_null
-        if self._register(group_id, block, block_hash) and self.enable_kv_events:
-            toks = list(token_ids)
+        toks = tuple(token_ids) if token_ids is not None and self.enable_kv_events else None
+        first = self._register(group_id, block, block_hash, toks)
+        if first and toks is not None and len(toks) == block_size:
             self._events.append(
-                BlockStored([block_hash], parent, toks, block_size, group_id, self.medium)
+                BlockStored([block_hash], parent, list(toks), block_size, group_id, self.medium)
             )
 
-    def _register(self, group_id: int, block: KVBlock, block_hash: BlockHash) -> bool:
+    def _tokens(self, token_ids: Sequence[int], i: int, block_size: int) -> tuple[int, ...] | None:
+        if not self.enable_kv_events or len(token_ids) < (i + 1) * block_size:
+            return None
+        return tuple(token_ids[i * block_size : (i + 1) * block_size])
+
+    def _register(
+        self,
+        group_id: int,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...] | None,
+    ) -> bool:
         """Put `block` in the map under `block_hash`; True when it is the hash's first copy."""
         block.block_hash = block_hash
         block.group_id = group_id
+        block.token_ids = token_ids
         table = self._cached.setdefault(group_id, {})
         entry = table.get(block_hash)
         if entry is None:
@@ -178,7 +194,7 @@ class BlockPool:
         table = self._cached[block.group_id]
         entry = table[block_hash]
         last_copy = isinstance(entry, KVBlock)
-        if last_copy:
+        if isinstance(entry, KVBlock):
             del table[block_hash]
         else:
             del entry[block.block_id]
@@ -189,6 +205,7 @@ class BlockPool:
             self._events.append(BlockRemoved([block_hash], block.group_id, self.medium))
         block.block_hash = None
         block.group_id = -1
+        block.token_ids = None
 
     def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
         """Drop the given blocks from the prefix-cache map only (e.g. after a failed load)."""
@@ -304,6 +321,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.group_id = -1
+            block.token_ids = None
         self._cached.clear()
         self._num_cached = 0
         if self.enable_kv_events:

@@ -229,8 +229,12 @@ class EngineLoop:
         from kvtier.server.kv_publisher import KVEventPublisher
 
         engine.take_kv_events()  # the warm-up's (it caches nothing; drained to be sure)
-        remote = engine.args.cache.kv_remote_url
-        publisher = KVEventPublisher(self.kv_events, KVEventEncoder(remote_pool=remote))
+        url, pool = engine.args.cache.kv_remote_url, None
+        if url is not None:  # the shared pool by its host:port/db, never its credentials
+            from kvtier.stores.redis_store import redis_url
+
+            pool = redis_url(url)[1]
+        publisher = KVEventPublisher(self.kv_events, KVEventEncoder(remote_pool=pool))
         publisher.start()
         return publisher
 

@@ -386,6 +386,16 @@ def test_every_tier_is_announced_as_vllm_router_reads_it(tmp_path: Path, redis_s
         assert all(index.match(a, t) == 0 for t in ("GPU", "CPU", "STORAGE", "external"))
         seqs = [seq for seq, _ in seen]
         assert seqs == list(range(len(seqs)))
+
+        def counted() -> bool:  # the metrics follow the publisher at the loop's next update
+            m = handle.metrics()
+            sent = m[("kvtier:kv_event_batches_total", (("op", "sent"),))]
+            return (
+                sent >= len(seqs)
+                and m[("kvtier:kv_event_batches_total", (("op", "dropped"),))] == 0
+            )
+
+        wait_until(counted, 30)
     finally:
         sub.close()
         stop_server(handle)

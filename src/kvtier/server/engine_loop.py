@@ -293,6 +293,9 @@ class EngineLoop:
             # sees it counted).
             if finished or now >= self._metrics_due or not engine.has_unfinished_requests():
                 self.metrics.update(engine.stats())
+                if self.kv_publisher is not None:
+                    pub = self.kv_publisher.stats()
+                    self.metrics.kv_events(pub.num_batches, pub.num_dropped_batches)
                 self._metrics_due = now + METRICS_INTERVAL_S
 
     def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:

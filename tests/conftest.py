@@ -1,11 +1,13 @@
 """Shared test configuration: Hypothesis profiles (`ci` default and derandomized, `soak` for
--m slow), and one torch thread per test that uses torch."""
+-m slow), helper modules' asserts rewritten like tests', and one torch thread per test that uses
+torch."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,6 +23,24 @@ settings.register_profile(
 settings.register_profile("soak", max_examples=5000, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def helper_modules() -> list[str]:
+    """Modules of tests/ that are neither test modules nor conftests (factories, invariants,
+    oracles, servers): pytest rewrites only test modules' asserts unless told."""
+    root = Path(__file__).resolve().parent
+    names = []
+    for path in root.rglob("*.py"):
+        if path.name.startswith("test_") or path.name in ("conftest.py", "__init__.py"):
+            continue
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names.append(".".join(parts))
+    return sorted(names)
+
+
+# A helper's `assert` is a check like a test's: rewritten, it still runs under `python -O` (which
+# strips plain asserts) and reports the values it compared.
+pytest.register_assert_rewrite(*helper_modules())
 
 
 @pytest.fixture(autouse=True)

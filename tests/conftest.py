@@ -45,8 +45,8 @@ pytest.register_assert_rewrite(*helper_modules())
 
 @pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """Toy-sized ops gain nothing from a thread pool, and on a busy 2-core machine spinning
-    OpenMP workers made the model suite ~20x slower (125 s vs 7 s). Torch-free tests stay so."""
+    """Toy-sized ops gain nothing from a thread pool, and on a busy 2-core machine OpenMP
+    workers spinning for work slow the model suite down many times. Torch-free tests stay so."""
     torch = sys.modules.get("torch")
     if torch is None:
         yield

@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -152,3 +153,22 @@ def test_bench_plot_without_matplotlib_names_the_extra_before_running() -> None:
     assert r.returncode == 2, r.stderr
     assert "pip install 'kvtier[plot]'" in r.stderr and "--plot" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_dated_results_are_tracked_and_scratch_is_not() -> None:
+    """docs/benchmarks.md §Method: results/NAME_YYYY-MM-DD.* is the committed record; a
+    benchmark's undated default output and results/ subfolders are ignored."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        run = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, check=False
+        )
+        assert run.returncode in (0, 1), run
+        return run.returncode == 0
+
+    assert not ignored("results/bench_kv_2026-12-06.json")
+    assert not ignored("results/bench_offload_2026-12-06.png")
+    assert ignored("results/bench_kv.json")
+    assert ignored("results/tmp/bench_kv_2026-12-06.json")

@@ -17,10 +17,10 @@ _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 
 
 class IntegrityError(RuntimeError):
-    """A pool's or a manager's bookkeeping is broken (a bug, never bad input): found by
-    `check_integrity`, or refused at a call that would break it (a block freed more often than
-    referenced, a cached block filed under another hash), where going on would hand one block to
-    two owners. Raised explicitly rather than asserted so that `python -O` still checks."""
+    """kvtier's bookkeeping is broken (a bug, never bad input): found by a `check_integrity`, or
+    refused at a call that would break it (a block freed more often than referenced or cached
+    under another hash, which would hand one block to two owners; a request's ledger consuming
+    steps out of order). Raised explicitly rather than asserted so that `python -O` still checks."""
 
 
 class BlockPool:

@@ -187,7 +187,7 @@ def test_installing_kvtier_into_vllms_venv_changes_none_of_its_packages(tmp_path
 
 
 def test_dated_results_are_tracked_and_scratch_is_not() -> None:
-    """docs/benchmarks.md §Method: results/NAME_YYYY-MM-DD.* is the committed record; a
+    """results/NAME_YYYY-MM-DD.* is the committed record (docs/benchmarks.md, Method); a
     benchmark's undated default output and results/ subfolders are ignored."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")

@@ -511,6 +511,27 @@ class SchedulerConfig:
         return self.depth * self.max_num_batched_tokens
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on the grammars requests may constrain their outputs to (model/grammar.py)."""
+
+    structured_outputs_max_spec_bytes: int = 64 << 10  # a larger schema / regex / grammar: 400
+    structured_outputs_compile_timeout_s: float = 10.0  # a slower compile: 400
+    structured_outputs_cache_size: int = 256  # compiled grammars kept, least recently used out
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.structured_outputs_max_spec_bytes < 1:
+            raise ValueError("--structured-outputs-max-spec-bytes must be ≥ 1")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                "--structured-outputs-compile-timeout-s must be positive seconds, got "
+                f"{self.structured_outputs_compile_timeout_s}"
+            )
+        if self.structured_outputs_cache_size < 1:
+            raise ValueError("--structured-outputs-cache-size must be ≥ 1")
+
+
 def check_metrics_prefix(prefix: str) -> None:
     """ValueError unless `prefix` can start a Prometheus metric name and is not kvtier's own."""
     if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
@@ -593,6 +614,15 @@ class ServerConfig:
 
 # Help text for the flags the CLI derives from these dataclasses (`kvtier.cli_args`).
 FLAG_HELP = {
+    "structured_outputs_max_spec_bytes": (
+        "largest JSON schema, regex, choice list or grammar a request may send (bytes); larger "
+        "ones get HTTP 400"
+    ),
+    "structured_outputs_compile_timeout_s": (
+        "a request's grammar that takes longer to compile gets HTTP 400 (and is remembered as "
+        "too slow)"
+    ),
+    "structured_outputs_cache_size": "compiled grammars kept, least recently used evicted",
     "engine_process": (
         "run the engine in a process of its own, beside the HTTP server's (default); "
         "--no-engine-process runs it on a thread of the server's process"

@@ -8,7 +8,13 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
-from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
+from kvtier.config import (
+    PROTECTIONS,
+    CacheConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    parse_protect,
+)
 
 if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, not when parsing
     from kvtier.engine.core import EngineCore
@@ -43,6 +49,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_dataclass_args(parser, CacheConfig)
     add_dataclass_args(parser, SchedulerConfig)
+    add_dataclass_args(parser, StructuredOutputsConfig)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -59,6 +66,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),
+        structured_outputs=dataclass_from_args(StructuredOutputsConfig, args),
     )
 
 

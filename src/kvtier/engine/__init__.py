@@ -12,10 +12,10 @@ if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
     from kvtier.engine.llm import LLM, CompletionOutput, RequestOutput
     from kvtier.engine.params import EngineArgs, SamplingParams
-    from kvtier.sampling import StructuredOutputsParams
     from kvtier.engine.requests import FinishedRequest, StepOutput
     from kvtier.engine.stats import EngineStats
     from kvtier.runner.transfers import TransferFaults
+    from kvtier.sampling import StructuredOutputsParams
 
 _HOMES = {
     "EngineCore": "core",

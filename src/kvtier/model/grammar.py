@@ -1,6 +1,6 @@
-"""Grammar-constrained decoding over xgrammar (why xgrammar: docs/serving.md §Structured outputs):
-the compiled grammars of one tokenizer, cached by spec, and the per-request matcher that says
-which tokens may come next.
+"""Grammar-constrained decoding over llguidance (why llguidance: docs/serving.md, Structured
+outputs): the compiled grammars of one tokenizer, cached by spec, and the per-request matcher
+that says which tokens may come next.
 
 `Grammars.compile` is the boundary: a spec it cannot compile (bad schema or regex, too large, too
 slow) is a ValueError naming the problem, raised before a request is queued. `Matcher` is runner
@@ -11,7 +11,7 @@ state: it advances on the tokens a forward op accepted and never on an unverifie
 from __future__ import annotations
 
 import json
-import re
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,11 +23,13 @@ from kvtier.config import StructuredOutputsConfig
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sampling import GrammarSpec
 
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; a 400 shows the rest
-_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 # How many compiles may run at once; one abandoned past its timeout keeps its slot until done.
 MAX_CONCURRENT_COMPILES = 2
-INSTALL_HINT = "structured outputs need xgrammar: pip install 'kvtier[structured]'"
+INSTALL_HINT = "structured outputs need llguidance: pip install 'kvtier[structured]'"
+# JSON as json.dumps writes it: no free whitespace, so a model cannot stall in it, and the
+# separators models saw most
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+log = logging.getLogger("kvtier.grammar")
 
 
 class Grammars:
@@ -49,7 +51,7 @@ class Grammars:
         self.config = config or StructuredOutputsConfig()
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # compiled, or the error
-        self._compiler: Any = None
+        self._lltok: Any = None
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._held: dict[GrammarSpec, int] = {}  # specs of live requests: never evicted
         self.num_compiles = 0  # compiles started (cache misses)
@@ -77,25 +79,25 @@ class Grammars:
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _xgr_compiler(self) -> Any:
+    def _tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (from its tokenizer.json), built once."""
         with self._lock:
-            if self._compiler is None:
+            if self._lltok is None:
                 try:
-                    import xgrammar as xgr
-                    from transformers import PreTrainedTokenizerFast
+                    import llguidance
                 except ImportError:
                     raise ValueError(INSTALL_HINT) from None
-                hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tokenizer)  # type: ignore[no-untyped-call]
-                info = xgr.TokenizerInfo.from_huggingface(
-                    hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                self._lltok = llguidance.LLTokenizer(
+                    self.tokenizer.tokenizer.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.stop_token_ids or None,
                 )
-                # our own cache bounds entries and remembers failures: xgrammar's stays off
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-            return self._compiler
+            return self._lltok
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of `spec` (an xgrammar `CompiledGrammar`); ValueError naming the
-        problem when it is too large, does not compile, or compiles too slowly."""
+        """The compiled grammar of `spec` (a fresh llguidance `LLMatcher`, copied for each
+        request); ValueError naming the problem when it is too large, does not compile, or
+        compiles too slowly."""
         cfg = self.config
         size = len(spec.spec.encode())
         if size > cfg.structured_outputs_max_spec_bytes:
@@ -120,7 +122,7 @@ class Grammars:
     def _compile_bounded(self, spec: GrammarSpec) -> Any:
         """Compile on a daemon thread and wait at most the timeout; the compiled grammar, or the
         ValueError to raise (kept in the cache like a grammar, so a bad spec costs one compile)."""
-        compiler = self._xgr_compiler()
+        tokenizer = self._tokenizer()
         timeout = self.config.structured_outputs_compile_timeout_s
         if not self._slots.acquire(timeout=timeout):
             return ValueError(
@@ -132,9 +134,9 @@ class Grammars:
 
         def run() -> None:
             try:
-                box.append(_compile(compiler, spec))
-            except Exception as exc:  # xgrammar raises RuntimeError and others on bad specs
-                box.append(ValueError(f"the {_what(spec)} does not compile: {_clean(exc)}"))
+                box.append(_compile(tokenizer, spec))
+            except Exception as exc:  # llguidance reports bad specs as a matcher error
+                box.append(ValueError(f"the {_what(spec)} does not compile: {exc}"))
             finally:
                 self._slots.release()
                 done.set()
@@ -150,9 +152,8 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec, output_ids: Sequence[int]) -> Matcher:
         """A matcher for `spec` that has accepted `output_ids` (a resumed request's outputs)."""
-        m = Matcher(self.compile(spec))
-        for t in output_ids:
-            m.accept(t)
+        m = Matcher(self.compile(spec).deep_copy(), self.stop_token_ids)
+        m.accept_free(output_ids)
         return m
 
     def allocate_mask(self, num_rows: int) -> torch.Tensor:
@@ -161,33 +162,40 @@ class Grammars:
 
 
 class Matcher:
-    """One request's place in its grammar. Tokens after the grammar has ended (a request that
-    ignores EOS) or after a token it refuses (another filter left the grammar no token) are
-    free: not constrained, counted so a rollback undoes them first."""
+    """One request's place in its grammar. Tokens after the grammar has ended (its EOS, and what
+    a request that ignores EOS draws after it) or after a token it refuses (another filter left
+    the grammar no token) are free: not constrained, counted so a rollback undoes them first."""
 
-    def __init__(self, compiled: Any) -> None:
-        import xgrammar as xgr
-
-        self._m = xgr.GrammarMatcher(compiled)
+    def __init__(self, matcher: Any, eos_ids: Sequence[int]) -> None:
+        self._m = matcher
+        self._eos = frozenset(eos_ids)
         self.num_free = 0  # tokens accepted unconstrained, after the grammar's
 
     @property
     def constrained(self) -> bool:
-        return self.num_free == 0 and not self._m.is_terminated()
+        return self.num_free == 0 and not self._m.is_error()
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (nothing changed) if the grammar refuses it. Unconstrained,
-        every token is accepted."""
+        every token is accepted; an EOS the grammar allows ends it."""
         if not self.constrained:
             self.num_free += 1
             return True
-        return bool(self._m.accept_token(token))
+        if token in self._eos:  # allowed where the grammar accepts (validate_tokens says no)
+            if not self._m.is_accepting():
+                return False
+            self.num_free += 1
+            return True
+        if self._m.validate_tokens([token]) != 1:
+            return False
+        return bool(self._m.consume_token(token))
 
     def accept_free(self, tokens: Sequence[int]) -> None:
         """Advance by tokens already drawn under this matcher's masks; a refused one (no token
         was left by the other filters) frees the rest."""
         for t in tokens:
             if not self.accept(t):
+                log.warning("a token outside the grammar was drawn; the rest is unconstrained")
                 self.num_free += 1
 
     def rollback(self, num_tokens: int) -> None:
@@ -200,22 +208,15 @@ class Matcher:
     def fill(self, mask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `mask[row]`; all of them when unconstrained."""
         if self.constrained:
-            self._m.fill_next_token_bitmask(mask, row)
+            view = mask[row]
+            self._m.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
         else:
             mask[row].fill_(-1)
-
-    def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
 
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of `rows` whose bit in `mask` (on logits' device, one
     row per logits row) is 0."""
-    if logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
-        return
     vocab = logits.shape[-1]
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
@@ -225,31 +226,51 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> Non
     logits.index_copy_(0, index, sub)
 
 
-def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+def _compile(tokenizer: Any, spec: GrammarSpec) -> Any:
+    import llguidance
+
+    make = llguidance.LLMatcher
     if spec.kind == "json":
         try:
-            json.loads(spec.spec)
+            schema = json.loads(spec.spec)
         except json.JSONDecodeError as exc:
             raise ValueError(f"not valid JSON ({exc})") from None
-        return compiler.compile_json_schema(spec.spec, any_whitespace=False)
-    if spec.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.spec)
-    if spec.kind == "choice":
+        grammar = make.grammar_from_json_schema(json.dumps(closed(schema)), defaults=JSON_OPTIONS)
+    elif spec.kind == "json_object":
+        grammar = make.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    elif spec.kind == "regex":
+        grammar = make.grammar_from_regex(spec.spec)
+    elif spec.kind == "choice":  # Lark string literals take JSON's escapes
         options = json.loads(spec.spec)
-        # GBNF string literals take JSON's escapes
-        return compiler.compile_grammar(
-            "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
-        )
-    if spec.kind == "grammar":
-        return compiler.compile_grammar(spec.spec)
-    raise ValueError(f"unknown structured output kind {spec.kind!r}")
+        lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+        grammar = make.grammar_from_lark(lark)
+    elif spec.kind == "grammar":  # Lark, or GBNF (vLLM's EBNF) converted to it
+        text = spec.spec
+        lark = llguidance.gbnf_to_lark(text) if "::=" in text else text  # type: ignore[operator]
+        grammar = make.grammar_from_lark(lark)
+    else:
+        raise ValueError(f"unknown structured output kind {spec.kind!r}")
+    matcher = make(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error().strip())
+    return matcher
 
 
-def _clean(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return _CPP_PREFIX.sub("", text).strip() or type(exc).__name__
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that leaves it unsaid
+    (as xgrammar's and OpenAI's strict mode): the output holds the properties the schema names,
+    and a small model cannot wander off into invented keys. Still a subset of what the schema
+    accepts, so every output validates against the schema as sent."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    is_object = out.get("type") == "object" or isinstance(out.get("properties"), dict)
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if is_object and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def _what(spec: GrammarSpec) -> str:
@@ -258,5 +279,5 @@ def _what(spec: GrammarSpec) -> str:
         "json_object": "JSON object grammar",
         "regex": "regex (structured_outputs.regex)",
         "choice": "choice list (structured_outputs.choice)",
-        "grammar": "grammar (structured_outputs.grammar)",
+        "grammar": "grammar (structured_outputs.grammar, Lark or GBNF)",
     }[spec.kind]

@@ -228,6 +228,7 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> Non
 
 def _compile(tokenizer: Any, spec: GrammarSpec) -> Any:
     import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
 
     make = llguidance.LLMatcher
     if spec.kind == "json":
@@ -245,9 +246,7 @@ def _compile(tokenizer: Any, spec: GrammarSpec) -> Any:
         lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
         grammar = make.grammar_from_lark(lark)
     elif spec.kind == "grammar":  # Lark, or GBNF (vLLM's EBNF) converted to it
-        text = spec.spec
-        lark = llguidance.gbnf_to_lark(text) if "::=" in text else text  # type: ignore[operator]
-        grammar = make.grammar_from_lark(lark)
+        grammar = make.grammar_from_lark(any_to_lark(spec.spec))
     else:
         raise ValueError(f"unknown structured output kind {spec.kind!r}")
     matcher = make(tokenizer, grammar, log_level=0)

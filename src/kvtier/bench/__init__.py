@@ -25,6 +25,7 @@ BENCHMARKS = (
     "roofline",
     "overlap",
     "admission",
+    "grammar",
 )
 
 

@@ -8,7 +8,8 @@ compiling a few JSON schemas, and the CPU time to fill one token's mask while a 
 document is fed token by token (mean and worst, µs). It checks: a rollback over the document
 restores the masks, JSON-schema features compile (or are refused), and whether a raw control
 byte may appear inside a JSON string (invalid JSON). Prints a table, saves JSON. Asserts nothing;
-timings on a shared machine are noisy, ratios within one run are what to read.
+timings on a shared machine are noisy, ratios within one run are what to read. Needs xgrammar
+beside kvtier's llguidance (`pip install xgrammar`; it is no kvtier dependency).
 """
 
 from __future__ import annotations

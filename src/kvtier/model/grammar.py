@@ -25,7 +25,7 @@ from kvtier.sampling import GrammarSpec
 
 # How many compiles may run at once; one abandoned past its timeout keeps its slot until done.
 MAX_CONCURRENT_COMPILES = 2
-INSTALL_HINT = "structured outputs need llguidance: pip install 'kvtier[structured]'"
+INSTALL_HINT = "structured outputs need llguidance (a kvtier dependency): pip install llguidance"
 # JSON as json.dumps writes it: no free whitespace, so a model cannot stall in it, and the
 # separators models saw most
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -52,6 +52,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # compiled, or the error
         self._lltok: Any = None
+        self._executor: Any = None  # llguidance's thread pool for the masks of a step
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._held: dict[GrammarSpec, int] = {}  # specs of live requests: never evicted
         self.num_compiles = 0  # compiles started (cache misses)
@@ -156,9 +157,31 @@ class Grammars:
         m.accept_free(output_ids)
         return m
 
-    def allocate_mask(self, num_rows: int) -> torch.Tensor:
-        """[num_rows, ceil(vocab / 32)] int32 bitmask, every token allowed."""
-        return torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+    def fill_masks(
+        self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The masks of `num_rows` sampled rows ([num_rows, ceil(vocab / 32)] int32 bitmask,
+        every token allowed but in the rows returned): for each (matcher, first row, drafts),
+        row first + j gets the mask after the first j drafts. Rows after a draft the grammar
+        refuses stay open: verification stops at the refused draft (the token drawn there
+        cannot equal it), so they are never accepted. The matchers are left as they were;
+        the masks are computed in parallel, off the GIL."""
+        import llguidance.torch as llt
+
+        mask = torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        work = [(m.matcher, first, drafts) for m, first, drafts in jobs if m.constrained]
+        if work and self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        plain = [(m, first) for m, first, drafts in work if not drafts]
+        drafting = [w for w in work if w[2]]
+        if plain:
+            llt.fill_next_token_bitmask_par(self._executor, plain, mask)
+        if drafting:
+            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, mask)
+        rows = [first + j for _, first, drafts in work for j in range(len(drafts) + 1)]
+        return mask, rows
 
 
 class Matcher:
@@ -174,6 +197,11 @@ class Matcher:
     @property
     def constrained(self) -> bool:
         return self.num_free == 0 and not self._m.is_error()
+
+    @property
+    def matcher(self) -> Any:
+        """The llguidance matcher (for `Grammars.fill_masks`)."""
+        return self._m
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (nothing changed) if the grammar refuses it. Unconstrained,
@@ -204,14 +232,6 @@ class Matcher:
         self.num_free -= free
         if num_tokens > free:
             self._m.rollback(num_tokens - free)
-
-    def fill(self, mask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into `mask[row]`; all of them when unconstrained."""
-        if self.constrained:
-            view = mask[row]
-            self._m.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
-        else:
-            mask[row].fill_(-1)
 
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:

@@ -370,36 +370,21 @@ class ModelRunner:
             self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
 
     def _fill_masks(self, plan: list[_Planned]) -> tuple[torch.Tensor, list[int]] | None:
-        """The grammar masks of this step's sampled rows (row order as `_sample`'s), and the rows
-        they constrain; None when no request has a grammar. A drafting request's row j gets the
-        mask after its first j drafts; a draft its mask refuses ends the rows masked, since
-        verification stops at the refused draft (the token drawn there cannot equal it)."""
-        jobs: list[tuple[_Planned, int]] = []
+        """The grammar masks of this step's sampled rows (row order as `_sample`'s) and the rows
+        they constrain, None when no request has a grammar; a drafting request's row j gets the
+        mask after its first j drafts (`Grammars.fill_masks`), its matcher left on real tokens."""
+        jobs = []
         num_rows = 0
         for p in plan:
             if not p.samples:
                 continue
             if p.state.grammar is not None:
-                jobs.append((p, num_rows))
+                jobs.append((p.state.grammar, num_rows, p.drafts))
             num_rows += len(p.drafts) + 1
         if not jobs or self.grammars is None:
             return None
-        mask = self.grammars.allocate_mask(num_rows)
-        rows: list[int] = []
-        for p, first in jobs:
-            matcher = p.state.grammar
-            assert matcher is not None
-            matcher.fill(mask, first)
-            rows.append(first)
-            taken = 0
-            for j, draft in enumerate(p.drafts):
-                if not matcher.accept(draft):
-                    break
-                taken += 1
-                matcher.fill(mask, first + j + 1)
-                rows.append(first + j + 1)
-            matcher.rollback(taken)  # drafts are unverified: the matcher stays on real tokens
-        return mask, rows
+        mask, rows = self.grammars.fill_masks(jobs, num_rows)
+        return (mask, rows) if rows else None  # every grammar ended: nothing to mask
 
     def _land_draft_states(self, plan: list[_Planned], drafting: list[int]) -> None:
         """After the drafts are accepted: each state page of the device's new count holds the
@@ -490,7 +475,7 @@ class ModelRunner:
             for p, _, _ in sampling:
                 p.state.num_tokens += 1
                 p.state.position = p.state.num_tokens - 1
-            if masks is not None:  # the one read of sampled tokens inside the op without drafts
+            if any(p.state.grammar for p, _, _ in sampling):  # the op's one read, without drafts
                 self._advance_grammars(sampling, out.token_ids)
         spans = [  # rows of requests asking for logprobs
             (p.req_id, first, n, p.state.params.logprobs, 0)

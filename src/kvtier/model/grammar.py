@@ -166,8 +166,6 @@ class Grammars:
         refuses stay open: verification stops at the refused draft (the token drawn there
         cannot equal it), so they are never accepted. The matchers are left as they were;
         the masks are computed in parallel, off the GIL."""
-        import llguidance.torch as llt
-
         mask = torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         work = [(m.matcher, first, drafts) for m, first, drafts in jobs if m.constrained]
         if work and self._executor is None:
@@ -176,10 +174,15 @@ class Grammars:
             self._executor = llguidance.LLExecutor()
         plain = [(m, first) for m, first, drafts in work if not drafts]
         drafting = [w for w in work if w[2]]
+        # the executor's calls behind llguidance.torch's fill_next_token_bitmask_par*, whose
+        # module would compile a torch kernel we do not use at import
+        ptr, row_bytes = mask.data_ptr(), mask.shape[1] * 4
         if plain:
-            llt.fill_next_token_bitmask_par(self._executor, plain, mask)
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
         if drafting:
-            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, mask)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafting, ptr, row_bytes, num_rows
+            )
         rows = [first + j for _, first, drafts in work for j in range(len(drafts) + 1)]
         return mask, rows
 

@@ -333,9 +333,9 @@ def run(args: argparse.Namespace) -> int:
         good = [k for k, v in feats.items() if v in ("enforced", "compiles")]
         bad = {k: v for k, v in feats.items() if k not in good}
         print(f"{label}: {len(good)}/{len(feats)} schema features enforced; others {bad}")
-    versions = {}
-    for mod in ("xgrammar", "llguidance"):
-        versions[mod] = getattr(__import__(mod), "__version__", None)
+    from importlib.metadata import version
+
+    versions = {mod: version(mod) for mod in ("xgrammar", "llguidance")}
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench")}
     path = save_json({"config": config, "versions": versions, "results": results}, args.out)
     print(f"saved {path}")

@@ -90,9 +90,17 @@ def run_one(path: str, vocab: int, depth: int, args: argparse.Namespace) -> dict
     for p in params.values():  # first-call costs, and the grammar compiled once
         llm.generate([{"prompt_token_ids": q} for q in warm], p, use_tqdm=False)
     rounds = []
-    for r in range(args.rounds):
-        prompts = random_prompts(args.seed + r, args.concurrency, args.input_len, vocab)
-        rounds.append({mode: run_pass(llm, prompts, p) for mode, p in params.items()})
+    for r in range(args.rounds):  # new prompts for every pass: no prefix hit favours either
+        rounds.append(
+            {
+                mode: run_pass(
+                    llm,
+                    random_prompts(args.seed + 2 * r + i, args.concurrency, args.input_len, vocab),
+                    p,
+                )
+                for i, (mode, p) in enumerate(params.items())
+            }
+        )
     ratios = [
         x["json_schema"]["output_tokens_per_s"] / x["free"]["output_tokens_per_s"] for x in rounds
     ]

@@ -212,7 +212,7 @@ def test_greedy_grammar_requests_beside_free_ones_leave_the_free_ones_alone(tiny
     llm = LLM(str(tiny), **{**SMALL, **CHECKED, "async_depth": 3, "num_speculative_tokens": 2})
     expected = rounds(llm, mixed_prompts(), free, 1)
     engine = llm.engine
-    for i, (name, prompt, params) in enumerate(workload()):
+    for i, (_, prompt, params) in enumerate(workload()):
         engine.add_request(f"g{i}", prompt, params)
     for i, prompt in enumerate(mixed_prompts()):
         engine.add_request(f"f{i}", prompt, free)

@@ -109,7 +109,7 @@ def run_one(path: str, vocab: int, depth: int, args: argparse.Namespace) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.config import ModelConfig
+    from kvtier.model.hf_config import load_model_config
 
     depths = [int(d) for d in args.depths.split(",")]
     if any(d not in (1, 2, 3) for d in depths) or args.concurrency < 1 or args.rounds < 1:
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = str(models.model_path(name, Path(tmp)))
-            vocab = ModelConfig.from_pretrained(path).vocab_size
+            vocab = load_model_config(path).vocab_size
             for depth in depths:
                 row = {"model": models.label(name)} | run_one(path, vocab, depth, args)
                 rows.append(row)

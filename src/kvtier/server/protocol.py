@@ -216,7 +216,7 @@ class _Sampling(_Body):
         so = self.structured_outputs
         if so is not None:
             check_extras(so.extras(), STRUCTURED_NEUTRAL)
-            kw = {"json": so.json_, "regex": so.regex, "choice": so.choice}
+            kw: dict[str, Any] = {"json": so.json_, "regex": so.regex, "choice": so.choice}
             kw |= {"grammar": so.grammar, "json_object": so.json_object}
             asked.append(("structured_outputs", {k: v for k, v in kw.items() if v is not None}))
         for name in ("json", "regex", "choice", "grammar"):

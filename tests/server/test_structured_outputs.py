@@ -169,7 +169,7 @@ def test_openai_parse_with_a_pydantic_model_against_kvtier_serve(tmp_path: Path)
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen(serve_command(port, 512, 256), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 300)
         assert proc.poll() is None, Path(log.name).read_text()
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120

@@ -22,18 +22,28 @@
 
 #include "linear.h"
 
+/* the tile layout of either weight type: element (col, kk) of w [n, k] at packed[tile_at] */
+#define PACK_TILES(w, n, k, packed)                                                           \
+    do {                                                                                      \
+        const int64_t nbs = ((n) + 15) / 16, kbs = ((k) + 31) / 32;                           \
+        for (int64_t nb = 0; nb < nbs; nb++)                                                  \
+            for (int64_t kb = 0; kb < kbs; kb++)                                              \
+                for (int r = 0; r < 16; r++)                                                  \
+                    for (int c = 0; c < 16; c++)                                              \
+                        for (int e = 0; e < 2; e++) {                                         \
+                            const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;        \
+                            (packed)[(nb * kbs + kb) * 512 + (r * 16 + c) * 2 + e] =          \
+                                col < (n) && kk < (k) ? (w)[col * (k) + kk] : 0;              \
+                        }                                                                     \
+    } while (0)
+
 void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
-    const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
-    for (int64_t nb = 0; nb < nbs; nb++)
-        for (int64_t kb = 0; kb < kbs; kb++) {
-            uint16_t *tile = packed + (nb * kbs + kb) * 512;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++)
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;
-                        tile[(r * 16 + c) * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
-                    }
-        }
+    PACK_TILES(w, n, k, packed);
+}
+
+/* int8 weights in the same tiles, a byte an element (kvtier_linear_i8) */
+void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) {
+    PACK_TILES(w, n, k, packed);
 }
 
 /* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
@@ -54,20 +64,17 @@ int kvtier_linear_available(void) { return tile_path(); }
 #define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
 #define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
 
-/* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
- * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
- * where neither tile path is built. */
-int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
-                  int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
-    const int path = tile_path();
-    const ChunkFn run = groups_of(path);
-    if (!run) return -2;
+/* A tile linear's call, either weight type: `job` holds the operands, `path` the instructions
+ * (1 AMX, 2 AVX512-BF16), `elem` a weight's bytes. Returns 0, or -1 when the scratch for x's
+ * last partial k block could not be allocated. */
+static int run_tiles(ChunkFn run, int path, Job job, int64_t elem, int threads) {
+    const int64_t m = job.m, n = job.n, k = job.k;
     uint16_t *tail = NULL;
     if (k % 32) {
         tail = calloc((size_t)(m * 32), sizeof(uint16_t));
         if (!tail) return -1;
         for (int64_t r = 0; r < m; r++)
-            memcpy(tail + r * 32, x + r * x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
+            memcpy(tail + r * 32, job.x + r * job.x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
     }
     /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
      * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
@@ -84,13 +91,13 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
      * once per chunk from memory, so it keeps all rows in one. */
     const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
     int64_t chunk_rows = m;
-    if (n * k * 2 <= CHUNK_WEIGHT && m * k * 2 > CHUNK_X) {
+    if (n * k * elem <= CHUNK_WEIGHT && m * k * 2 > CHUNK_X) {
         chunk_rows = CHUNK_X / (k * 2) / 16 * 16;
         if (chunk_rows < 16) chunk_rows = 16;
     }
     const int64_t items = groups * ((m + chunk_rows - 1) / chunk_rows);
-    const Job job = {x,     packed, bias, tail,   out,       m,   n, k, x_stride,
-                     tiles, rows,   groups, chunk_rows};
+    job.tail = tail, job.tiles = tiles, job.rows = rows, job.groups = groups;
+    job.chunk_rows = chunk_rows;
     /* multiply-adds: below 512K (a 1 MiB weight at one row) a helper saves less than it costs */
     const int64_t work = m * n * k;
     pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
@@ -98,6 +105,38 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     return 0;
 }
 
+/* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
+ * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
+ * where neither tile path is built. */
+int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                  int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
+    const int path = tile_path();
+    const ChunkFn run = groups_of(path);
+    if (!run) return -2;
+    const Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
+                     .x_stride = x_stride};
+    return run_tiles(run, path, job, 2, threads);
+}
+
+/* int8 weights (W8A16) wherever AVX512-BF16 is built. Up to I8_AMX_ROWS rows the int8 tiles are
+ * widened in registers (linear_i8_avx512bf16.c): the bytes read bound the call. Above, where the
+ * OS grants AMX, an item widens its group once into memory and the tiles multiply it
+ * (linear_i8_amx.c): in registers, VDPBF16PS's products would bound the call. */
+#define I8_AMX_ROWS 4
+int kvtier_linear_i8_available(void) { return LINEAR_AVX512BF16; }
+
+/* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
+ * are packed[.., j] * scales[j]. Returns as kvtier_linear (-2: no AVX512-BF16). */
+int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_t *packed,
+                     const float *scales, int64_t n, int64_t k, const uint16_t *bias,
+                     uint16_t *out, int threads) {
+    if (!LINEAR_AVX512BF16) return -2;
+    const Job job = {.x = x, .packed8 = packed, .scales = scales, .bias = bias, .out = out,
+                     .m = m, .n = n, .k = k, .x_stride = x_stride};
+    if (LINEAR_I8_AMX && m > I8_AMX_ROWS && tile_path() == 1)
+        return run_tiles(linear_i8_amx_groups, 1, job, 1, threads);
+    return run_tiles(linear_i8_avx512bf16_groups, 2, job, 1, threads);
+}
 /* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the
  * weight packed once as [Nb][K][16] (16 output columns a vector, zero past N). */
 int kvtier_linear_f32_available(void) { return LINEAR_F32; }

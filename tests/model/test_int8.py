@@ -50,8 +50,9 @@ def int8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 70])
 @pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (200, 96, False), (33, 1000, True)])
 def test_the_int8_linear_is_the_dequantized_product(rows: int, n: int, k: int, bias: bool) -> None:
-    """Both paths (≤ 4 rows widen in registers, more on AMX where granted) against float64: the
-    error is the bfloat16 output's rounding plus float32 sums."""
+    """Both paths (≤ 4 rows: x in int16 blocks; more: on AMX where granted) against float64: the
+    error is the bfloat16 output's rounding, float32 sums, and x's int16 rounding (at most 2^-15
+    of its block's largest magnitude)."""
     assert kernels is not None
     gen = torch.Generator().manual_seed(rows * n)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))
@@ -60,9 +61,24 @@ def test_the_int8_linear_is_the_dequantized_product(rows: int, n: int, k: int, b
     out = kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, n, b)
     w = q.double() * scale.double()[:, None]
     ref = x.double() @ w.T + (0 if b is None else b.double())
+    blocks = F.pad(x.double().abs(), (0, -k % 32)).view(rows, -1, 32).amax(-1)
+    block_max = blocks.repeat_interleave(32, dim=1)[:, :k]  # [rows, k]: x's block's largest
     bound = 2**-8 * ref.abs() + 1e-6 * (x.double().abs() @ w.abs().T)
+    bound += 2**-15 * (block_max @ w.abs().T)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [3, 6])
+def test_a_nan_in_x_reaches_its_row_only_and_zeros_give_the_bias(rows: int) -> None:
+    assert kernels is not None
+    q, scale = quantize_int8(torch.randn(48, 64))
+    x = torch.randn(rows, 64).bfloat16()
+    x[0, 37], x[1] = float("nan"), 0.0
+    b = torch.randn(48).bfloat16()
+    out = kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, 48, b)
+    assert out[0].isnan().all() and torch.equal(out[1], b) and not out[2:].isnan().any()
 
 
 @needs_int8_kernel

@@ -1,7 +1,8 @@
 """Int8 weights with bfloat16 or float32 activations (W8A16): the linear that runs them, the one
 checkpoint format read (compressed-tensors, symmetric per-output-channel int8, as llm-compressor
 writes it) and the quantizer both the `int8` load option and the test models use. It owns no
-model structure: the loader decides which linears are int8 (docs/kernels.md §Int8 weights)."""
+model structure: the loader decides which linears are int8 (docs/kernels.md, "Linear layers,
+int8 weights")."""
 
 from __future__ import annotations
 

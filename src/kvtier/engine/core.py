@@ -22,9 +22,11 @@ from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
 from kvtier.ids import ReqId
+from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.loader import model_folder, resolve_dtype
 from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
@@ -47,7 +49,7 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         path = model_folder(args.model_path)  # a GGUF or other file gets its own clear error
-        self.model_config = ModelConfig.from_pretrained(path)
+        self.model_config = load_model_config(path)
         args.check_model(self.model_config)
         self.torch_threads = configure_torch_threads(args.torch_threads, path)
         allocator.keep_freed_memory()  # a step's activations reuse memory, no page faults
@@ -72,6 +74,7 @@ class EngineCore:
             hash_fn=args.cache.prefix_caching_hash_algo,
             admission=self.plan.admission,
             admit_whole_prompt=sched_cfg.scheduler_reserve_full_isl,
+            enable_kv_events=args.enable_kv_cache_events,
         )
         host = [t for t in self.plan.tiers if t.name == "host"]
         num_host_blocks = host[0].num_blocks if host else 0
@@ -111,6 +114,7 @@ class EngineCore:
                 ),
                 bytes_per_block=self.plan.bytes_per_block,
                 store_from_settled="settled" in args.protect,
+                enable_kv_events=args.enable_kv_cache_events,
                 record_published=args.cache.has_lower_tiers,
             )
             if num_host_blocks
@@ -465,6 +469,17 @@ class EngineCore:
         if self.tier_chain is not None:
             self.tier_chain.close()
         self.device.close()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV cache events since the last call, the device pool's first, then the host
+        tier's and the lower tiers' (mutates; empty without `enable_kv_cache_events`). A
+        block's tier copies come after its device event, so a consumer knows its parent."""
+        events = self.kv.take_events()
+        if self.tier_chain is not None:
+            events += self.tier_chain.take_events()
+        elif self.host_tier is not None:
+            events += self.host_tier.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (the host tier keeps its entries); False, changing

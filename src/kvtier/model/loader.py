@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvtier.config import ModelConfig
 from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.quant import QUANTIZATIONS, Int8Linear, int8_config, int8_tensors, quantize_int8
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
@@ -37,7 +37,7 @@ _INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaim
 def empty_weights() -> Iterator[None]:
     """Build modules on the meta device without filling their weights (a checkpoint assigns
     every one): a random fill of a meta tensor runs a Python decomposition whose first call
-    imports torch._dynamo, 1.2–1.5 s of every process's start. Replaces torch.nn.init's fills
+    imports torch._dynamo, a large part of every process's start. Replaces torch.nn.init's fills
     while it is open (as transformers' `no_init_weights` does): build models on one thread."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
 
@@ -127,7 +127,7 @@ def load_model(
     (`native=False`: torch ops only, no kernels of model/native.py). `quantization` as
     `resolve_quantization`: int8 linears where the checkpoint has them, or made at load."""
     folder = model_folder(path)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_model_config(folder)
     spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     method = resolve_quantization(quantization, folder)

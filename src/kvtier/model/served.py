@@ -18,6 +18,7 @@ from kvtier.config import ModelConfig
 from kvtier.kv.plan import KVGroup
 from kvtier.kv.specs import Mamba
 from kvtier.model.attention import AttentionMetadata, LayerKind
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_loader import load_hybrid
 from kvtier.model.loader import load_model, model_folder, resolve_quantization
@@ -143,7 +144,7 @@ def load_served(
     has `mamba_*` sizes), `load_model` otherwise (with `quantization`, as `load_model` takes
     it); in eval mode, no gradients."""
     folder = model_folder(path)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_model_config(folder)
     if config.mamba is not None:
         if resolve_quantization(quantization, folder) is not None:
             raise ValueError(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
 from kvtier.config import (
     PROTECTIONS,
+    QUANTIZATIONS,
     CacheConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -29,6 +30,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (the checkpoint's; float16 runs as bfloat16 off cuda), float32, bfloat16, "
         "float64, or float16 (cuda only)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weights' quantization (default: the checkpoint's config.json): compressed-tensors "
+        "int8 weights, or int8 to quantize a float checkpoint's linears as it loads (W8A16)",
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
@@ -58,6 +67,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -132,7 +132,10 @@ def synthetic_tokenizer(size: int, work: Path) -> Path:
     from kvtier.model.testing import _bytes_to_unicode
 
     table = _bytes_to_unicode()
-    enc = lambda s: "".join(table[b] for b in s.encode())  # noqa: E731
+
+    def enc(s: str) -> str:
+        return "".join(table[b] for b in s.encode())
+
     vocab: dict[str, int] = {}
     for b in range(256):
         vocab.setdefault(table[b], len(vocab))
@@ -172,7 +175,7 @@ class Xgrammar:
         from transformers import PreTrainedTokenizerFast
 
         self.xgr = xgr
-        hf = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer)
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer)  # type: ignore[no-untyped-call]
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[eos])
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.vocab = vocab

@@ -238,3 +238,21 @@ def _encode_tail(tokenizer: Tokenizer, text: str, add_special_tokens: bool, k: i
             return ids[-k:]
         size *= 2
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)[-k:]
+
+
+def bad_words_token_ids(
+    tokenizer: Tokenizer, words: tuple[str, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, as vLLM tokenizes them: the word alone (at the start of a
+    text), and after a space when that spelling starts with another token but has as many (a
+    word inside a text); ValueError naming `bad_words` for a word with no tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise ValueError(f"bad_words entry {show(word)} has no tokens; drop it")
+        out.append(alone)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            out.append(spaced)
+    return tuple(out)

@@ -83,14 +83,16 @@ def _requests(
     encoded: list[PromptTokens],
     body: CompletionRequest | ChatCompletionRequest,
     limits: list[int],
+    vocab_size: int,
     num_logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> list[tuple[list[int], SamplingParams]]:
     """One (token ids, parameters) per choice: `body.n` per prompt, in choice order."""
     out = []
+    bias = body.token_bias(vocab_size)
     for e, limit in zip(encoded, limits, strict=True):
         for i in range(body.n):
-            sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs)
+            sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs, bias)
             out.append((e.token_ids, sp))
     return out
 
@@ -134,7 +136,7 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         ]
         lengths = [len(e.token_ids) for e in encoded] if returns_prompt else None
         check_response_size(body.n, limits, lengths, body.logprobs, prompt_logprobs)
-        todo = _requests(encoded, body, limits, body.logprobs, prompt_logprobs)
+        todo = _requests(encoded, body, limits, engine.vocab_size, body.logprobs, prompt_logprobs)
         texts = [e.text or "" for e in encoded]
         gen = Generation(engine, "cmpl", texts, body.n, body.request_id)
         await gen.start(todo, body.priority)
@@ -218,7 +220,9 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         )
         lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
         check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
-        todo = _requests(encoded, body, [limit], num_logprobs, body.prompt_logprobs)
+        todo = _requests(
+            encoded, body, [limit], engine.vocab_size, num_logprobs, body.prompt_logprobs
+        )
         gen = Generation(
             engine, "chatcmpl", [e.text or "" for e in encoded], body.n, body.request_id
         )

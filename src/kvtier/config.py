@@ -524,6 +524,24 @@ def check_metrics_prefix(prefix: str) -> None:
         )
 
 
+# vLLM's --tool-call-parser names this server implements (server/tool_parsers.py PARSERS)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """ValueError naming the flag: an unknown parser, or auto tool choice without one."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+            f"{tool_call_parser!r}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen/Hermes, "
+            "llama3_json for Llama 3.x, mistral for Mistral)"
+        )
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front of `kvtier serve`."""
@@ -548,10 +566,15 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for a certificate
     root_path: str | None = None
+    # Tool calling, as vLLM's flags: tool_choice "auto" parses calls out of the model's text with
+    # the parser of its chat-template family (server/tool_parsers.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         check_field_types(self)
         check_metrics_prefix(self.metrics_prefix)
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         self._check_deployment()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")

@@ -63,7 +63,7 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         (
             "/v1/chat/completions",
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            "tool_choice",  # auto, which this server was not started for
         ),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"echo": True}, "echo"),

@@ -10,6 +10,7 @@ before it is tokenized whole: one huge prompt never costs more than its allowed 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool entries, for the template
 
 
 def encode_prompt(
@@ -121,16 +123,17 @@ def check_prompt_ids(
 def render_chat(
     tokenizer: Tokenizer, messages: list[dict[str, Any]], chat: ChatOptions | bool = True
 ) -> str:
-    """The tokenizer's chat template, or the plain `role: text` one; ValueError on template
-    errors (they are the messages' fault). With `continue_final_message` the text ends where
+    """The tokenizer's chat template, or the plain `role: text` one; ValueError on template errors (they are the messages' fault). With `continue_final_message` the text ends where
     the final message's content ends, as `transformers` cuts it."""
     opts = chat if isinstance(chat, ChatOptions) else ChatOptions(chat)
     add_gen = opts.add_generation_prompt and not opts.continue_final_message
     try:
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, add_gen, opts.template_kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, add_gen, opts.template_kwargs, opts.tools
+            )
         else:
-            text = render_default_chat(messages, add_gen)
+            text = render_default_chat(messages, add_gen, opts.tools)
     except Exception as exc:
         raise ValueError(f"chat template: {exc}") from None
     return _open_final_message(text, messages) if opts.continue_final_message else text
@@ -151,10 +154,19 @@ def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     return text[:end]
 
 
-def render_default_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    """The plain template, used when the tokenizer has none: one `role: content` line per
-    message, then `assistant:` when a generation prompt is wanted."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+def render_default_chat(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The plain template, used when the tokenizer has none: a `tools:` line with their JSON
+    when given, one `role: content` line per message (an assistant's tool calls as JSON after
+    its content), then `assistant:` when a generation prompt is wanted."""
+    text = f"tools: {json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+    for m in messages:
+        calls = m.get("tool_calls")
+        extra = f" {json.dumps(calls, ensure_ascii=False)}" if calls else ""
+        text += f"{m['role']}: {m['content']}{extra}\n"
     return text + ("assistant:" if add_generation_prompt else "")
 
 

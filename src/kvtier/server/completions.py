@@ -5,6 +5,7 @@ OpenAI responses, whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,6 +32,7 @@ from kvtier.server.protocol import (
     JSONBody,
     check_text,
 )
+from kvtier.server.tools import ToolConfig, plan_tools
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -103,9 +105,12 @@ def _specials(body: CompletionRequest | ChatCompletionRequest) -> bool | None:
     return body.add_special_tokens if "add_special_tokens" in body.model_fields_set else None
 
 
-def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
+def completion_routes(
+    engine: EngineClient, served_model_name: str, tool_config: ToolConfig | None = None
+) -> APIRouter:
     """`/v1/completions` and `/v1/chat/completions` over a started `engine`; a body naming a model
-    other than `served_model_name` gets a 404."""
+    other than `served_model_name` gets a 404; `tool_config`: the server's tool flags."""
+    tool_config = tool_config or ToolConfig()
     router = APIRouter(default_response_class=JSONBody)
     # the most requests the engine ever holds: more choices in one request can never be admitted
     max_unfinished = engine.args.scheduler.max_num_seqs + engine.max_waiting_requests
@@ -208,9 +213,13 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         check_admissible(body.n, max_unfinished, body.n)
         if max_tokens is not None:  # up front: before the prompt is rendered and tokenized
             check_response_size(body.n, [max_tokens], None, num_logprobs, None)
+        plan = plan_tools(body, tool_config)
         messages = body.dict_messages()
         opts = ChatOptions(
-            body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+            plan.tools,
         )
         encoded = await _encode_all(
             engine, [messages], max_tokens, _specials(body), body.truncate_prompt_tokens, opts
@@ -220,9 +229,12 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         )
         lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
         check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
-        todo = _requests(
-            encoded, body, [limit], engine.vocab_size, num_logprobs, body.prompt_logprobs
-        )
+        todo = [
+            (ids, replace(sp, skip_special_tokens=plan.skip_special_tokens(sp.skip_special_tokens)))
+            for ids, sp in _requests(
+                encoded, body, [limit], engine.vocab_size, num_logprobs, body.prompt_logprobs
+            )
+        ]
         gen = Generation(
             engine, "chatcmpl", [e.text or "" for e in encoded], body.n, body.request_id
         )
@@ -237,29 +249,46 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
 
         if body.stream:
             greeted: set[int] = set()
+            calls = [plan.stream() for _ in gen.texts]  # per choice, when tool calls are parsed
 
-            def chunk(i: int, d: Delta) -> dict[str, Any]:
-                delta: dict[str, Any] = {"content": d.text}
+            def chunk(i: int, d: Delta) -> list[dict[str, Any]]:
+                content, tool_deltas = d.text, list[dict[str, Any]]()
+                streamer = calls[i]
+                if streamer is not None:  # the text so far, held back while it may be a call
+                    content, tool_deltas = streamer.feed(gen.texts[i], d.finish_reason is not None)
+                delta: dict[str, Any] = {"content": content}
                 if i not in greeted:  # each choice's first delta carries the role
                     greeted.add(i)
                     delta["role"] = "assistant"
-                c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
-                c["finish_reason"] = _finish_reason(d.finish_reason)
-                out = head | {"choices": [c]}
-                return out | {"usage": gen.choice_usage(i)} if body.continuous_usage else out
+                out = []
+                if content or len(delta) > 1 or not tool_deltas or d.logprobs:
+                    out.append({"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)})
+                for tool_delta in tool_deltas:  # one call's head or fragment per chunk (OpenAI)
+                    out.append({"index": i, "delta": {"tool_calls": [tool_delta]}})
+                reason = _finish_reason(d.finish_reason)
+                if reason == "stop" and streamer is not None and streamer.num_calls:
+                    reason = "tool_calls"
+                for c in out:
+                    c.setdefault("logprobs", None)
+                    c["finish_reason"] = None
+                out[-1]["finish_reason"] = reason
+                usage = {"usage": gen.choice_usage(i)} if body.continuous_usage else {}
+                return [head | {"choices": [c]} | usage for c in out]
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs(gen.logprobs[i]),
-                "finish_reason": _finish_reason(gen.finish[i]),
-                "stop_reason": gen.stop_reasons[i],
-            }
-            for i, text in enumerate(gen.texts)
-        ]
+        choices = []
+        for i, text in enumerate(gen.texts):
+            message, reason = plan.message(text, _finish_reason(gen.finish[i]))
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs(gen.logprobs[i]),
+                    "finish_reason": reason,
+                    "stop_reason": gen.stop_reasons[i],
+                }
+            )
         out = head | {"choices": choices, "usage": gen.usage_body()}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices, one list per request
             out["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs[0] or [])

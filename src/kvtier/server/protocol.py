@@ -328,6 +328,31 @@ class ChatMessage(_Body):
         return "\n".join(texts)
 
 
+MAX_TOOLS = 128
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolParam(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -339,6 +364,11 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of what the chat template writes
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (server/tools.py): the tools reach the chat template; tool_choice decides
+    # whether calls are parsed from the output (auto) or not (none); None: auto when tools
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the first)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_NEUTRAL
 
@@ -420,6 +450,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)  # for the template
 
 
 class DetokenizeRequest(_Body):

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from kvtier.cli_args import configure_logging, parse_bytes
-from kvtier.config import RouterConfig
+from kvtier.config import RouterConfig, flag_help
 
 log = logging.getLogger("kvtier.router")
 
@@ -18,36 +18,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         metavar="URL",
-        help="base URL of a `kvtier serve` replica (repeat: --replica URL --replica URL)",
+        help=flag_help(RouterConfig, "replicas"),
     )
-    p.add_argument("--host", default=d.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="port to listen on")
+    p.add_argument("--host", default=d.host, help=flag_help(RouterConfig, "host"))
+    p.add_argument("--port", type=int, default=d.port, help=flag_help(RouterConfig, "port"))
     p.add_argument(
         "--health-interval-s",
         type=float,
         default=d.health_interval_s,
-        help="seconds between GET /health checks of each replica",
+        help=flag_help(RouterConfig, "health_interval_s"),
     )
     p.add_argument(
         "--route-prefix-chars",
         type=int,
         default=d.route_prefix_chars,
-        help="characters of a completion prompt that name its prefix (chat requests are named "
-        "by their messages through the first user message)",
+        help=flag_help(RouterConfig, "route_prefix_chars"),
     )
     p.add_argument(
         "--load-factor",
         type=float,
         default=d.load_factor,
-        help="pass over a replica running more than this × the mean in-flight requests",
+        help=flag_help(RouterConfig, "load_factor"),
     )
     p.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
         default=d.max_request_body_bytes,
-        help="largest request body (suffixes KiB/MiB accepted); larger get 413",
+        help=flag_help(RouterConfig, "max_request_body_bytes"),
     )
-    p.add_argument("--log-level", default=d.log_level, help="debug, info, warning or error")
+    p.add_argument("--log-level", default=d.log_level, help=flag_help(RouterConfig, "log_level"))
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

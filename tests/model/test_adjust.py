@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from kvtier.model import native
 from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.sampler import SamplingBatch, sample
 from kvtier.sampling import DrawParams
@@ -162,3 +163,30 @@ def test_a_bad_word_bans_its_last_token_only_after_its_prefix() -> None:
     got = adjust.apply(torch.zeros(3, 8))
     assert got[:, 6].tolist() == [float("-inf"), 0.0, 0.0]
     assert torch.isfinite(got[:, :6]).all()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "torch"])
+def test_adjusted_rows_draw_the_same_on_the_native_and_torch_paths(kernel, monkeypatch) -> None:
+    """The native argmax and top-k / top-p filter read the adjusted logits, as torch's do."""
+    if not kernel:
+        monkeypatch.setattr(native, "top_k_top_p_", lambda x, k, p: None)
+        monkeypatch.setattr(native, "argmax", lambda x: x.argmax(dim=-1))
+    elif native.kernels() is None:
+        pytest.skip("no native kernels on this machine")
+    rng = random.Random(5)
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(5)) * 3
+    tokens = torch.randint(0, 300, (32, 40), generator=torch.Generator().manual_seed(6))
+    params = []
+    for i in range(32):
+        kw = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
+        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": i, "top_k": 20}
+        params.append(DrawParams(**kw, **sampling, top_p=0.9 if i % 4 == 0 else 1.0))
+    histories = [RowHistory(i, rng.randint(1, 10), 30) for i in range(32)]
+    batch = SamplingBatch.from_params(params, [30] * 32, 300)
+    adjust = Adjustments.build(params, histories, 300, tokens)
+    got = sample(logits, batch, torch.Generator().manual_seed(0), adjust=adjust).token_ids
+    want = adjust.apply(logits.clone()) if adjust is not None else logits
+    assert got[1::2].tolist() == want[1::2].argmax(-1).tolist()
+    monkeypatch.undo()  # the default path (native where built) draws the same tokens
+    plain = sample(logits, batch, torch.Generator().manual_seed(0), adjust=adjust).token_ids
+    assert torch.equal(got, plain)

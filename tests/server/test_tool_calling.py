@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from openai import OpenAI
 
 from kvtier.model.testing import write_tiny_model
 from kvtier.server.tool_parsers import PARSERS
-from kvtier.server.tools import ToolPlan
+from kvtier.server.tools import ToolPlan, calls_schema
 from tests.server.conftest import ServerHandle, _health, free_port, wait_until
 
 HERMES_TEMPLATE = """\
@@ -236,3 +237,28 @@ def test_a_finished_output_with_calls_becomes_a_tool_calls_message() -> None:
         {"role": "assistant", "content": text},
         "stop",
     )
+
+
+def test_the_required_schema_holds_calls_to_the_tools_and_their_parameters() -> None:
+    """tool_choice "required" enforces vLLM's shape: an array of {name, parameters}, each name
+    one of the tools with that tool's parameters; parallel_tool_calls=false allows one call."""
+    time_tool = {"type": "function", "function": {"name": "get_time"}}
+    schema = calls_schema([WEATHER_TOOL, time_tool], None)
+    jsonschema.validate(
+        [
+            {"name": "get_weather", "parameters": {"city": "Paris"}},
+            {"name": "get_time", "parameters": {}},
+        ],
+        schema,
+    )
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {}}],  # city is required
+        [{"name": "get_stock", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "kelvin"}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    one = calls_schema([WEATHER_TOOL], 1)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {"city": "a"}}] * 2, one)

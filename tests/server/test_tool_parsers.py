@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.tool_parsers import PARSERS, ToolCallStream, parse_tool_calls
+from kvtier.server.tool_parsers import (
+    PARSERS,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolCallStream,
+    ToolParser,
+    parse_tool_calls,
+)
 
 WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2, 3], "detail": {"wind": True}}
 TIME = {"timezone": "Europe/Berlin", "note": 'braces } and ] and "quotes" — ünïcode'}
@@ -66,7 +73,28 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
         [("get_weather", WEATHER), ("get_time", TIME)],
     ),
     ("mistral", "Nothing to call [TOOL", None, []),
+    (
+        "required",  # tool_choice "required": the output held to vLLM's array of calls
+        json.dumps(
+            [
+                {"name": "get_weather", "parameters": WEATHER},
+                {"name": "get_time", "parameters": TIME},
+            ],
+            ensure_ascii=False,
+        ),
+        None,
+        [("get_weather", WEATHER), ("get_time", TIME)],
+    ),
+    ("named", json.dumps(WEATHER), None, [("get_weather", WEATHER)]),  # a named function
 ]
+
+
+def make(parser: str) -> ToolParser:
+    if parser == "required":
+        return RequiredCallsParser()
+    if parser == "named":
+        return NamedCallParser("get_weather")
+    return PARSERS[parser]()
 
 
 def expected_content(text: str, content: str | None, calls: list[Any]) -> str | None:
@@ -79,7 +107,7 @@ def expected_content(text: str, content: str | None, calls: list[Any]) -> str | 
 def test_a_whole_output_gives_its_content_and_calls(
     parser: str, text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]
 ) -> None:
-    got_content, got = parse_tool_calls(PARSERS[parser](), text)
+    got_content, got = parse_tool_calls(make(parser), text)
     assert got_content == expected_content(text, content, calls)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
     assert all(c["type"] == "function" and c["id"] for c in got)
@@ -89,7 +117,7 @@ def test_a_whole_output_gives_its_content_and_calls(
 def reassemble(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]], list[str]]:
     """Feed the prefixes of `chunks`; returns the streamed content, the calls as (name,
     arguments string) and the order of the delta kinds per call ("head", "args")."""
-    stream = ToolCallStream(PARSERS[parser]())
+    stream = ToolCallStream(make(parser))
     text, content = "", ""
     calls: dict[int, dict[str, Any]] = {}
     order: list[str] = []
@@ -114,7 +142,7 @@ def reassemble(parser: str, chunks: list[str]) -> tuple[str, list[tuple[str, str
 def test_streamed_deltas_reassemble_to_the_whole_result_split_anywhere(
     parser: str, text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]
 ) -> None:
-    whole_content, whole = parse_tool_calls(PARSERS[parser](), text)
+    whole_content, whole = parse_tool_calls(make(parser), text)
     want_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
     want_content = whole_content or ""
     chunkings = [[text[:k], text[k:]] for k in range(1, len(text))]

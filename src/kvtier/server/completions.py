@@ -32,7 +32,7 @@ from kvtier.server.protocol import (
     JSONBody,
     check_text,
 )
-from kvtier.server.tools import ToolConfig, plan_tools
+from kvtier.server.tools import ToolConfig, constrain, plan_tools
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -229,8 +229,9 @@ def completion_routes(
         )
         lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
         check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
+        skip = plan.skip_special_tokens
         todo = [
-            (ids, replace(sp, skip_special_tokens=plan.skip_special_tokens(sp.skip_special_tokens)))
+            (ids, constrain(replace(sp, skip_special_tokens=skip(sp.skip_special_tokens)), plan))
             for ids, sp in _requests(
                 encoded, body, [limit], engine.vocab_size, num_logprobs, body.prompt_logprobs
             )

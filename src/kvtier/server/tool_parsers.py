@@ -48,7 +48,7 @@ class ToolParser:
     """Base: a family's markers and how its call objects name their arguments."""
 
     name = ""
-    argument_keys = ("arguments", "parameters")
+    argument_keys: tuple[str, ...] = ("arguments", "parameters")
 
     def split(self, text: str, final: bool) -> Split:
         """`text` split into content and calls. Not `final`: a prefix of the output, so text
@@ -209,6 +209,51 @@ class MistralParser(ToolParser):
             if call is not None:
                 out.append(call)
         return Split(text[:at], out)
+
+
+class RequiredCallsParser(ToolParser):
+    """tool_choice "required": the output is held to a JSON array of {"name", "parameters"}
+    objects (`tools.py` `calls_schema`), so the whole text is the calls."""
+
+    name = "required"
+    argument_keys = ("parameters",)
+
+    def split(self, text: str, final: bool) -> Split:
+        body = text.strip()
+        if final:
+            try:
+                items = json.loads(body)
+            except json.JSONDecodeError:
+                return Split(text, [])
+            calls = [self._call(v, True) for v in items] if isinstance(items, list) else []
+            if not calls or any(c is None for c in calls):
+                return Split(text, [])
+            return Split("", [c for c in calls if c is not None])
+        parsed = _partial(body)
+        items = parsed if isinstance(parsed, list) else []
+        closed = _is_complete(body)
+        out = [self._call(v, closed or i < len(items) - 1) for i, v in enumerate(items)]
+        return Split("", [c for c in out if c is not None])
+
+
+class NamedCallParser(ToolParser):
+    """tool_choice naming a function: the output is held to that function's arguments object,
+    so the whole text is one call's arguments."""
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def split(self, text: str, final: bool) -> Split:
+        body = text.strip()
+        if final:
+            try:
+                args = json.loads(body)
+            except json.JSONDecodeError:
+                return Split(text, [])
+            ok = isinstance(args, dict)
+            return Split("", [RawCall(self.function, args, True)]) if ok else Split(text, [])
+        args = _partial(body)
+        return Split("", [RawCall(self.function, args if isinstance(args, dict) else None, False)])
 
 
 def _is_complete(text: str) -> bool:

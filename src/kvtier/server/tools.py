@@ -9,8 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.engine.params import SamplingParams
 from kvtier.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
-from kvtier.server.tool_parsers import PARSERS, ToolCallStream, ToolParser, parse_tool_calls
+from kvtier.server.tool_parsers import (
+    PARSERS,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolCallStream,
+    ToolParser,
+    parse_tool_calls,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +37,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None
     parser: ToolParser | None = None
     max_calls: int | None = None
+    schema: dict[str, Any] | None = None  # what the output is held to (required, named)
 
     def stream(self) -> ToolCallStream | None:
         """A fresh per-choice streamer, None when nothing is parsed."""
@@ -83,10 +92,48 @@ def plan_tools(body: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
                 param="tool_choice",
             )
         return ToolPlan(tools, PARSERS[config.tool_call_parser](), max_calls)
+    if choice == "required":
+        schema = calls_schema(tools, max_calls)
+        return ToolPlan(tools, RequiredCallsParser(), max_calls, schema)
+    assert isinstance(choice, NamedToolChoice)
+    (tool,) = [t for t in tools if t["function"]["name"] == choice.function.name][:1]
+    return ToolPlan(tools, NamedCallParser(choice.function.name), 1, _parameters(tool))
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    params: dict[str, Any] = tool["function"].get("parameters") or {"type": "object"}
+    return params
+
+
+def calls_schema(tools: list[dict[str, Any]], max_calls: int | None) -> dict[str, Any]:
+    """The JSON schema tool_choice "required" holds the output to (vLLM's shape): an array of at
+    least one (at most `max_calls`) {"name": one of the tools, "parameters": its arguments}."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": _parameters(t),
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
+
+
+def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """`params` with the plan's schema enforced while sampling; APIError (400) naming
+    `tool_choice` while the engine has no structured outputs."""
+    if plan.schema is None:
+        return params
     raise APIError(
-        f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} needs "
-        "structured outputs (the call's JSON schema enforced while sampling), which this "
-        'server does not have yet; send tool_choice "auto" or "none"',
+        'tool_choice "required" or naming a function needs structured outputs (the call\'s '
+        "JSON schema enforced while sampling), which this server does not have yet; send "
+        'tool_choice "auto" or "none"',
         param="tool_choice",
         code="unsupported_parameter",
     )

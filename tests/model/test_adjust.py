@@ -190,3 +190,39 @@ def test_adjusted_rows_draw_the_same_on_the_native_and_torch_paths(kernel, monke
     monkeypatch.undo()  # the default path (native where built) draws the same tokens
     plain = sample(logits, batch, torch.Generator().manual_seed(0), adjust=adjust).token_ids
     assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-30, 1e30, 1e300])
+def test_extreme_repetition_penalties_never_draw_outside_the_vocabulary(penalty: float) -> None:
+    """A repetition penalty near 0 divides positive logits to +inf (softmax: NaN) unless the
+    adjusted logits are bounded; found by the HTTP fuzz taking the engine down."""
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(7)) * 3
+    logits[:, :10] = 0.0  # 0 × an infinite penalty is NaN
+    tokens = torch.randint(0, 50, (16, 20), generator=torch.Generator().manual_seed(8))
+    params = [
+        DrawParams(
+            temperature=t,
+            seed=i,
+            repetition_penalty=penalty,
+            top_p=p,
+            allowed_token_ids=[tokens[i, 0].item(), 3] if i % 3 == 0 else None,  # -inf × 0 too
+        )
+        for i, (t, p) in enumerate([(1.0, 1.0), (1e-4, 1.0), (0.7, 0.5), (0.0, 1.0)] * 4)
+    ]
+    histories = [RowHistory(i, 10, 20) for i in range(16)]
+    for seed in range(4):
+        params = [DrawParams(**{**vars_of(p), "seed": seed}) for p in params]
+        out = draw_with(logits, params, histories, tokens)
+        assert ((out >= 0) & (out < 50)).all(), out
+        for i, p in enumerate(params):
+            assert p.allowed_token_ids is None or out[i].item() in p.allowed_token_ids
+
+
+def vars_of(p: DrawParams) -> dict[str, object]:
+    return {f: getattr(p, f) for f in DrawParams.__dataclass_fields__}
+
+
+def draw_with(logits, params, histories, tokens) -> torch.Tensor:
+    batch = SamplingBatch.from_params(params, [h.position for h in histories], logits.shape[-1])
+    adjust = Adjustments.build(params, histories, logits.shape[-1], tokens)
+    return sample(logits, batch, torch.Generator().manual_seed(0), adjust=adjust).token_ids

@@ -61,7 +61,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
+    # {token id: bias} (or (id, bias) pairs), stored as sorted pairs so the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     bad_words: tuple[str, ...] | list[str] | None = None
 
@@ -91,7 +92,7 @@ class SamplingParams:
         for name in names:
             put(self, name, getattr(draw, name))
         if self.logit_bias is not None:
-            put(self, "logit_bias", dict(draw.logit_bias))
+            put(self, "logit_bias", draw.logit_bias)
         if self.bad_words is not None:
             put(self, "bad_words", check_strs("bad_words", self.bad_words))
         if self.stop is not None:
@@ -121,7 +122,7 @@ class SamplingParams:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias=tuple((self.logit_bias or {}).items()),
+            logit_bias=self.logit_bias or (),  # type: ignore[arg-type]
             allowed_token_ids=self.allowed_token_ids,  # type: ignore[arg-type]
             bad_words_token_ids=bad_words_token_ids,
         )
@@ -246,7 +247,7 @@ def check_request(
     named = {
         "stop_token_ids": params.stop_token_ids or (),
         "allowed_token_ids": params.allowed_token_ids or (),
-        "logit_bias": list(params.logit_bias or {}),
+        "logit_bias": [t for t, _ in params.logit_bias or ()],  # type: ignore[misc]
     }
     for name, ids in named.items():
         bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -21,6 +21,13 @@ import torch
 from kvtier.sampling import DrawParams
 
 
+# The largest adjusted logit: a repetition penalty near 0 divides a positive logit towards +inf
+# (NaN probabilities, a draw outside the vocabulary); below this, dividing by the smallest
+# temperature the sampler draws at stays finite.
+F32 = torch.finfo(torch.float32)
+LOGIT_LIMIT = F32.max * 1e-6
+
+
 @dataclass(frozen=True, slots=True)
 class RowHistory:
     """Where a sampled row's tokens lie in the token buffer: its buffer row, how many prompt
@@ -94,7 +101,7 @@ class Adjustments:
                 scaled = torch.where(x > 0, x / p.repetition, x * p.repetition)
                 x = torch.where(p.seen, scaled, x)
             x = x - p.frequency * p.counts - p.presence * (p.counts > 0)
-            logits[p.rows] = x
+            logits[p.rows] = x.clamp_(max=LOGIT_LIMIT)  # -inf (a ban) stays
         return logits
 
 
@@ -175,7 +182,9 @@ def _penalties(
     # outputs: positions [num_prompt, position) of each row's buffer row
     counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
     _count(counts, tokens, width, [(h.buffer_row, h.num_prompt_tokens, h.position) for h in hist])
-    repeat = [params[i].repetition_penalty for i in rows]
+    # within float32's positive range: a penalty that rounds to 0 or inf would make -inf × 0 or
+    # 0 × inf (NaN) of a banned token or a zero logit
+    repeat = [min(max(params[i].repetition_penalty, F32.tiny), F32.max) for i in rows]
     seen = None
     if any(r != 1.0 for r in repeat):
         prompt = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)

@@ -20,7 +20,6 @@ import torch
 
 from kvtier.sampling import DrawParams
 
-
 # The largest adjusted logit: a repetition penalty near 0 divides a positive logit towards +inf
 # (NaN probabilities, a draw outside the vocabulary); below this, dividing by the smallest
 # temperature the sampler draws at stays finite.

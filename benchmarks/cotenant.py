@@ -1,6 +1,6 @@
 """A co-tenant for `kvtier bench compare --co-tenant KIND`: one process that shares the box with
 both engines for the whole run, so that "a busy machine" is a load anyone can reproduce rather
-than whatever else happened to run (docs/benchmarks.md §Method).
+than whatever else happened to run (docs/benchmarks.md, Method).
 
 Kinds: `spin` (a busy loop: CPU time only), `membw` (copies between two 256 MiB arrays: memory
 bandwidth and last-level cache, what a second model's decode takes from ours) and `inference`

@@ -1,6 +1,6 @@
 """`python -O` strips `assert`: the engine's invariants that must hold in production raise real
 exceptions (`kv.IntegrityError`), and the tests' own checks survive it (tests/conftest.py has
-pytest rewrite the helper modules' asserts, and no assert carries a side effect)."""
+pytest rewrite the helper modules' asserts, and no helper's assert carries a side effect)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ from pathlib import Path
 from tests.conftest import helper_modules
 
 ROOT = Path(__file__).resolve().parent.parent
-# A double free (kv), the offload factories (an allocation once sat inside an assert)
-SUBSET = ("tests/kv/test_block_pool.py", "tests/offload/test_scenarios_f.py")
+# A double free (kv), a ledger out of order (sched), the offload factories (an allocation once sat
+# inside an assert)
+SUBSET = (
+    "tests/kv/test_block_pool.py",
+    "tests/sched/test_units.py",
+    "tests/offload/test_scenarios_f.py",
+)
 # Calls that change state: inside an `assert`, `python -O` would skip them outside pytest's rewrite
 MUTATORS = frozenset(
     {"allocate_slots", "free", "touch", "get_new_blocks", "cache_full_blocks", "evict_blocks"}

@@ -184,3 +184,22 @@ def test_installing_kvtier_into_vllms_venv_changes_none_of_its_packages(tmp_path
         if i["metadata"]["name"].lower().replace("_", "-") in present - {"kvtier"}
     )
     assert not changed, f"installing kvtier would change vLLM's venv: {changed}"
+
+
+def test_dated_results_are_tracked_and_scratch_is_not() -> None:
+    """results/NAME_YYYY-MM-DD.* is the committed record (docs/benchmarks.md, Method); a
+    benchmark's undated default output and results/ subfolders are ignored."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        run = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, check=False
+        )
+        assert run.returncode in (0, 1), run
+        return run.returncode == 0
+
+    assert not ignored("results/bench_kv_2026-12-06.json")
+    assert not ignored("results/bench_offload_2026-12-06.png")
+    assert ignored("results/bench_kv.json")
+    assert ignored("results/tmp/bench_kv_2026-12-06.json")

@@ -307,8 +307,23 @@ def test_shared_block_needs_one_free_per_holder():
     assert p.num_free_blocks == 1
     p.free([b, p.null_block])
     assert p.num_free_blocks == 2
-    with pytest.raises(AssertionError, match="freed more often"):
-        p.free([b])
+    with pytest.raises(IntegrityError, match="freed more often"):
+        p.free([b])  # a real exception, `python -O` or not: the block stays free once
+    assert b.ref_cnt == 0 and p.num_free_blocks == 2
+
+
+def test_a_cached_block_is_never_refiled_under_another_hash():
+    """A caller passing a prefix-hit block with another hash would file one block's content
+    under two prefixes; refused, `python -O` or not."""
+    p = pool(3)
+    (b,) = p.get_new_blocks(1)
+    p.cache_full_blocks(0, [b], [b"h"], 0, 1, BS)
+    p.cache_full_blocks(0, [b], [b"h"], 0, 1, BS)  # the same hash again: a prefix hit, kept
+    with pytest.raises(IntegrityError, match="asked to cache it as"):
+        p.cache_full_blocks(0, [b], [b"other"], 0, 1, BS)
+    with pytest.raises(IntegrityError, match="in group 1"):
+        p.cache_full_blocks(1, [b], [b"h"], 0, 1, BS)
+    assert p.get_cached_block(0, b"h") is b and p.get_cached_block(0, b"other") is None
 
 
 def test_touch_takes_a_free_cached_block_out_of_the_queue():

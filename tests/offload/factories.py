@@ -33,10 +33,8 @@ def run(dev: KVCacheManager, req: Request, settle: bool = True, step: int = 1) -
     """Allocate and compute the whole prompt (device hits included); settled unless told."""
     hits, num_hit = dev.get_computed_blocks(req)
     n = req.num_tokens - num_hit
-    assert (
-        dev.allocate_slots(req, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
-        is not None
-    ), req.request_id
+    got = dev.allocate_slots(req, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
+    assert got is not None, req.request_id
     req.num_computed_tokens = req.num_tokens
     if not settle:
         req.ledger.append(StepRecord(step, n, 0, 1))

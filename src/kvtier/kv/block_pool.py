@@ -17,8 +17,10 @@ _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 
 
 class IntegrityError(RuntimeError):
-    """A `check_integrity` found a pool's or a manager's bookkeeping broken (a bug, never bad
-    input). Raised explicitly rather than asserted so that `python -O` still checks."""
+    """kvtier's bookkeeping is broken (a bug, never bad input): found by a `check_integrity`, or
+    refused at a call that would break it (a block freed more often than referenced or cached
+    under another hash, which would hand one block to two owners; a request's ledger consuming
+    steps out of order). Raised explicitly rather than asserted so that `python -O` still checks."""
 
 
 class BlockPool:
@@ -116,7 +118,11 @@ class BlockPool:
                 continue
             block_hash = block_hashes[i]
             if block.block_hash is not None:
-                assert block.block_hash == block_hash and block.group_id == group_id
+                if block.block_hash != block_hash or block.group_id != group_id:
+                    raise IntegrityError(
+                        f"{block!r} is cached as {block.block_hash!r} in group {block.group_id}, "
+                        f"asked to cache it as {block_hash!r} in group {group_id}"
+                    )
                 continue
             block.block_hash = block_hash
             block.group_id = group_id
@@ -207,8 +213,9 @@ class BlockPool:
         fresh: list[KVBlock] = []
         cached: list[KVBlock] = []
         for block in blocks:
+            if block.ref_cnt == 0:
+                raise IntegrityError(f"{block!r} freed more often than referenced")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block!r} freed more often than referenced"
             if block.ref_cnt == 0:
                 if self.enable_caching and block.block_hash is not None:
                     cached.append(block)

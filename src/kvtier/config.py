@@ -495,6 +495,13 @@ class ServerConfig:
         "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; the "
         "OpenAPI schema names it",
     )
+    kv_events_config: str | None = setting(
+        None,
+        "publish KV cache events as vLLM does (ZMQ, msgpack), a JSON object such as "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\'; fields publisher, buffer_steps, hwm, max_queue_size, topic as '
+        "vLLM's (docs/serving.md)",
+    )
     # Tool calling, as vLLM's flags (server/tool_parsers.py has the parsers)
     enable_auto_tool_choice: bool = setting(
         False,

@@ -12,8 +12,8 @@ from kvtier.sched.request import Request, StepRecord
 _fresh = itertools.count(2_000_000)
 
 
-def device(num_blocks: int = 16, specs: list[KVSpec] | None = None) -> KVCacheManager:
-    return KVCacheManager(specs or [FullAttention(16)], num_blocks, max_model_len=4096)
+def device(num_blocks: int = 16, specs: list[KVSpec] | None = None, **kw: Any) -> KVCacheManager:
+    return KVCacheManager(specs or [FullAttention(16)], num_blocks, max_model_len=4096, **kw)
 
 
 def tier(dev: KVCacheManager, num_host_blocks: int = 8, **kw: Any) -> HostTier:

@@ -58,10 +58,15 @@ class ToolPlan:
         return skip if self.parser is None else self.parser.adjust_skip_special_tokens(skip)
 
 
+def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as the chat template reads them (OpenAI's entries); None: none."""
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+
 def plan_tools(body: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
     """The request's `ToolPlan`; APIError (400) naming `tool_choice` for a choice the request or
     the server cannot honour."""
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    tools = template_tools(body) or []
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"

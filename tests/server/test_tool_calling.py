@@ -203,7 +203,11 @@ def test_tool_choices_the_request_cannot_have_are_400s(
 def test_bad_tool_names_are_400s_naming_the_field(served: int) -> None:
     tool = {"type": "function", "function": {"name": "get weather!"}}
     with pytest.raises(openai.BadRequestError) as bad:
-        client(served).chat.completions.create(model=NAME, messages=QUESTION, tools=[tool])  # type: ignore[list-item]
+        client(served).chat.completions.create(
+            model=NAME,
+            messages=QUESTION,
+            tools=[tool],  # type: ignore[list-item]
+        )
     assert bad.value.param == "tools.0.function.name"
 
 
@@ -226,7 +230,8 @@ def test_a_server_without_the_flags_refuses_auto_and_serves_none(server: ServerH
 
 def test_a_finished_output_with_calls_becomes_a_tool_calls_message() -> None:
     plan = ToolPlan([WEATHER_TOOL], PARSERS["hermes"]())
-    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"Checking.<tool_call>\n{call}\n</tool_call>"
     message, reason = plan.message(text, "stop")
     assert reason == "tool_calls" and message["content"] == "Checking."
     assert [c["function"] for c in message["tool_calls"]] == [

@@ -123,7 +123,8 @@ def check_prompt_ids(
 def render_chat(
     tokenizer: Tokenizer, messages: list[dict[str, Any]], chat: ChatOptions | bool = True
 ) -> str:
-    """The tokenizer's chat template, or the plain `role: text` one; ValueError on template errors (they are the messages' fault). With `continue_final_message` the text ends where
+    """The tokenizer's chat template, or the plain `role: text` one; ValueError on template
+    errors (they are the messages' fault). With `continue_final_message` the text ends where
     the final message's content ends, as `transformers` cuts it."""
     opts = chat if isinstance(chat, ChatOptions) else ChatOptions(chat)
     add_gen = opts.add_generation_prompt and not opts.continue_final_message

@@ -1,9 +1,9 @@
 """Token sampling for a batch of requests with different parameters: greedy, temperature, top-k,
-top-p, min-p, per-request seeds, after the penalties, bias and bans of `adjust.py`; logprobs of the raw distribution (or, as vLLM's `logprobs_mode`,
-of the logits or of what the draw used). Stateless: a seeded
-request's draw at position p depends only on (seed, p), so batch makeup, preemption and async
-depth never change its tokens. A request's parameters are `kvtier.sampling.DrawParams`; stop
-strings live in `detokenizer.py`."""
+top-p, min-p, per-request seeds, after the penalties, bias and bans of `adjust.py`; logprobs of
+the raw distribution (or, as vLLM's `logprobs_mode`, of the logits or of what the draw used).
+Stateless: a seeded request's draw at position p depends only on (seed, p), so batch makeup,
+preemption and async depth never change its tokens. A request's parameters are
+`kvtier.sampling.DrawParams`; stop strings live in `detokenizer.py`."""
 
 from __future__ import annotations
 
@@ -99,9 +99,10 @@ def sample(
     ids, bad words, logit bias, penalties: `model/adjust.py`) applies after the ban, and a row it
     leaves nothing to draw keeps its logits unadjusted (it never draws outside the vocabulary).
     Logprobs, for batches where a row asked, follow `logprobs_mode` (one of LOGPROBS_MODES): raw
-    ones are taken from `logits` as given, before the ban, adjustments, temperature and filters. With `consume` the caller
-    hands `logits` over (it reads them no more): a ban writes -inf into them in place instead of
-    into a copy of the whole batch (0.5B shape at batch 64: 64 × 32,000 logits a step).
+    ones are taken from `logits` as given, before the ban, adjustments, temperature and filters.
+    With `consume` the caller hands `logits` over (it reads them no more): a ban writes -inf into
+    them in place instead of into a copy of the whole batch (0.5B shape at batch 64: 64 × 32,000
+    logits a step).
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")

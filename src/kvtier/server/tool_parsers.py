@@ -1,7 +1,9 @@
 """Tool calls in a model's text, one parser per chat-template family under vLLM's
-`--tool-call-parser` names: `hermes` (Hermes 2 Pro, Qwen2.5/Qwen3: `<tool_call>{json}</tool_call>`),
-`llama3_json` (Llama 3.1–3.3: `{"name": …, "parameters": …}`, optionally after `<|python_tag|>`,
-several separated by `;`) and `mistral` (`[TOOL_CALLS][{"name": …, "arguments": …}, …]`).
+`--tool-call-parser` names: `hermes` (Hermes 2 Pro, Qwen2.5/Qwen3:
+`<tool_call>{json}</tool_call>`), `llama3_json` (Llama 3.1–3.3: `{"name": …, "parameters": …}`,
+optionally after `<|python_tag|>`, several separated by `;`) and `mistral`
+(`[TOOL_CALLS][{"name": …, "arguments": …}, …]`); and the held outputs of tool_choice "required"
+and of a named function.
 
 A parser splits a text — whole, or the prefix streamed so far — into the content before the calls
 and the calls, each with the part of its JSON known so far. Partial JSON is read with

@@ -29,6 +29,7 @@ DTYPE_BYTES = {
 }
 KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # --kv-cache-dtype: auto is the model's (run) dtype
+QUANTIZATIONS = ("compressed-tensors", "int8")  # --quantization (model/quant.py); None: config's
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)

@@ -183,6 +183,20 @@ def check_torch_threads(c: Ctx) -> None:
         torch.set_num_threads(before)
 
 
+def check_quantization(c: Ctx) -> None:
+    """int8 quantizes every linear as the model loads (logits move, greedy tokens mostly not);
+    compressed-tensors needs a quantized checkpoint; unset keeps the float weights."""
+    from kvtier.model.quant import Int8Linear
+
+    eng = c.engine(quantization="int8")
+    decoder = eng.model.decoder  # type: ignore[attr-defined]
+    assert isinstance(decoder.lm_head, Int8Linear)
+    assert not isinstance(c.engine().model.decoder.lm_head, Int8Linear)  # type: ignore[attr-defined]
+    assert len(c.run(eng).token_ids) == len(c.tokens())
+    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+        c.engine(quantization="compressed-tensors")
+
+
 def check_logprobs_mode(c: Ctx) -> None:
     asks = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
     values = {}

@@ -59,7 +59,7 @@ class EngineCore:
         )
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
-        self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid
+        self.model = load_served(path, dtype, args.quantization)  # a decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
         self.plan = self._plan(dtype_name)
         kv_dtype = self.args.cache.kv_dtype(dtype_name)  # what the plan sized the blocks in

@@ -21,6 +21,7 @@ from kvtier.checks import (
 )
 from kvtier.config import (
     PROTECTIONS,
+    QUANTIZATIONS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -146,6 +147,8 @@ class EngineArgs:
 
     model: str | None = None  # local HF folder; None = the embedded default model
     dtype: str = "auto"  # float32, bfloat16, float64, or auto (the checkpoint's)
+    # int8 weights: "compressed-tensors" or "int8" (model/loader.py); None: as config.json says
+    quantization: str | None = None
     device: str = "cpu"  # cpu, sim (virtual device + sanitizer), cuda
     seed: int = 0
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step
@@ -188,6 +191,11 @@ class EngineArgs:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization (--quantization) must be one of {QUANTIZATIONS} or unset (the "
+                f"checkpoint's config.json), got {self.quantization!r}"
             )
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")

@@ -443,6 +443,24 @@ def check_metrics_prefix(prefix: str) -> None:
         )
 
 
+# vLLM's --tool-call-parser names this server implements (server/tool_parsers.py PARSERS)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """ValueError naming the flag: an unknown parser, or auto tool choice without one."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+            f"{tool_call_parser!r}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen/Hermes, "
+            "llama3_json for Llama 3.x, mistral for Mistral)"
+        )
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front of `kvtier serve`."""
@@ -516,10 +534,22 @@ class ServerConfig:
         '"tcp://*:5558"}\'; fields publisher, buffer_steps, hwm, max_queue_size, topic as '
         "vLLM's (docs/serving.md)",
     )
+    # Tool calling, as vLLM's flags (server/tool_parsers.py has the parsers)
+    enable_auto_tool_choice: bool = setting(
+        False,
+        'let tool_choice "auto" (the default when a request sends tools) parse tool calls out of '
+        "the model's text with --tool-call-parser",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "how this model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x) "
+        "or mistral",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
         check_metrics_prefix(self.metrics_prefix)
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         self._check_deployment()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")

@@ -127,6 +127,14 @@ class DrawParams:
     logprobs: int | None = None  # top-n logprobs per sampled token; 0 = only the sampled token's
     prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); None: none
     grammar: GrammarSpec | None = None  # every output token must keep the output matching it
+    # Adjustments of the logits before the draw (vLLM's semantics; model/adjust.py applies them):
+    # presence and frequency over the output tokens, repetition over prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token may be drawn
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # last id banned after the others
 
     def __post_init__(self) -> None:
         """Type and range checks naming the field; numpy scalars are stored as int / float."""
@@ -144,3 +152,61 @@ class DrawParams:
         if self.prompt_logprobs is not None:
             n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
             put(self, "prompt_logprobs", n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, check_float(name, getattr(self, name), lo=-2.0, hi=2.0))
+        off = " (1 = off)"
+        r = check_float(
+            "repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True, hint=off
+        )
+        put(self, "repetition_penalty", r)
+        put(self, "logit_bias", check_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = check_ints("allowed_token_ids", self.allowed_token_ids, lo=0)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty; send None to allow all")
+            put(self, "allowed_token_ids", ids)
+        words = tuple(
+            check_ints(f"bad_words_token_ids[{i}]", w, lo=0)
+            for i, w in enumerate(self.bad_words_token_ids)
+        )
+        if any(not w for w in words):
+            raise ValueError("bad_words_token_ids must not hold an empty sequence; drop it")
+        put(self, "bad_words_token_ids", words)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty, bias or allow/ban list changes this request's logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (needs token counts)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def check_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping (or (id, bias) pairs) as sorted pairs of int and finite float;
+    TypeError / ValueError naming `logit_bias`."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    if isinstance(items, str | bytes) or not hasattr(items, "__iter__"):
+        raise TypeError(f"logit_bias must be a {{token id: bias}} mapping, got {show(value)}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(f"logit_bias must map token ids to numbers, got {show(item)}")
+        token = check_int("logit_bias token id", item[0], lo=0)
+        pairs[token] = check_float(f"logit_bias[{token}]", item[1])
+    return tuple(sorted(pairs.items()))

@@ -65,6 +65,16 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 25)),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "presence_penalty": st.sampled_from([0.0, -2.0, 0.5, 2.0]),
+    "frequency_penalty": st.sampled_from([0.0, -1.0, 1.5]),
+    "repetition_penalty": st.sampled_from([1.0, 0.5, 1.3]),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3)
+    ),
+    "allowed_token_ids": st.one_of(
+        st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)
+    ),
+    "bad_words": st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
 }
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 assert sorted(PLAUSIBLE) == sorted(SAMPLING_FIELDS)

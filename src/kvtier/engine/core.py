@@ -17,6 +17,7 @@ from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
+from kvtier.engine.prompts import bad_words_token_ids
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
@@ -255,7 +256,8 @@ class EngineCore:
         prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
         use_ngram = self.args.num_speculative_tokens > 0
         stop = params.stop_conditions(self.eos_token_id, use_ngram)
-        draw = params.draw_params()
+        words = bad_words_token_ids(self.tokenizer, tuple(params.bad_words or ()))
+        draw = params.draw_params(words)
         sched_id = self._sched_id(req_id)
         request = Request(sched_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded

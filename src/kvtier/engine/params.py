@@ -29,7 +29,13 @@ from kvtier.config import (
     parse_protect,
 )
 from kvtier.engine.prompts import check_prompt_ids
-from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions, StructuredOutputsParams
+from kvtier.sampling import (
+    LOGPROBS_MODES,
+    DrawParams,
+    StopConditions,
+    StructuredOutputsParams,
+    check_logit_bias,
+)
 from kvtier.sched.queues import POLICIES
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
@@ -59,18 +65,46 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # constrain the output to a JSON schema, regex, choice or grammar (`kvtier.sampling`)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's semantics: presence and frequency over output tokens, repetition over prompt and
+    # output tokens (1 = off); logit_bias adds to a token's logit; allowed_token_ids keeps only
+    # those; each bad word's last token is banned where its other tokens were just output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # {token id: bias} (or (id, bias) pairs), stored as sorted pairs so the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
         if self.stop_token_ids is not None:
             put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids))
         stop = self.stop_conditions(None, False)  # checks max_tokens, min_tokens
-        names = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
-        draw = DrawParams(**{name: getattr(self, name) for name in names})  # checks them
+        names = (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "allowed_token_ids",
+        )
+        draw = DrawParams(  # checks them
+            **{name: getattr(self, name) for name in names},
+            logit_bias=check_logit_bias(self.logit_bias),
+        )
         for name in ("max_tokens", "min_tokens"):
             put(self, name, getattr(stop, name))
         for name in names:
             put(self, name, getattr(draw, name))
+        if self.logit_bias is not None:
+            put(self, "logit_bias", draw.logit_bias)
+        if self.bad_words is not None:
+            put(self, "bad_words", check_strs("bad_words", self.bad_words))
         if self.stop is not None:
             strs = check_strs("stop", self.stop)
             put(self, "stop", self.stop if isinstance(self.stop, str) else strs)
@@ -102,8 +136,9 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         return check_strs("stop", self.stop)
 
-    def draw_params(self) -> DrawParams:
-        """How the sampler draws this request's tokens, which logprobs come back."""
+    def draw_params(self, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> DrawParams:
+        """How the sampler draws this request's tokens, which logprobs come back;
+        `bad_words_token_ids`: `bad_words` tokenized (`engine/prompts.py` `bad_words_token_ids`)."""
         so = self.structured_outputs
         return DrawParams(
             temperature=self.temperature,
@@ -114,6 +149,12 @@ class SamplingParams:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             grammar=None if so is None else so.grammar_spec(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias or (),  # type: ignore[arg-type]
+            allowed_token_ids=self.allowed_token_ids,  # type: ignore[arg-type]
+            bad_words_token_ids=bad_words_token_ids,
         )
 
     def stop_conditions(self, eos_token_id: int | None, use_ngram: bool) -> StopConditions:
@@ -251,12 +292,18 @@ def check_request(
         raise TypeError(
             f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
         )
-    bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"stop_token_ids {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
-            "drop them or use this model's token ids"
-        )
+    named = {
+        "stop_token_ids": params.stop_token_ids or (),
+        "allowed_token_ids": params.allowed_token_ids or (),
+        "logit_bias": [t for t, _ in params.logit_bias or ()],  # type: ignore[misc]
+    }
+    for name, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+                "drop them or use this model's token ids"
+            )
     for name in ("logprobs", "prompt_logprobs"):
         n = getattr(params, name)
         if n is not None and n > max_logprobs:

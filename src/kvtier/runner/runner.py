@@ -22,6 +22,7 @@ import torch
 from kvtier.config import MAX_ASYNC_DEPTH
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
+from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.grammar import Grammars, apply_mask
 from kvtier.model.mamba2 import StateMetadata
@@ -67,6 +68,7 @@ class StepHandle:
         return list(self.output.num_scheduled_tokens)
 
 
+NO_HISTORY = RowHistory(0, 0, 0)  # a row whose logits nothing adjusts reads no past tokens
 STATE_PAGES_KEPT = 1 << 16  # steps whose declared state pages `ModelRunner.state_pages` keeps
 
 
@@ -440,6 +442,7 @@ class ModelRunner:
         index: list[int] = []  # hidden-state row of every sampled position
         row_params: list[DrawParams] = []
         positions: list[int] = []
+        histories: list[RowHistory] = []  # where each row's past lies in the token buffer
         sampling: list[tuple[_Planned, int, int]] = []  # request, its first row, its output row
         for i, (p, end) in enumerate(zip(plan, meta.query_start_loc[1:], strict=True)):
             if not p.samples:  # a prefill chunk that does not reach the end of the prompt
@@ -450,6 +453,12 @@ class ModelRunner:
                 index.append(end - len(p.drafts) - 1 + j)
                 row_params.append(p.state.params)
                 positions.append(p.start + p.num_real + j)
+                if p.state.params.adjusts_logits:  # drafts 0..j-1 are in the buffer before it
+                    histories.append(
+                        RowHistory(p.state.row, p.state.num_prompt_tokens, positions[-1])
+                    )
+                else:
+                    histories.append(NO_HISTORY)
         if not index:
             return None
         logits = self.model.compute_logits(hidden, self._index(index)[0])  # [rows, vocab]
@@ -459,8 +468,17 @@ class ModelRunner:
             row_params, positions, logits.shape[-1], device=self.torch_device
         )
         banned = _banned_before_min_tokens(sampling)
+        adjust = Adjustments.build(row_params, histories, logits.shape[-1], self.state.tokens)
         mode = self.logprobs_mode  # the logits are the sampler's: a ban goes in place
-        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=mode, consume=True)
+        out = sample(
+            logits,
+            batch,
+            self.generator,
+            banned=banned,
+            adjust=adjust,
+            logprobs_mode=mode,
+            consume=True,
+        )
         if self.state.track_tokens:
             counts = self._accept_drafts(sampling, out.token_ids, results)
         else:  # one token per sampling request, left on the device

@@ -15,19 +15,13 @@ log = logging.getLogger("kvtier.server")
 # accepted at their neutral values (what the routers send when the client did not set them), a
 # 400 naming them otherwise, never ignored while they would change the answer.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1.0),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
     "length_penalty": (None, 1.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "structural_tag": (None,),
     "spaces_between_special_tokens": (None, True),

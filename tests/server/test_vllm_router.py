@@ -1,0 +1,332 @@
+"""Scale-out as docs/serving.md §Scale-out sets it up, all real processes: a redis-server, two
+`kvtier serve` replicas sharing it as their remote tier, and vllm-router in front (one
+round_robin router and one prefix-aware router over the same replicas). Replica B's first request
+on A's prefix is a remote hit; a returning conversation goes back to the replica that holds it (the
+router's own decision counters say which); a SIGSTOPped replica's requests complete on the other;
+a client that disconnects through the router is aborted on the replica (its blocks come back);
+Redis killed mid-run loses no request."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server.conftest import MODEL, wait_until
+from tests.server.procs import (
+    Proc,
+    _start,
+    metric,
+    request,
+    router_ready,
+    start_vllm_router,
+    stop,
+    wait_ready,
+)
+from tests.stores.servers import RedisServer
+
+SERVE = ["serve", "--max-model-len", "1024", "--num-device-blocks", "256", "--torch-threads", "1"]
+TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
+# A request still unanswered after this long is given up on and retried on the other replica:
+# what frees the requests of a hung replica (its TCP socket still accepts). Far above a request
+# of these tests, so only a stopped replica reaches it.
+REQUEST_TIMEOUT_S = 20
+SYSTEM = (
+    "You are a careful assistant for a library of Python recipes. Answer in one sentence, cite "
+    "the recipe by its number, and never invent a recipe that is not listed below. Recipes: 1. "
+    "read a file line by line; 2. parse JSON from a string; 3. sort a list of dicts by a key; 4. "
+    "time a function; 5. walk a folder tree; 6. retry a flaky call; 7. format a date. "
+)
+
+
+@dataclass
+class Router:
+    proc: Proc
+    metrics_port: int
+    policy: str
+
+    @property
+    def port(self) -> int:
+        return self.proc.port
+
+    def decisions(self, worker: Proc) -> float:
+        labels = f'policy="{self.policy}",worker="{worker.url}"'
+        return metric(self.metrics_port, "vllm_router_policy_decisions_total", labels)
+
+    def health(self, worker: Proc) -> float:
+        labels = f'worker="{worker.url}"'
+        return metric(self.metrics_port, "vllm_router_worker_health", labels)
+
+
+@dataclass
+class Setup:
+    redis: RedisServer
+    replicas: list[Proc]
+    rr: Router  # round_robin: alternates, so a prefix meets the other replica
+    affine: Router  # the prefix-aware policy docs/serving.md recommends
+
+    def served_by(self, router: Router, path: str, body: dict[str, Any]) -> tuple[Proc, Any]:
+        """Send `body` through `router` alone and read which replica its policy chose."""
+        before = [router.decisions(r) for r in self.replicas]
+        status, _, raw = request(router.port, path, body)
+        assert status == 200, raw
+        after = [router.decisions(r) for r in self.replicas]
+        chosen = [r for r, b, a in zip(self.replicas, before, after) if a > b]
+        assert len(chosen) == 1, (before, after)
+        return chosen[0], json.loads(raw)
+
+
+def _router(policy: str, replicas: list[Proc], log: Path, *flags: str) -> Router:
+    proc, metrics_port = start_vllm_router(replicas, log, "--policy", policy, *flags)
+    return Router(proc, metrics_port, policy)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    folder = tmp_path_factory.mktemp("vllm_router")
+    redis = RedisServer(folder / "redis").start()
+    flags = [*SERVE, *TIERED, "--kv-remote-url", redis.url]
+    replicas = [_start(flags, folder / f"replica{i}.log") for i in range(2)]
+    routers: list[Router] = []
+    try:
+        wait_ready(replicas)
+        timeout = ["--request-timeout-secs", str(REQUEST_TIMEOUT_S)]
+        routers.append(_router("round_robin", replicas, folder / "rr.log", *timeout))
+        routers.append(_router("cache_aware", replicas, folder / "affine.log", *timeout))
+        for router in routers:
+            wait_until(lambda router=router: router_ready(router.proc), 120)  # type: ignore[misc]
+            wait_until(lambda router=router: all(router.health(r) == 1 for r in replicas), 60)  # type: ignore[misc]
+        yield Setup(redis, replicas, *routers)
+    finally:
+        stop([r.proc for r in routers] + replicas)
+        redis.stop()
+
+
+def chat(*turns: str, system: str | None = SYSTEM) -> dict[str, Any]:
+    roles = ["user", "assistant"] * len(turns)
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": r, "content": c} for r, c in zip(roles, turns)]
+    return {"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0}
+
+
+def cached(resp: dict[str, Any]) -> int:
+    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_the_other_replica_finds_a_prefix_in_redis(setup: Setup) -> None:
+    """round_robin sends two conversations on one system prompt to different replicas: the
+    second's prompt is a remote hit on its replica, counted in usage and on /metrics."""
+    path = "/v1/chat/completions"
+    first_replica, first = setup.served_by(setup.rr, path, chat("Which recipe sorts records?"))
+    assert cached(first) == 0
+    demoted = 'op="demoted",tier="remote"'
+    wait_until(lambda: metric(first_replica.port, "kvtier:kv_tier_blocks_total", demoted) > 0, 60)
+    with setup.redis.client() as c:  # the demotions are written (puts are background)
+        queued = metric(first_replica.port, "kvtier:kv_tier_blocks_total", demoted)
+        wait_until(lambda: c.dbsize() >= queued, 60)
+    remote_hits = 'tier="remote"'
+    second_replica = next(r for r in setup.replicas if r is not first_replica)
+    hits_before = metric(second_replica.port, "kvtier:prefix_cache_hits_total", remote_hits)
+    replica, second = setup.served_by(setup.rr, path, chat("Which recipe walks a folder?"))
+    assert replica is second_replica
+    assert cached(second) > 0
+    hits = metric(replica.port, "kvtier:prefix_cache_hits_total", remote_hits) - hits_before
+    assert hits == cached(second)
+
+
+def _hold(setup: Setup, path: str, body: dict[str, Any]) -> tuple[Proc, threading.Thread]:
+    """Start a long request through the prefix-aware router and return the replica it chose
+    while the request still runs there."""
+    body = body | {"max_tokens": 600, "ignore_eos": True}  # fits max_model_len
+    before = [setup.affine.decisions(r) for r in setup.replicas]
+    thread = threading.Thread(target=request, args=(setup.affine.port, path, body))
+    thread.start()
+    wait_until(lambda: sum(setup.affine.decisions(r) for r in setup.replicas) > sum(before), 60)
+    chosen = [r for r, b in zip(setup.replicas, before) if setup.affine.decisions(r) > b]
+    wait_until(lambda: metric(chosen[0].port, "vllm:num_requests_running") >= 1, 60)
+    return chosen[0], thread
+
+
+def question_of(topic: str) -> str:
+    """Conversations that share no prefix (a shared system prompt would draw every one of them
+    to the replica that served the first: cache_aware follows its longest text match)."""
+    return f"{topic.capitalize()}: what does this Python statement do, in short?"
+
+
+def test_a_returning_conversation_goes_back_to_its_replica(setup: Setup) -> None:
+    """Conversations start on both replicas: while a long request holds one replica, the policy
+    sends new prefixes to the other; the second holder continues a conversation of the first
+    group, so it follows that group by prefix and the second group starts on the first holder's
+    replica. Each conversation's next turn, through the same router, lands where its first
+    turn ran (the router's decision counters) and hits that replica's prefix cache."""
+    path = "/v1/chat/completions"
+    homes: dict[str, tuple[Proc, str]] = {}
+    held: list[Proc] = []
+    for group in (["import", "while", "class"], ["with", "return", "yield"]):
+        if not held:
+            body = {"model": MODEL, "prompt": "Hold: the pass statement does nothing. " * 10}
+            busy, thread = _hold(setup, "/v1/completions", body)
+        else:
+            turns = question_of("import"), homes["import"][1], "Hold."
+            busy, thread = _hold(setup, path, chat(*turns, system=None))
+        held.append(busy)
+        for topic in group:
+            home, resp = setup.served_by(setup.affine, path, chat(question_of(topic), system=None))
+            assert home is not busy
+            homes[topic] = home, resp["choices"][0]["message"]["content"]
+        thread.join(300)
+    assert held[0] is not held[1]  # so the conversations started on both replicas
+    for topic, (home, reply) in homes.items():
+        turns = question_of(topic), reply, "Example?"
+        replica, resp = setup.served_by(setup.affine, path, chat(*turns, system=None))
+        assert replica is home
+        assert cached(resp) >= 16  # at least one block of the conversation was still there
+
+
+def _stream_and_hang_up(port: int, body: dict[str, Any]) -> None:
+    """Post a streaming request, read its first event, then close the connection."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    got = b""
+    while b"data: " not in got:
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
+    sock.close()
+
+
+def _post_and_hang_up(port: int, body: dict[str, Any], replica: Proc) -> None:
+    """Post a non-streaming request and close the connection while it runs, before any byte
+    of the answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    wait_until(lambda: metric(replica.port, "vllm:num_requests_running") >= 1, 120)
+    conn.close()
+
+
+def _idle(replica: Proc) -> bool:
+    return (
+        metric(replica.port, "vllm:num_requests_running") == 0
+        and metric(replica.port, "kvtier:kv_cache_usage_perc", 'tier="device"') == 0
+    )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_through_the_router_is_aborted(setup: Setup, stream: bool) -> None:
+    """The request would generate ~1000 tokens; the client leaves after the first event (or
+    before any byte): the replica aborts it and every block it held is free again."""
+    body = {"model": MODEL, "prompt": "The for statement", "max_tokens": 1000}
+    body |= {"ignore_eos": True, "temperature": 0, "stream": stream}
+    # the round_robin router's next pick: the replica with fewer decisions so far
+    replica = min(setup.replicas, key=setup.rr.decisions)
+    aborted = 'finished_reason="abort"'
+    before = [metric(r.port, "vllm:request_success_total", aborted) for r in setup.replicas]
+    if stream:
+        _stream_and_hang_up(setup.rr.port, body)
+    else:
+        _post_and_hang_up(setup.rr.port, body, replica)
+    wait_until(
+        lambda: (
+            [metric(r.port, "vllm:request_success_total", aborted) for r in setup.replicas]
+            != before
+        ),
+        120,
+    )
+    after = [metric(r.port, "vllm:request_success_total", aborted) for r in setup.replicas]
+    assert sum(after) - sum(before) == 1
+    for r in setup.replicas:
+        wait_until(lambda r=r: _idle(r), 120)  # type: ignore[misc]
+
+
+def _concurrently(port: int, path: str, bodies: list[dict[str, Any]]) -> tuple[Any, list[Any]]:
+    results: list[Any] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        results[i] = request(port, path, bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def _long_bodies(n: int, tag: str) -> list[dict[str, Any]]:
+    return [
+        {"model": MODEL, "prompt": f"{tag} {i}: the try statement", "max_tokens": 900}
+        | {"temperature": 0, "ignore_eos": True}
+        for i in range(n)
+    ]
+
+
+def _texts(results: list[Any]) -> list[str]:
+    for r in results:
+        assert r is not None and r[0] == 200, r
+    return [json.loads(r[2])["choices"][0]["text"] for r in results]
+
+
+def test_a_stopped_replica_s_requests_complete_on_the_other(setup: Setup) -> None:
+    """The whole replica (HTTP and engine processes) is SIGSTOPped while it runs requests: the
+    router's health check drops it within seconds, and the requests it held are given up after
+    `--request-timeout-secs` and retried on the other replica; all complete with the same
+    greedy tokens. After SIGCONT the stopped replica aborts what the router gave up on."""
+    bodies = _long_bodies(4, "Stop")
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    for t in threads:
+        t.join(300)
+    expected = _texts(results)
+    victim = setup.replicas[0]
+    aborted = 'finished_reason="abort"'
+    aborts_before = metric(victim.port, "vllm:request_success_total", aborted)
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    wait_until(lambda: metric(victim.port, "vllm:num_requests_running") >= 1, 120)
+    victim.signal_all(signal.SIGSTOP)
+    try:
+        wait_until(lambda: setup.rr.health(victim) == 0, 60)  # out of the rotation
+        for t in threads:
+            t.join(300)
+        assert _texts(results) == expected
+    finally:
+        victim.signal_all(signal.SIGCONT)
+    wait_until(
+        lambda: metric(victim.port, "vllm:request_success_total", aborted) > aborts_before, 60
+    )
+    wait_until(lambda: _idle(victim), 60)
+    wait_until(lambda: setup.rr.health(victim) == 1, 60)  # and back in
+
+
+def test_redis_killed_mid_run_loses_no_request(setup: Setup) -> None:
+    """Runs last (it kills the module's Redis). Both replicas are generating when Redis is
+    SIGKILLed; every request completes with the tokens it had with Redis up."""
+    bodies = _long_bodies(4, "Redis")
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    for t in threads:
+        t.join(300)
+    expected = _texts(results)
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    for r in setup.replicas:
+        wait_until(lambda r=r: metric(r.port, "vllm:num_requests_running") >= 1, 120)  # type: ignore[misc]
+    setup.redis.kill()
+    for t in threads:
+        t.join(300)
+    assert _texts(results) == expected
+    # new prompts after the loss: looked up in a dead Redis, answered all the same
+    fresh = _long_bodies(2, "After")
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", fresh)
+    for t in threads:
+        t.join(300)
+    _texts(results)
+    assert (
+        sum(metric(r.port, "kvtier:kv_tier_errors_total", 'tier="remote"') for r in setup.replicas)
+        > 0
+    )

@@ -4,7 +4,8 @@ round_robin router and one prefix-aware router over the same replicas). Replica 
 on A's prefix is a remote hit; a returning conversation goes back to the replica that holds it (the
 router's own decision counters say which); a SIGSTOPped replica's requests complete on the other;
 a client that disconnects through the router is aborted on the replica (its blocks come back);
-Redis killed mid-run loses no request."""
+Redis killed mid-run loses no request. sglang-router works in front of the same replicas with the
+bodies it rewrites."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ from tests.server.conftest import MODEL, wait_until
 from tests.server.procs import (
     Proc,
     _start,
+    binary,
     metric,
     request,
     router_ready,
+    spawn,
     start_vllm_router,
     stop,
     wait_ready,
 )
-from tests.stores.servers import RedisServer
+from tests.stores.servers import RedisServer, free_port
 
 SERVE = ["serve", "--max-model-len", "1024", "--num-device-blocks", "256", "--torch-threads", "1"]
 TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
@@ -247,6 +250,59 @@ def test_a_client_that_hangs_up_through_the_router_is_aborted(setup: Setup, stre
     assert sum(after) - sum(before) == 1
     for r in setup.replicas:
         wait_until(lambda r=r: _idle(r), 120)  # type: ignore[misc]
+
+
+def _sse_text(port: int, path: str, body: dict[str, Any]) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request(
+        "POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    assert resp.status == 200, raw
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]", raw
+    choices = [json.loads(e)["choices"] for e in events[:-1]]
+    key = "delta" if path.endswith("chat/completions") else None
+    return "".join(
+        (c[0]["delta"].get("content") or "") if key else c[0]["text"] for c in choices if c
+    )
+
+
+def _answer(port: int, path: str, body: dict[str, Any]) -> str:
+    status, _, raw = request(port, path, body)
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def test_sglang_router_fronts_the_replicas_with_its_own_bodies(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """sglang-router re-serialises each request with SGLang's fields written out (for chat
+    `separate_reasoning`, `stream_reasoning`, `no_stop_trim`, `return_hidden_states`, …):
+    completions and chat, whole and streamed, come back with the tokens a replica gives
+    directly, and the replica logged SGLang's fields as ignored, so those were its bodies."""
+    port = free_port()
+    cmd = [binary("sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--worker-urls", *[r.url for r in setup.replicas], "--policy", "cache_aware"]
+    cmd += ["--prometheus-port", str(free_port()), "--health-check-interval-secs", "1"]
+    router = spawn(cmd, tmp_path / "sglang.log", port)
+    try:
+        wait_until(lambda: router_ready(router), 120)
+        cmpl = {"model": MODEL, "prompt": "The while statement", "max_tokens": 12}
+        cmpl |= {"temperature": 0}
+        talk = chat("Which recipe retries a call?") | {"max_tokens": 12}
+        direct = setup.replicas[0].port
+        for path, body in (("/v1/completions", cmpl), ("/v1/chat/completions", talk)):
+            expected = _answer(direct, path, body)
+            assert _answer(port, path, body) == expected
+            assert _sse_text(port, path, body) == expected
+    finally:
+        stop([router])
+    logs = "".join(r.log.read_text() for r in setup.replicas)
+    assert "request field 'separate_reasoning' is not used by this server" in logs
 
 
 def _concurrently(port: int, path: str, bodies: list[dict[str, Any]]) -> tuple[Any, list[Any]]:

@@ -148,10 +148,10 @@ def offline(
     --repeat rounds, each on new prompts: a cold pass, then a warm pass on the same prompts."""
 
     from kvtier.bench.throughput import random_prompts
-    from kvtier.config import ModelConfig
     from kvtier.engine import LLM, SamplingParams
+    from kvtier.model.hf_config import load_model_config
 
-    vocab = ModelConfig.from_pretrained(path).vocab_size
+    vocab = load_model_config(path).vocab_size
     argv = [str(python), str(VLLM_OFFLINE_SCRIPT), "--model", str(path), "--dtype", dtype,
             "--max-model-len", str(_max_len(args)), "--max-num-seqs", str(args.num_prompts),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]  # fmt: skip

@@ -65,13 +65,13 @@ def measure(llm: Any, batch: list[dict[str, Any]], params: Any) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     from kvtier.bench import models
     from kvtier.bench.throughput import random_prompts
-    from kvtier.config import ModelConfig
     from kvtier.engine import LLM, SamplingParams
+    from kvtier.model.hf_config import load_model_config
 
     depths = [int(d) for d in args.depths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(args.model, Path(tmp))
-        vocab = ModelConfig.from_pretrained(path).vocab_size
+        vocab = load_model_config(path).vocab_size
         n = args.output_len
         params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
         engines = {

@@ -56,13 +56,14 @@ def max_model_len(args: argparse.Namespace) -> int:
 def default_num_blocks(args: argparse.Namespace, model: str) -> int:
     """A quarter of the blocks every request needs at once at its full length (at least two
     longest requests' worth), from the engine's own KV plan of the model."""
-    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.config import CacheConfig, SchedulerConfig
     from kvtier.kv.plan import plan_kv
+    from kvtier.model.hf_config import load_model_config
 
     n = max_model_len(args)
     sched = SchedulerConfig(max_model_len=n, max_num_batched_tokens=args.max_num_batched_tokens)
     cache = CacheConfig(block_size=args.block_size, num_device_blocks=1 << 20)
-    per_request = plan_kv(ModelConfig.from_pretrained(model), cache, sched).blocks_per_request(n)
+    per_request = plan_kv(load_model_config(model), cache, sched).blocks_per_request(n)
     return max(2 * per_request, per_request * int(args.num_requests) // 4) + 1
 
 
@@ -108,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [d for d in args.depths if d not in (1, 2, 3)]
     if bad:
         raise ValueError(f"--depths takes 1, 2 or 3, got {bad}")
-    from kvtier.config import ModelConfig
     from kvtier.engine.params import DEFAULT_MODEL
+    from kvtier.model.hf_config import load_model_config
 
     model = args.model or str(DEFAULT_MODEL)
     args.model = model
-    prompts = workload(args, ModelConfig.from_pretrained(model).vocab_size)
+    prompts = workload(args, load_model_config(model).vocab_size)
     blocks = args.num_device_blocks or default_num_blocks(args, model)
     print(f"{args.num_requests} requests, {blocks} device blocks of {args.block_size} tokens")
     print(f"{'depth':>5} {'quarantine':>10} {'preemptions':>11} {'× depth 1':>9} {'steps':>6}")

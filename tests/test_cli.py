@@ -12,6 +12,7 @@ import pytest
 
 from kvtier import __version__
 from kvtier.cli_args import human_readable_int, parse_bytes
+from tests.torch_blocked import run_without_torch
 
 
 def kvtier(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,6 +30,19 @@ def test_plan_default_model_prints_tiers_and_saves_json(tmp_path: Path) -> None:
     assert plan["architecture"] == "Gemma3ForCausalLM"
     assert plan["tiers"][0]["max_concurrency_at_max_len"] > 0
     assert len(plan["groups"]) == 7
+
+
+def test_plan_reads_the_model_without_torch() -> None:
+    """`kvtier plan` reads config.json through `kvtier.model.hf_config`; the model package loads
+    its names lazily, so planning (and the torch-free `arch.py` reader) never imports torch."""
+    out = run_without_torch(
+        """
+from kvtier.cli import main
+assert main(["plan", "--model", "falcon-h1-0.5b", "--max-model-len", "4096"]) == 0
+import kvtier.model.arch
+"""
+    )
+    assert "FalconH1ForCausalLM" in out and "tier device" in out
 
 
 def test_plan_refuses_impossible_configuration_with_flag() -> None:

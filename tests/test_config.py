@@ -1,14 +1,19 @@
-"""HF config reading and config validation: errors name the input and the fix."""
+"""HF config reading and config validation: errors name the input and the fix; every setting
+carries the help text of its flag."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvtier.cli import build_parser
+from kvtier.config import CacheConfig, SchedulerConfig, ServerConfig, flag_help
+from kvtier.model.hf_config import load_model_config
 
 
 def write(tmp_path: Path, cfg: dict[str, object]) -> Path:
@@ -63,29 +68,27 @@ BASE = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
 def test_layer_kinds_per_architecture(
     tmp_path: Path, cfg: dict[str, object], kinds: tuple[str, ...]
 ) -> None:
-    model = ModelConfig.from_pretrained(write(tmp_path, {**BASE, **cfg}))
+    model = load_model_config(write(tmp_path, {**BASE, **cfg}))
     assert model.layer_kinds == kinds
     assert model.head_dim == 16 and model.num_kv_heads == 4
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'GPTNeoXForCausalLM' is not supported"):
-        ModelConfig.from_pretrained(
-            write(tmp_path, {**BASE, "architectures": ["GPTNeoXForCausalLM"]})
-        )
+        load_model_config(write(tmp_path, {**BASE, "architectures": ["GPTNeoXForCausalLM"]}))
 
 
 def test_missing_field_and_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lacks 'num_hidden_layers'"):
-        ModelConfig.from_pretrained(write(tmp_path, {"architectures": ["LlamaForCausalLM"]}))
+        load_model_config(write(tmp_path, {"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match=r"bundled presets: .*gemma-3-1b"):
-        ModelConfig.from_pretrained(tmp_path / "nowhere")
+        load_model_config(tmp_path / "nowhere")
 
 
 def test_bad_json_is_reported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_model_config(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -188,3 +191,33 @@ def test_async_depth_defaults_to_two_and_one_is_synchronous_either_way() -> None
     assert SchedulerConfig().depth == 2 and SchedulerConfig(async_depth=3).depth == 3
     assert SchedulerConfig(async_scheduling=False).depth == 1
     assert SchedulerConfig(async_scheduling=False, async_depth=1).depth == 1
+
+
+SETTINGS = (CacheConfig, SchedulerConfig, ServerConfig)
+
+
+@pytest.mark.parametrize("cls", SETTINGS, ids=lambda c: c.__name__)
+def test_every_setting_says_what_its_flag_means(cls: type) -> None:
+    """The help text lives on the field (`config.setting`); a field added without one fails here."""
+    missing = [f.name for f in dataclasses.fields(cls) if not flag_help(cls, f.name).strip()]
+    assert not missing, f"{cls.__name__} fields without help text: {missing}"
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "plan"])
+def test_derived_flags_are_fields_with_their_help(command: str) -> None:
+    by_title = {cls.__name__: cls for cls in SETTINGS}
+    seen = set()
+    for group in _commands()[command]._action_groups:
+        cls = by_title.get(group.title or "")
+        for action in group._group_actions if cls is not None else ():
+            names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+            assert action.dest in names, (command, action.option_strings)
+            assert (action.help or "").startswith(flag_help(cls, action.dest).strip())
+            seen.add(cls)
+    assert seen, f"{command} derives no flags from the config dataclasses"

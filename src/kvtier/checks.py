@@ -1,14 +1,17 @@
 """Type and range checks for values arriving at a boundary (sampling parameters, engine arguments,
-token ids). Each returns the value in its plain Python form (numpy scalars become int / float,
-sequences become tuples) or raises TypeError (wrong kind) / ValueError (out of range) naming the
-field and what it accepts. Torch-free."""
+token ids, config dataclass fields by their declared types). Each returns the value in its plain
+Python form (numpy scalars become int / float, sequences become tuples) or raises TypeError (wrong
+kind) / ValueError (out of range) naming the field and what it accepts. Torch-free."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import types
+import typing
 from collections.abc import Iterable, Mapping
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -133,3 +136,45 @@ def _range(lo: int, hi: int) -> str:
     if hi == INT64_MAX:
         return "" if lo == INT64_MIN else f" ≥ {lo}"
     return f" in [{lo}, {hi}]"
+
+
+def flag(name: str) -> str:
+    """The CLI spelling of a field: block_size → --block-size."""
+    return "--" + name.replace("_", "-")
+
+
+def check_field_types(obj: Any) -> None:
+    """TypeError naming the flag of a field whose value is not of its declared type (bool is not
+    an int, NaN and ±inf are not numbers); ints beyond 64 bits are a ValueError. Stores numpy
+    scalars as int / float and lists of strings as tuples on `obj` (a frozen dataclass)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, kinds = getattr(obj, f.name), _kinds(hints[f.name])
+        name = f"{f.name} ({flag(f.name)})"
+        if value is None and type(None) in kinds:
+            continue
+        if isinstance(value, bool):
+            if bool not in kinds:
+                raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
+            continue
+        if int in kinds and is_int(value):
+            object.__setattr__(obj, f.name, check_int(name, value))
+        elif float in kinds and not isinstance(value, (str, bytes)):
+            object.__setattr__(obj, f.name, check_float(name, value))
+        elif tuple in kinds and not isinstance(value, str):
+            object.__setattr__(obj, f.name, check_strs(name, value, allow_empty=True))
+        elif not any(isinstance(value, k) for k in kinds if k not in (int, float, tuple)):
+            raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
+
+
+def _kinds(annotation: Any) -> tuple[type, ...]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return tuple(k for a in typing.get_args(annotation) for k in _kinds(a))
+    origin = typing.get_origin(annotation)
+    return (origin,) if origin is not None else (annotation,)
+
+
+def _describe(kinds: tuple[type, ...]) -> str:
+    words = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+    words |= {tuple: "a list of strings", type(None): "None"}
+    return " or ".join(words.get(k, k.__name__) for k in kinds)

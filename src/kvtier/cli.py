@@ -22,7 +22,7 @@ def _add_parser(
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvtier.kv import plan_cli
+    from kvtier.engine import plan_cli
 
     p = _add_parser(sub, "plan", "compute the KV byte plan of a model configuration")
     plan_cli.add_arguments(p)

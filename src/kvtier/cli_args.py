@@ -1,4 +1,5 @@
-"""Derive argparse flags from the config dataclasses (spelled like vLLM's) and build them back."""
+"""Derive argparse flags from the config dataclasses (spelled like vLLM's, with the help text each
+field carries) and build them back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from kvtier.config import FLAG_HELP
+from kvtier.config import flag_help
 
 T = TypeVar("T")
 
@@ -117,7 +118,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
-        help_text = FLAG_HELP.get(f.name, "")
+        help_text = flag_help(cls, f.name)
         if f.default not in (None, dataclasses.MISSING, ()) and "default" not in help_text:
             help_text += f" (default: {_shown(f.default, f.name)})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text.strip()}

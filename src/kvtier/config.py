@@ -1,23 +1,21 @@
-"""Frozen configuration dataclasses and the HF `config.json` reader; validation errors name the fix.
+"""Frozen configuration dataclasses: the model's shape every layer plans with (`ModelConfig`, read
+from a HF `config.json` by `model/hf_config.py`), the engine's settings (`CacheConfig`,
+`SchedulerConfig`) and the server's (`ServerConfig`). Validation errors name the
+flag and the fix.
 
-Values known only at run time (blocks after sizing) are returned by planners, never written back.
-Torch-free.
+Each setting carries the help text of its flag (`setting`): the CLI (`cli_args.py`) reads it from
+the field, so what a flag means is written once, beside its default and its checks. Values known
+only at run time (blocks after sizing) are returned by planners, never written back. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kvtier.checks import check_float, check_int, check_strs, is_int, show
-
-PRESETS_DIR = Path(__file__).parent / "presets"
+from kvtier.checks import check_field_types, flag
 
 # Bytes per element of every dtype kvtier sizes or stores: the one table, the device layer reads
 # it too. A dtype enters it only with a buffer that holds it (the plan sizes what is allocated).
@@ -51,46 +49,15 @@ def parse_protect(text: str) -> tuple[str, ...]:
     return () if text == "none" else tuple(p for p in text.split(",") if p)
 
 
-def flag(name: str) -> str:
-    """The CLI spelling of a field: block_size → --block-size."""
-    return "--" + name.replace("_", "-")
+def setting(default: Any = dataclasses.MISSING, text: str = "") -> Any:
+    """A dataclass field whose flag's help is `text` (no default: a required field)."""
+    return field(default=default, metadata={"help": text})
 
 
-def check_field_types(obj: Any) -> None:
-    """TypeError naming the flag of a field whose value is not of its declared type (bool is not
-    an int, NaN and ±inf are not numbers); ints beyond 64 bits are a ValueError. Stores numpy
-    scalars as int / float and lists of strings as tuples on `obj` (a frozen dataclass)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, kinds = getattr(obj, f.name), _kinds(hints[f.name])
-        name = f"{f.name} ({flag(f.name)})"
-        if value is None and type(None) in kinds:
-            continue
-        if isinstance(value, bool):
-            if bool not in kinds:
-                raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
-            continue
-        if int in kinds and is_int(value):
-            object.__setattr__(obj, f.name, check_int(name, value))
-        elif float in kinds and not isinstance(value, (str, bytes)):
-            object.__setattr__(obj, f.name, check_float(name, value))
-        elif tuple in kinds and not isinstance(value, str):
-            object.__setattr__(obj, f.name, check_strs(name, value, allow_empty=True))
-        elif not any(isinstance(value, k) for k in kinds if k not in (int, float, tuple)):
-            raise TypeError(f"{name} must be {_describe(kinds)}, got {show(value)}")
-
-
-def _kinds(annotation: Any) -> tuple[type, ...]:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return tuple(k for a in typing.get_args(annotation) for k in _kinds(a))
-    origin = typing.get_origin(annotation)
-    return (origin,) if origin is not None else (annotation,)
-
-
-def _describe(kinds: tuple[type, ...]) -> str:
-    words = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
-    words |= {tuple: "a list of strings", type(None): "None"}
-    return " or ".join(words.get(k, k.__name__) for k in kinds)
+def flag_help(cls: type, name: str) -> str:
+    """The help text of field `name` of config dataclass `cls` (KeyError for an unknown name)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    return str(fields[name].metadata.get("help", ""))
 
 
 @dataclass(frozen=True)
@@ -134,14 +101,6 @@ class MambaShape:
     def state_elems(self) -> int:
         """Elements of one request's state in one layer (conv + SSM)."""
         return self.conv_state_elems + self.ssm_state_elems
-
-
-_HF_LAYER_TYPES = {
-    "full_attention": "full",
-    "sliding_attention": "sliding",
-    "chunked_attention": "chunked",
-    "mamba": "mamba",
-}
 
 
 @dataclass(frozen=True)
@@ -192,154 +151,75 @@ class ModelConfig:
         if ("mamba" in self.layer_kinds or self.parallel_mamba) and self.mamba is None:
             raise ValueError(f"{self.source}: mamba layers but no mamba_* sizes in config.json")
 
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
-        """Read a HuggingFace `config.json` dict (Llama, Qwen2, Mistral, Gemma2, Gemma3 text,
-        Falcon-H1, Granite 4.0 hybrid)."""
-        archs = cfg.get("architectures") or [cfg.get("model_type", "")]
-        arch = str(archs[0])
-        try:
-            num_layers = int(cfg["num_hidden_layers"])
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-        except KeyError as exc:
-            raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
-        kinds = _layer_kinds(arch, cfg, num_layers, source)
-        parallel = arch.startswith("FalconH1For")
-        window = cfg.get("sliding_window") if "sliding" in kinds else None
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-        return cls(
-            architecture=arch,
-            num_layers=num_layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg.get("vocab_size", 0)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            layer_kinds=kinds,
-            sliding_window=int(window) if window else None,
-            attention_chunk_size=cfg.get("attention_chunk_size"),
-            dtype=dtype,
-            source=source,
-            hf_config=cfg,
-            mamba=_mamba_shape(cfg, hidden, source) if "mamba" in kinds or parallel else None,
-            parallel_mamba=parallel,
-        )
-
-    @classmethod
-    def from_pretrained(cls, model: str | Path) -> ModelConfig:
-        """Load from a local HF folder, a `config.json` path, or a bundled preset name."""
-        path = Path(model)
-        if path.is_dir():
-            path = path / "config.json"
-        elif not path.exists() and (PRESETS_DIR / f"{model}.json").exists():
-            path = PRESETS_DIR / f"{model}.json"
-        if not path.is_file():
-            presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
-            raise ValueError(
-                f"model {str(model)!r}: no config.json there; pass a local HF model folder, a "
-                f"config.json file, or one of the bundled presets: {presets}"
-            )
-        try:
-            cfg = json.loads(path.read_text())
-        except UnicodeDecodeError:  # a binary file: a GGUF checkpoint is the usual one
-            what = "a binary file, not a config.json"
-            if path.read_bytes()[:4] == b"GGUF":
-                what = "a GGUF file (llama.cpp's format), which kvtier does not load"
-            raise ValueError(
-                f"model {str(model)!r}: {path} is {what}; pass the folder of a HF checkpoint "
-                "(config.json, *.safetensors, tokenizer.json) or its config.json"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_hf_dict(cfg, source=str(model))
-
-
-def _mamba_shape(cfg: dict[str, Any], hidden: int, source: str) -> MambaShape:
-    """Falcon-H1 / Granite hybrid `mamba_*` keys; a head size of "auto" divides the inner width."""
-    heads = int(cfg.get("mamba_n_heads", 128))  # the defaults are transformers' own
-    inner = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden
-    head_dim = cfg.get("mamba_d_head", "auto")
-    head_dim = int(inner) // heads if head_dim in (None, "auto") else int(head_dim)
-    if head_dim * heads != int(inner):
-        raise ValueError(
-            f"{source}: mamba_n_heads {heads} × mamba_d_head {head_dim} != the Mamba inner width "
-            f"{inner} (mamba_d_ssm, or mamba_expand × hidden_size)"
-        )
-    return MambaShape(
-        num_heads=heads,
-        head_dim=head_dim,
-        state_size=int(cfg.get("mamba_d_state", 256)),
-        num_groups=int(cfg.get("mamba_n_groups", 1)),
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-    )
-
-
-_GRANITE_LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba"}
-_GRANITE_LAYER_TYPES |= {"attention": "full", "full_attention": "full"}
-
-
-def _layer_kinds(arch: str, cfg: dict[str, Any], n: int, source: str) -> tuple[str, ...]:
-    if arch.startswith("FalconH1For") and not cfg.get("layer_types"):
-        return ("full",) * n  # attention in every layer; the Mamba2 mixer runs beside it
-    if arch.startswith("GraniteMoeHybridFor"):
-        types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
-        try:
-            return tuple(_GRANITE_LAYER_TYPES[t] for t in types)
-        except KeyError as exc:
-            raise ValueError(
-                f"{source}: unknown layer type {exc.args[0]!r} in layer_types"
-            ) from None
-    if cfg.get("layer_types"):
-        try:
-            return tuple(_HF_LAYER_TYPES[t] for t in cfg["layer_types"])
-        except KeyError as exc:
-            raise ValueError(
-                f"{source}: unknown layer type {exc.args[0]!r} in layer_types"
-            ) from None
-    if arch.startswith(("LlamaFor", "Llama4For")):
-        if cfg.get("attention_chunk_size"):  # Llama-4 style: every 4th layer global, rest chunked
-            return tuple("full" if (i + 1) % 4 == 0 else "chunked" for i in range(n))
-        return ("full",) * n
-    if arch.startswith("Qwen2For"):
-        first_swa = int(cfg.get("max_window_layers", n))
-        use = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window")
-        return tuple("sliding" if use and i >= first_swa else "full" for i in range(n))
-    if arch.startswith("MistralFor"):
-        return ("sliding" if cfg.get("sliding_window") else "full",) * n
-    if arch.startswith("Gemma2For"):
-        return tuple("sliding" if (i + 1) % 2 else "full" for i in range(n))
-    if arch.startswith("Gemma3"):
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
-    raise ValueError(
-        f"{source}: architecture {arch!r} is not supported; supported: Llama, Qwen2, Mistral, "
-        "Gemma2, Gemma3 (text), Falcon-H1, GraniteMoeHybrid"
-    )
-
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Device KV cache: block geometry and budget (blocks or bytes), caching and protections."""
 
-    block_size: int = 16
-    num_device_blocks: int | None = None  # or kv_cache_memory_bytes, never both
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_dtype: str | None = None  # default: the model's dtype
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    kv_offloading_size: float | None = None  # host tier, GiB
-    num_host_blocks: int | None = None  # host tier in blocks (or kv_offloading_size, not both)
-    kv_offload_store_mode: str = "eager"  # "lazy" = vLLM's lazy_offload
-    admission: str = "shared"  # one of ADMISSION_POLICIES (sizing, concurrency, admission)
+    block_size: int = setting(16, "tokens per KV block")
+    # or kv_cache_memory_bytes, never both
+    num_device_blocks: int | None = setting(
+        None,
+        "device KV blocks (instead of --kv-cache-memory-bytes)",
+    )
+    kv_cache_memory_bytes: int | None = setting(
+        None,
+        "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
+    )
+    kv_cache_dtype: str | None = setting(
+        None,
+        "dtype the KV pool stores: auto (the model's, default), float32, bfloat16, float16 or"
+        " float64; 8-bit KV caches are refused (none exists yet)",
+    )
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prefixes")
+    prefix_caching_hash_algo: str = setting("sha256", "block hash: sha256 or xxhash")
+    kv_offloading_size: float | None = setting(
+        None,
+        "host-memory KV tier size in GiB (needs prefix caching)",
+    )
+    num_host_blocks: int | None = setting(
+        None,
+        "host-memory KV tier size in blocks (instead of --kv-offloading-size; needs prefix "
+        "caching)",
+    )
+    kv_offload_store_mode: str = setting(
+        "eager",
+        "when the host tier stores device blocks: eager (a request's full blocks once "
+        "settled) or lazy (cached blocks as they near the device LRU head; vLLM's "
+        "lazy_offload)",
+    )
+    admission: str = setting(
+        "shared",
+        "what admission charges window groups for tokens in flight: shared (steady window per"
+        " request + one pool-wide reserve), per-request (W-1+in-flight tokens each, vLLM "
+        "after its settled-basis fix) or optimistic (W-1+one step each, vLLM before it)",
+    )
     # Tiers below the host (architecture.md §Chain): a folder of block files, a Redis URL (and
     # the expiry of its keys), and the longest a lookup may wait for them in total.
-    kv_disk_path: str | None = None
-    kv_disk_size: float | None = None  # GiB (default DEFAULT_DISK_GIB with a disk path)
-    kv_remote_url: str | None = None  # redis://host:port/db (valkey:// too)
-    kv_remote_ttl_s: float | None = None  # None: keys never expire
-    kv_tier_timeout_s: float = 0.5
+    kv_disk_path: str | None = setting(
+        None,
+        "folder of the disk KV tier below the host tier (one per process; survives restarts);"
+        " needs a host tier",
+    )
+    kv_disk_size: float | None = setting(
+        None,
+        f"disk KV tier size in GiB (default {DEFAULT_DISK_GIB:g})",
+    )
+    kv_remote_url: str | None = setting(
+        None,
+        "remote KV tier on Redis or Valkey shared by replicas, redis://host:port/db; needs a "
+        "host tier and sha256 block hashes",
+    )
+    kv_remote_ttl_s: float | None = setting(
+        None,
+        "expiry of each remote KV block in seconds (default: none); needed for Redis to evict"
+        " under a volatile-* maxmemory policy",
+    )
+    kv_tier_timeout_s: float = setting(
+        0.5,
+        "longest a lookup waits for the disk and remote tiers in total, however many blocks "
+        "it asks for; past it the request recomputes what did not arrive",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -472,14 +352,21 @@ class CacheConfig:
 class SchedulerConfig:
     """Batching limits and how far the host may run ahead of the device."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    async_scheduling: bool = True
-    # Unprocessed steps allowed at once with async scheduling (None: DEFAULT_ASYNC_DEPTH)
-    async_depth: int | None = None
-    # Admit a request only when its whole prompt fits (vLLM's flag), not only its first chunk
-    scheduler_reserve_full_isl: bool = True
+    max_num_seqs: int = setting(256, "most requests running at once")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step")
+    max_model_len: int | None = setting(
+        None,
+        "longest prompt + output (default: the model's max positions)",
+    )
+    async_scheduling: bool = setting(True, "schedule the next step while the device runs this one")
+    async_depth: int | None = setting(
+        None,
+        "unprocessed steps allowed at once with async scheduling (1-3, default 2)",
+    )
+    scheduler_reserve_full_isl: bool = setting(
+        True,
+        "admit a request only when the blocks of its whole prompt fit (not only its first chunk)",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -528,26 +415,68 @@ def check_metrics_prefix(prefix: str) -> None:
 class ServerConfig:
     """The HTTP front of `kvtier serve`."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # default: --model, or "kvtier-default"
-    max_waiting_requests: int = 1024  # backlog beyond free running slots; more get HTTP 429
-    max_request_body_bytes: int = 4 << 20  # larger request bodies get HTTP 413
-    log_level: str = "info"
-    engine_process: bool = True  # the engine in a process of its own (False: a thread of this one)
-    engine_iteration_timeout_s: float = 30.0  # /health 503 past this without an engine loop pass
-    metrics_prefix: str = "vllm"  # names vLLM's metric families (kvtier's own stay kvtier:)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    served_model_name: str | None = setting(
+        None,
+        "model id clients send (default: --model, or kvtier-default)",
+    )
+    max_waiting_requests: int = setting(
+        1024,
+        "requests allowed to wait beyond the free running slots (--max-num-seqs); more get "
+        "HTTP 429 with Retry-After. 0: only requests that can start at once",
+    )
+    max_request_body_bytes: int = setting(
+        4 << 20,
+        "largest request body (suffixes KiB/MiB accepted); larger get 413",
+    )
+    log_level: str = setting("info", "debug, info, warning or error")
+    engine_process: bool = setting(
+        True,
+        "run the engine in a process of its own, beside the HTTP server's (default); "
+        "--no-engine-process runs it on a thread of the server's process",
+    )
+    engine_iteration_timeout_s: float = setting(
+        30.0,
+        "/health answers 503 once the engine loop has not advanced for this many seconds (a "
+        "hung step, a stopped or stuck engine process); longer than your slowest step",
+    )
+    metrics_prefix: str = setting(
+        "vllm",
+        "prefix of the metric families shaped as vLLM's (vllm: lets a vLLM Grafana board read"
+        " this server unchanged); kvtier's own families keep kvtier:",
+    )
     # Deployment, spelled as vLLM's (server/access.py): keys, CORS, TLS, a proxy's path prefix
-    api_key: tuple[str, ...] = ()  # default: $KVTIER_API_KEY, then $VLLM_API_KEY; none: open
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for a certificate
-    root_path: str | None = None
+    api_key: tuple[str, ...] = setting(
+        (),
+        "keys clients must send as `Authorization: Bearer KEY` on every route but /health, "
+        "/metrics and /version (default: $KVTIER_API_KEY, then $VLLM_API_KEY; unset: no key)",
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        ("*",),
+        "CORS: origins browsers may call from, a JSON list",
+    )
+    allowed_methods: tuple[str, ...] = setting(("*",), "CORS: methods allowed, a JSON list")
+    allowed_headers: tuple[str, ...] = setting(("*",), "CORS: request headers allowed, a JSON list")
+    allow_credentials: bool = setting(False, "CORS: let browsers send cookies and credentials")
+    ssl_keyfile: str | None = setting(
+        None,
+        "TLS: the server's private key file (PEM); needs --ssl-certfile",
+    )
+    ssl_certfile: str | None = setting(
+        None,
+        "TLS: the server's certificate file (PEM); needs --ssl-keyfile",
+    )
+    ssl_ca_certs: str | None = setting(
+        None,
+        "TLS: CA certificates that client certificates are checked against",
+    )
+    ssl_cert_reqs: int = setting(0, "TLS: client certificates: 0 not asked, 1 optional, 2 required")
+    root_path: str | None = setting(
+        None,
+        "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; the "
+        "OpenAPI schema names it",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -589,92 +518,3 @@ class ServerConfig:
                 f"--root-path {self.root_path!r} must start with '/' and not end with one: "
                 f"pass {fix!r}"
             )
-
-
-# Help text for the flags the CLI derives from these dataclasses (`kvtier.cli_args`).
-FLAG_HELP = {
-    "engine_process": (
-        "run the engine in a process of its own, beside the HTTP server's (default); "
-        "--no-engine-process runs it on a thread of the server's process"
-    ),
-    "engine_iteration_timeout_s": (
-        "/health answers 503 once the engine loop has not advanced for this many seconds (a "
-        "hung step, a stopped or stuck engine process); longer than your slowest step"
-    ),
-    "block_size": "tokens per KV block",
-    "num_device_blocks": "device KV blocks (instead of --kv-cache-memory-bytes)",
-    "kv_cache_memory_bytes": "device KV budget in bytes; suffixes KiB/MiB/GiB accepted",
-    "kv_cache_dtype": (
-        "dtype the KV pool stores: auto (the model's, default), float32, bfloat16, float16 or "
-        "float64; 8-bit KV caches are refused (none exists yet)"
-    ),
-    "enable_prefix_caching": "reuse KV blocks of shared prefixes",
-    "prefix_caching_hash_algo": "block hash: sha256 or xxhash",
-    "kv_offloading_size": "host-memory KV tier size in GiB (needs prefix caching)",
-    "num_host_blocks": (
-        "host-memory KV tier size in blocks (instead of --kv-offloading-size; needs prefix caching)"
-    ),
-    "kv_offload_store_mode": (
-        "when the host tier stores device blocks: eager (a request's full blocks once settled) or "
-        "lazy (cached blocks as they near the device LRU head; vLLM's lazy_offload)"
-    ),
-    "kv_disk_path": (
-        "folder of the disk KV tier below the host tier (one per process; survives restarts); "
-        "needs a host tier"
-    ),
-    "kv_disk_size": f"disk KV tier size in GiB (default {DEFAULT_DISK_GIB:g})",
-    "kv_remote_url": (
-        "remote KV tier on Redis or Valkey shared by replicas, redis://host:port/db; needs a host "
-        "tier and sha256 block hashes"
-    ),
-    "kv_remote_ttl_s": (
-        "expiry of each remote KV block in seconds (default: none); needed for Redis to evict "
-        "under a volatile-* maxmemory policy"
-    ),
-    "kv_tier_timeout_s": (
-        "longest a lookup waits for the disk and remote tiers in total, however many blocks it "
-        "asks for; past it the request recomputes what did not arrive"
-    ),
-    "admission": (
-        "what admission charges window groups for tokens in flight: shared (steady window per "
-        "request + one pool-wide reserve), per-request (W-1+in-flight tokens each, vLLM after "
-        "its settled-basis fix) or optimistic (W-1+one step each, vLLM before it)"
-    ),
-    "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one step",
-    "max_model_len": "longest prompt + output (default: the model's max positions)",
-    "async_scheduling": "schedule the next step while the device runs this one",
-    "async_depth": "unprocessed steps allowed at once with async scheduling (1-3, default 2)",
-    "scheduler_reserve_full_isl": (
-        "admit a request only when the blocks of its whole prompt fit (not only its first chunk)"
-    ),
-    "host": "address to listen on",
-    "port": "port to listen on",
-    "served_model_name": "model id clients send (default: --model, or kvtier-default)",
-    "max_waiting_requests": (
-        "requests allowed to wait beyond the free running slots (--max-num-seqs); more get HTTP "
-        "429 with Retry-After. 0: only requests that can start at once"
-    ),
-    "max_request_body_bytes": "largest request body (suffixes KiB/MiB accepted); larger get 413",
-    "log_level": "debug, info, warning or error",
-    "metrics_prefix": (
-        "prefix of the metric families shaped as vLLM's (vllm: lets a vLLM Grafana board read "
-        "this server unchanged); kvtier's own families keep kvtier:"
-    ),
-    "api_key": (
-        "keys clients must send as `Authorization: Bearer KEY` on every route but /health, "
-        "/metrics and /version (default: $KVTIER_API_KEY, then $VLLM_API_KEY; unset: no key)"
-    ),
-    "allowed_origins": "CORS: origins browsers may call from, a JSON list",
-    "allowed_methods": "CORS: methods allowed, a JSON list",
-    "allowed_headers": "CORS: request headers allowed, a JSON list",
-    "allow_credentials": "CORS: let browsers send cookies and credentials",
-    "ssl_keyfile": "TLS: the server's private key file (PEM); needs --ssl-certfile",
-    "ssl_certfile": "TLS: the server's certificate file (PEM); needs --ssl-keyfile",
-    "ssl_ca_certs": "TLS: CA certificates that client certificates are checked against",
-    "ssl_cert_reqs": "TLS: client certificates: 0 not asked, 1 optional, 2 required",
-    "root_path": (
-        "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; "
-        "the OpenAPI schema names it"
-    ),
-}

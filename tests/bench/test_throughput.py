@@ -58,11 +58,11 @@ def test_qwen2_05b_shape_is_the_shape_of_qwen2_05b() -> None:
     """The built-in shape (its config only: the weights are 1 GB) has Qwen2-0.5B's dimensions
     and, with a 32k vocabulary, about 0.4B parameters, every layer attending fully."""
     from kvtier.bench import models
-    from kvtier.config import ModelConfig
     from kvtier.model.arch import arch_spec
+    from kvtier.model.hf_config import model_config_from_dict
     from kvtier.model.testing import tiny_config
 
-    cfg = ModelConfig.from_hf_dict(tiny_config("qwen2", **models.QWEN2_05B_SHAPE))
+    cfg = model_config_from_dict(tiny_config("qwen2", **models.QWEN2_05B_SHAPE))
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (896, 24, 14, 2)
     assert (cfg.head_dim, cfg.vocab_size, cfg.dtype) == (64, 32000, "bfloat16")
     assert set(cfg.layer_kinds) == {"full"}

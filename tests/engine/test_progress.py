@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import ModelConfig
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
 from kvtier.kv.plan import plan_kv
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.testing import write_tiny_model
 from tests.engine.workloads import Watchdog
 
@@ -135,7 +135,7 @@ def reference(path: Path, max_model_len: int, prompt: list[int], max_tokens: int
 def minimal_pool(path: Path, args: dict[str, object]) -> int:
     """Device blocks of the smallest pool the engine accepts: one request at max length."""
     probe = EngineArgs.from_kwargs(str(path), **{**args, "num_device_blocks": 1 << 12})
-    plan = plan_kv(ModelConfig.from_pretrained(path), probe.cache, probe.scheduler)
+    plan = plan_kv(load_model_config(path), probe.cache, probe.scheduler)
     return plan.blocks_per_request(plan.max_model_len) + 1
 
 

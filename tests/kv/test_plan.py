@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from kvtier.bench.fake_runner import FakeRunner
 from kvtier.config import ADMISSION_POLICIES, CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.engine.plan_cli import add_arguments, run
 from kvtier.kv import ChunkedLocal, FullAttention, KVCacheManager, KVSpec, Mamba, SlidingWindow
 from kvtier.kv.plan import GIB, group_layers, plan_kv
-from kvtier.kv.plan_cli import add_arguments, run
 from kvtier.kv.specs import (
     AdmissionPolicy,
     PerRequestReserve,
@@ -23,13 +23,14 @@ from kvtier.kv.specs import (
     blocks_for_requests,
     max_concurrency,
 )
+from kvtier.model.hf_config import load_model_config, model_config_from_dict
 from kvtier.sampling import StopConditions
 from kvtier.sched import Request, RequestStatus, Scheduler, SchedulerOutput
 from tests.sched.fake_engine import FakeEngine
 
 
 def gemma3() -> ModelConfig:
-    return ModelConfig.from_pretrained("gemma-3-1b")
+    return load_model_config("gemma-3-1b")
 
 
 def test_gemma3_groups_full_first_with_equal_slot_counts() -> None:
@@ -361,7 +362,7 @@ def test_first_chunk_admission_over_admits_at_max_length() -> None:
 
 
 def falcon_h1() -> ModelConfig:
-    return ModelConfig.from_pretrained("falcon-h1-0.5b")
+    return load_model_config("falcon-h1-0.5b")
 
 
 FALCON_STATE_BYTES = (1792 * 3 + 24 * 64 * 128) * 2  # conv + SSM elements, bfloat16
@@ -445,7 +446,7 @@ GRANITE_LIKE = {
 
 def test_interleaved_hybrid_groups_by_the_fewest_layers() -> None:
     """Granite-like: one attention layer and three Mamba layers give four one-slot groups."""
-    model = ModelConfig.from_hf_dict(GRANITE_LIKE)
+    model = model_config_from_dict(GRANITE_LIKE)
     plan = plan_kv(model, CacheConfig(num_device_blocks=500), SchedulerConfig(max_model_len=512))
     assert [g.spec for g in plan.groups] == [FullAttention(32)] + [Mamba(32)] * 3
     assert [g.layer_indices for g in plan.groups] == [(1,), (0,), (2,), (3,)]

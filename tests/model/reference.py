@@ -10,7 +10,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from kvtier.config import ModelConfig
+from kvtier.model.hf_config import load_model_config, model_config_from_dict
 
 CHUNKED_EAGER = "kvtier_chunked_eager"
 
@@ -18,7 +18,7 @@ CHUNKED_EAGER = "kvtier_chunked_eager"
 def _chunked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """HF's eager attention with our own mask: causal, plus Llama-4's chunks on chunked layers
     (HF builds no mask for a custom attention name; batches here have no padding)."""
-    kinds = ModelConfig.from_hf_dict(module.config.to_dict()).layer_kinds
+    kinds = model_config_from_dict(module.config.to_dict()).layer_kinds
     num_q, num_k = query.shape[-2], key.shape[-2]
     k_pos = torch.arange(num_k)
     q_pos = k_pos[num_k - num_q :]
@@ -34,7 +34,7 @@ AttentionInterface.register(CHUNKED_EAGER, _chunked_eager)
 
 
 def hf_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    cfg = ModelConfig.from_pretrained(folder)
+    cfg = load_model_config(folder)
     attn = CHUNKED_EAGER if "chunked" in cfg.layer_kinds else "eager"
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
     return model.eval()

@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from kvtier.config import MambaShape, ModelConfig
+from kvtier.config import MambaShape
 from kvtier.model.arch import arch_spec
+from kvtier.model.hf_config import load_model_config, model_config_from_dict
 from kvtier.model.hybrid_loader import load_hybrid
 from kvtier.model.testing import tiny_hybrid_config, write_tiny_model
 
 
 def test_falcon_h1_preset_has_a_mamba_mixer_beside_every_attention_layer():
-    model = ModelConfig.from_pretrained("falcon-h1-0.5b")
+    model = load_model_config("falcon-h1-0.5b")
     assert model.layer_kinds == ("full",) * 36 and model.parallel_mamba
     assert model.mamba == MambaShape(
         num_heads=24, head_dim=64, state_size=128, num_groups=1, conv_kernel=4
@@ -37,7 +38,7 @@ def test_falcon_h1_preset_has_a_mamba_mixer_beside_every_attention_layer():
 )
 def test_granite_layer_types_in_either_spelling(types, kinds):
     cfg = tiny_hybrid_config("granite_hybrid", num_hidden_layers=2, layer_types=types)
-    model = ModelConfig.from_hf_dict(cfg)
+    model = model_config_from_dict(cfg)
     assert model.layer_kinds == kinds and not model.parallel_mamba
     assert model.mamba is not None and model.mamba.intermediate_size == 128
 
@@ -52,11 +53,11 @@ def test_granite_layer_types_in_either_spelling(types, kinds):
 )
 def test_bad_hybrid_configs_name_the_field(changes, match):
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_hf_dict(tiny_hybrid_config("granite_hybrid", **changes))
+        model_config_from_dict(tiny_hybrid_config("granite_hybrid", **changes))
 
 
 def test_the_plain_decoder_points_hybrids_to_their_loader(tiny_model_dir):
-    config = ModelConfig.from_pretrained(tiny_model_dir("falcon_h1"))
+    config = load_model_config(tiny_model_dir("falcon_h1"))
     with pytest.raises(ValueError, match=r"load it with kvtier\.model\.hybrid_loader\.load_hybrid"):
         arch_spec(config)
     with pytest.raises(ValueError, match="not a supported Mamba2 hybrid"):
@@ -83,11 +84,11 @@ def test_unsupported_or_mismatched_folders(tiny_model_dir, tmp_path, changes, ma
 def test_a_falcon_h1_folder_may_name_sliding_window_layers(tmp_path) -> None:
     """A kvtier toy beyond transformers' Falcon-H1: `layer_types` with sliding-window attention
     (the garble benchmark's hybrid with window and state groups)."""
-    from kvtier.config import ModelConfig
+    from kvtier.model.hf_config import load_model_config
     from kvtier.model.testing import write_tiny_model
 
     types = ["sliding_attention", "full_attention", "sliding_attention"]
     folder = write_tiny_model(tmp_path, "falcon_h1", layer_types=types, sliding_window=16)
-    cfg = ModelConfig.from_pretrained(folder)
+    cfg = load_model_config(folder)
     assert cfg.layer_kinds == ("sliding", "full", "sliding") and cfg.sliding_window == 16
     assert [k for _, k in cfg.cache_layers()].count("mamba") == 3

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.config import ModelConfig
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.loader import load_model, resolve_dtype
 from kvtier.model.testing import write_tiny_model
 
@@ -85,7 +85,7 @@ def test_a_gguf_file_is_known_by_its_magic_whatever_its_name(tmp_path: Path) -> 
         engine(gguf)
     assert "utf-8" not in str(info.value)
     with pytest.raises(ValueError, match=r"weights\.bin.*GGUF"):  # `kvtier plan --model`
-        ModelConfig.from_pretrained(gguf)
+        load_model_config(gguf)
 
 
 def test_a_folder_of_gguf_files_names_them(tmp_path: Path) -> None:

@@ -186,8 +186,9 @@ def pool_blocks(args: argparse.Namespace, model: Path) -> int:
     """--device-blocks, or what `optimistic` charges --pool-requests max-length requests."""
     if args.device_blocks is not None:
         return int(args.device_blocks)
-    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.config import CacheConfig, SchedulerConfig
     from kvtier.kv.plan import plan_kv
+    from kvtier.model.hf_config import load_model_config
 
     sched = SchedulerConfig(
         max_model_len=args.max_model_len,
@@ -195,7 +196,7 @@ def pool_blocks(args: argparse.Namespace, model: Path) -> int:
         async_depth=args.async_depth,
     )
     cache = CacheConfig(args.block_size, num_device_blocks=1 << 24, admission="optimistic")
-    plan = plan_kv(ModelConfig.from_pretrained(model), cache, sched)
+    plan = plan_kv(load_model_config(model), cache, sched)
     return plan.blocks_for_requests(args.pool_requests, args.max_model_len) + 1
 
 

@@ -240,14 +240,15 @@ def parse_protect_checked(variant: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.config import CacheConfig, SchedulerConfig
     from kvtier.engine.params import DEFAULT_MODEL
     from kvtier.kv.plan import plan_kv
     from kvtier.model import load_tokenizer
+    from kvtier.model.hf_config import load_model_config
 
     path = args.model or str(DEFAULT_MODEL)
     args.model = path
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_model_config(path)
     if "sliding" not in cfg.layer_kinds:
         raise ValueError(f"{path}: the garble benchmark needs a model with sliding-window layers")
     scenario = SCENARIOS[args.scenario]

@@ -221,15 +221,16 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+    from kvtier.config import CacheConfig, SchedulerConfig
     from kvtier.engine.params import DEFAULT_MODEL
     from kvtier.kv.plan import plan_kv
     from kvtier.kv.specs import blocks_for_requests
+    from kvtier.model.hf_config import load_model_config
 
     tiers = parse_tiers(args) if args.tiers else None
     modes = store_modes(args)
     path = Path(args.model) if args.model else DEFAULT_MODEL
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_model_config(path)
     w = build_workload(args, path)
     max_len = w.max_len + args.block_size
     sched = SchedulerConfig(

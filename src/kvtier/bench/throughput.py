@@ -224,13 +224,13 @@ def run_transformers(
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.config import ModelConfig
+    from kvtier.model.hf_config import load_model_config
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = models.model_path(name, Path(tmp))
-            cfg = ModelConfig.from_pretrained(path)
+            cfg = load_model_config(path)
             prompts = random_prompts(args.seed, args.num_prompts, args.input_len, cfg.vocab_size)
             for dtype in args.dtypes.split(","):
                 ours = run_kvtier(str(path), dtype, prompts, args, device=args.device)

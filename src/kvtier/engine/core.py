@@ -25,6 +25,7 @@ from kvtier.ids import ReqId
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.loader import model_folder, resolve_dtype
 from kvtier.model.served import load_served
 from kvtier.offload import HostTier, lazy_scan_blocks_for
@@ -47,7 +48,7 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         path = model_folder(args.model_path)  # a GGUF or other file gets its own clear error
-        self.model_config = ModelConfig.from_pretrained(path)
+        self.model_config = load_model_config(path)
         args.check_model(self.model_config)
         self.torch_threads = configure_torch_threads(args.torch_threads, path)
         allocator.keep_freed_memory()  # a step's activations reuse memory, no page faults

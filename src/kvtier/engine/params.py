@@ -9,14 +9,21 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from kvtier.checks import check_bool, check_int, check_ints, check_strs, show, show_ids
+from kvtier.checks import (
+    check_bool,
+    check_field_types,
+    check_int,
+    check_ints,
+    check_strs,
+    flag,
+    show,
+    show_ids,
+)
 from kvtier.config import (
     PROTECTIONS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
-    check_field_types,
-    flag,
     parse_protect,
 )
 from kvtier.engine.prompts import check_prompt_ids

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvtier.config import ModelConfig
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_arch import HybridSpec, hybrid_spec
 from kvtier.model.loader import empty_weights, model_folder, read_safetensors, resolve_dtype
@@ -33,7 +34,7 @@ _RENAMES = (  # (HF name part, ours), applied in order to each weight name
 def load_hybrid(path: str | Path, dtype: str | torch.dtype | None = None) -> HybridLM:
     """Build the hybrid model of the folder's config.json and load its safetensors weights."""
     folder = model_folder(path)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_model_config(folder)
     spec = hybrid_spec(config)
     torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     with empty_weights():

@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvtier.config import ModelConfig
 from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
 
@@ -121,7 +121,7 @@ def load_model(
     """Build the model of the folder's config.json and load its safetensors weights
     (`native=False`: torch ops only, no kernels of model/native.py)."""
     folder = model_folder(path)
-    config = ModelConfig.from_pretrained(folder)
+    config = load_model_config(folder)
     spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     with empty_weights():

@@ -18,6 +18,7 @@ from kvtier.config import ModelConfig
 from kvtier.kv.plan import KVGroup
 from kvtier.kv.specs import Mamba
 from kvtier.model.attention import AttentionMetadata, LayerKind
+from kvtier.model.hf_config import load_model_config
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_loader import load_hybrid
 from kvtier.model.loader import load_model, model_folder
@@ -139,7 +140,7 @@ class ServedHybrid(ServedModel):
 def load_served(path: str | Path, dtype: str | torch.dtype | None = None) -> ServedModel:
     """The model of a HF folder behind the seam: `load_hybrid` for a Mamba2 hybrid (its config
     has `mamba_*` sizes), `load_model` otherwise; in eval mode, no gradients."""
-    config = ModelConfig.from_pretrained(model_folder(path))
+    config = load_model_config(model_folder(path))
     if config.mamba is not None:
         return ServedHybrid(load_hybrid(path, dtype))
     return ServedDecoder(load_model(path, dtype).eval().requires_grad_(False))

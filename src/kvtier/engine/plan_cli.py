@@ -10,6 +10,7 @@ from typing import Any
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
 from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.kv.plan import GIB, KVPlan, plan_kv
+from kvtier.model.hf_config import load_model_config
 
 DEFAULT_MODEL = "gemma-3-1b"
 
@@ -66,7 +67,7 @@ def plan_summary(model: ModelConfig, plan: KVPlan) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = ModelConfig.from_pretrained(args.model)
+    model = load_model_config(args.model)
     cache = dataclass_from_args(CacheConfig, args)
     sched = dataclass_from_args(SchedulerConfig, args)
     if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:

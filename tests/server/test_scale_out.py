@@ -36,7 +36,7 @@ from tests.server.procs import (
 )
 from tests.stores.servers import RedisServer, free_port
 
-SERVE = ["serve", "--max-model-len", "1024", "--num-device-blocks", "256", "--torch-threads", "1"]
+SERVE = ["serve", "--max-model-len", "1024", "--num-device-blocks", "512", "--torch-threads", "1"]
 TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
 # A request still unanswered after this long is given up on and retried on the other replica:
 # what frees the requests of a hung replica (its TCP socket still accepts). Far above a request
@@ -218,6 +218,12 @@ def _post_and_hang_up(port: int, body: dict[str, Any], replica: Proc) -> None:
     conn.close()
 
 
+def in_flight(replica: Proc) -> float:
+    """Requests the replica holds: running, or waiting for blocks."""
+    running = metric(replica.port, "vllm:num_requests_running")
+    return running + metric(replica.port, "vllm:num_requests_waiting")
+
+
 def _idle(replica: Proc) -> bool:
     return (
         metric(replica.port, "vllm:num_requests_running") == 0
@@ -319,7 +325,7 @@ def _concurrently(port: int, path: str, bodies: list[dict[str, Any]]) -> tuple[A
 
 def _long_bodies(n: int, tag: str) -> list[dict[str, Any]]:
     return [
-        {"model": MODEL, "prompt": f"{tag} {i}: the try statement", "max_tokens": 900}
+        {"model": MODEL, "prompt": f"{tag} {i}: the try statement", "max_tokens": 300}
         | {"temperature": 0, "ignore_eos": True}
         for i in range(n)
     ]
@@ -386,3 +392,36 @@ def test_redis_killed_mid_run_loses_no_request(setup: Setup) -> None:
         sum(metric(r.port, "kvtier:kv_tier_errors_total", 'tier="remote"') for r in setup.replicas)
         > 0
     )
+
+
+def test_a_replica_killed_mid_run(setup: Setup) -> None:
+    """Runs last (it kills a replica). A stream is running on one replica with two whole
+    requests beside it when that replica is SIGKILLed: the whole requests are retried on the
+    other replica and complete with the same greedy tokens; the stream, which had sent tokens
+    already, ends without its `[DONE]` (the client knows it was cut)."""
+    bodies = _long_bodies(4, "Kill")
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    for t in threads:
+        t.join(300)
+    expected = _texts(results)
+    body = {"model": MODEL, "prompt": "The del statement", "max_tokens": 900, "stream": True}
+    body |= {"temperature": 0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", setup.rr.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")
+    (victim,) = [r for r in setup.replicas if metric(r.port, "vllm:num_requests_running") >= 1]
+    threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
+    wait_until(lambda: in_flight(victim) >= 3, 120)
+    victim.signal_all(signal.SIGKILL)
+    rest = b""
+    try:
+        rest = stream.read()
+    except http.client.IncompleteRead as exc:  # the chunked body stops mid-way
+        rest = exc.partial
+    conn.close()
+    assert b"data: [DONE]" not in rest
+    for t in threads:
+        t.join(300)
+    assert _texts(results) == expected
+    wait_until(lambda: setup.rr.health(victim) == 0, 60)

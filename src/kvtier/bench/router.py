@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="kvtier-default", help="`kvtier serve`'s model")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-device-blocks", type=int, default=256, help="per replica")
-    parser.add_argument("--num-host-blocks", type=int, default=256, help="per replica")
+    parser.add_argument("--num-host-blocks", type=int, default=1024, help="per replica")
     parser.add_argument(
         "--serve-arg",
         action="append",
@@ -215,7 +215,9 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
             if policy == "kv_aware":
                 pub, replay = _free_port(), _free_port()
                 events = {"enable_kv_cache_events": True, "publisher": "zmq"}
-                events |= {"endpoint": f"tcp://127.0.0.1:{pub}"}
+                # as vLLM's publisher, a wildcard host binds (any other host connects); the
+                # router's subscriber connects to 127.0.0.1
+                events |= {"endpoint": f"tcp://*:{pub}"}
                 events |= {"replay_endpoint": f"tcp://127.0.0.1:{replay}"}
                 cmd += ["--kv-events-config", json.dumps(events)]
                 sources.append((f"http://127.0.0.1:{port}", pub, replay))
@@ -258,6 +260,8 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
     delta = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before)) for k in after[0]}
     prompt_tokens = delta.get("device:queries", 0.0)
     hits = {t: delta.get(f"{t}:hits", 0.0) for t in TIERS}
+    # the host tier counts every token loaded through it, the lower tiers' hits included
+    hits["host"] -= hits["disk"] + hits["remote"]
     shares = {t: hits[t] / prompt_tokens if prompt_tokens else 0.0 for t in TIERS}
     shutil.rmtree(folder, ignore_errors=True)  # logs are kept only when a process failed
     return {

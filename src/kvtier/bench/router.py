@@ -6,7 +6,7 @@ The workload is `kvtier bench serve`'s (default: shared-prefix, more conversatio
 replica's device and host tiers hold), sent with an `X-Session-ID` per conversation, the key
 vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
 tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
-p99, output tok/s and the router's decisions per replica; saves JSON and, with --plot, a PNG.
+p99, output tok/s and the requests each replica served; saves JSON and, with --plot, a PNG.
 kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources.
 Everything listens on 127.0.0.1 only; every process is stopped at the end of its policy's run.
 """
@@ -164,7 +164,8 @@ def _stop(procs: list[_Proc]) -> None:
 
 
 def _tier_counters(p: _Proc) -> dict[str, float]:
-    """`tier:hits` and `tier:queries` token counts from a replica's /metrics."""
+    """`tier:hits` and `tier:queries` token counts, and `served` (finished requests), from a
+    replica's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     status, text = _get(f"{p.url}/metrics")
@@ -177,18 +178,8 @@ def _tier_counters(p: _Proc) -> dict[str, float]:
             kind = kind or {"kvtier:prefix_cache_queries_total": "queries"}.get(s.name)
             if kind:
                 out[f"{s.labels['tier']}:{kind}"] = s.value
-    return out
-
-
-def _decisions(router_metrics_url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    _, text = _get(router_metrics_url)
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "vllm_router_policy_decisions_total":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0.0) + s.value
+            elif s.name == "vllm:request_success_total":
+                out["served"] = out.get("served", 0.0) + s.value
     return out
 
 
@@ -238,7 +229,7 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
         router = _spawn("router", cmd, port, folder)
         procs.append(router)
         _wait_healthy(router, args.startup_timeout)
-        yield replicas, router, f"http://127.0.0.1:{metrics_port}/metrics"
+        yield replicas, router
     finally:
         _stop(list(reversed(procs)))
 
@@ -248,14 +239,12 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
 
     convs, tok, settings, percentiles = workload
     folder = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-router-{policy}-"))
-    with _deployment(args, policy, folder) as (replicas, router, router_metrics):
+    with _deployment(args, policy, folder) as (replicas, router):
         before = [_tier_counters(p) for p in replicas]
         records, duration = asyncio.run(
             serve_client.run_all(convs, settings, tok, args.max_concurrency, router.url)
         )
         after = [_tier_counters(p) for p in replicas]
-        decisions = _decisions(router_metrics)
-        names = {p.url: p.name for p in replicas}
     summary = serve_report.summarize(records, duration, percentiles)
     delta = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before)) for k in after[0]}
     prompt_tokens = delta.get("device:queries", 0.0)
@@ -270,7 +259,8 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
         "hit_share_by_tier": shares,
         "hit_share": sum(shares.values()),
         "prompt_tokens_looked_up": prompt_tokens,
-        "decisions": {names.get(w, w): n for w, n in decisions.items()},
+        # where the policy sent them (kv_aware counts no decisions per worker, so the replicas do)
+        "served": {p.name: a["served"] - b["served"] for p, a, b in zip(replicas, after, before)},
         "summary": summary,
     }
 

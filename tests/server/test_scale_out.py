@@ -1,4 +1,4 @@
-"""Scale-out as docs/serving.md §Scale-out sets it up, all real processes: a redis-server, two
+"""Scale-out as docs/serving.md, Scale-out sets it up, all real processes: a redis-server, two
 `kvtier serve` replicas sharing it as their remote tier, and vllm-router in front (one
 round_robin router and one prefix-aware router over the same replicas). Replica B's first request
 on A's prefix is a remote hit; a returning conversation goes back to the replica that holds it (the

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import compare_report, main
+from benchmarks import compare_report, cotenant, main
 from benchmarks.peers import (
     VLLM_CLI_SCRIPT,
     VLLM_OFFLINE_SCRIPT,
@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-pause", action="store_true",
         help="leave the idle engine's processes running while the other is measured",
+    )  # fmt: skip
+    parser.add_argument(
+        "--co-tenant", choices=cotenant.KINDS, default="none",
+        help="a load sharing the box with both engines for the whole run (benchmarks/cotenant.py): "
+        "spin (CPU), membw (memory bandwidth), inference (a second kvtier engine)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per peer start")
     parser.add_argument("--seed", type=int, default=0)
@@ -468,7 +473,10 @@ def run(args: argparse.Namespace) -> int:
     python = venv.ensure_vllm(args.peer_venv, install=not args.no_install)
     version = venv.installed_version(args.peer_venv)
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        cotenant.running(args.co_tenant, logs / "co_tenant.log", args.seed) as co_tenant,
+    ):
         paths = {m: models.model_path(m, Path(tmp)) for m in args.models.split(",")}
         if "sched" in parts:
             print("scheduler host time …", flush=True)
@@ -487,11 +495,12 @@ def run(args: argparse.Namespace) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k != "func"}  # fmt: skip
     peer = {"engine": venv.VLLM_PACKAGE, "version": version, "venv": str(args.peer_venv)}
-    payload = {"config": config, "peer": peer, "rows": rows, "results": results}
+    payload = {"config": config, "peer": peer, "co_tenant": co_tenant, "rows": rows,
+               "results": results}  # fmt: skip
     print(f"saved {save_json(payload, out)}")
-    _plot(
-        args, rows, f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds"
-    )
+    beside = "" if args.co_tenant == "none" else f", beside a {args.co_tenant} co-tenant"
+    title = f"kvtier vs vLLM CPU {version}: ours / theirs, median of {args.repeat} rounds{beside}"
+    _plot(args, rows, title)
     return 0
 
 

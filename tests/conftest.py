@@ -1,11 +1,13 @@
 """Shared test configuration: Hypothesis profiles (`ci` default and derandomized, `soak` for
--m slow), and one torch thread per test that uses torch."""
+-m slow), helper modules' asserts rewritten like tests', and one torch thread per test that uses
+torch."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,10 +25,28 @@ settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def helper_modules() -> list[str]:
+    """Modules of tests/ that are neither test modules nor conftests (factories, invariants,
+    oracles, servers): pytest rewrites only test modules' asserts unless told."""
+    root = Path(__file__).resolve().parent
+    names = []
+    for path in root.rglob("*.py"):
+        if path.name.startswith("test_") or path.name in ("conftest.py", "__init__.py"):
+            continue
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names.append(".".join(parts))
+    return sorted(names)
+
+
+# A helper's `assert` is a check like a test's: rewritten, it still runs under `python -O` (which
+# strips plain asserts) and reports the values it compared.
+pytest.register_assert_rewrite(*helper_modules())
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """Toy-sized ops gain nothing from a thread pool, and on a busy 2-core machine spinning
-    OpenMP workers made the model suite ~20x slower (125 s vs 7 s). Torch-free tests stay so."""
+    """Toy-sized ops gain nothing from a thread pool, and on a busy 2-core machine OpenMP
+    workers spinning for work slow the model suite down many times. Torch-free tests stay so."""
     torch = sys.modules.get("torch")
     if torch is None:
         yield

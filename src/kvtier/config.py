@@ -477,6 +477,13 @@ class ServerConfig:
         "path prefix a proxy strips before forwarding (FastAPI's root_path), e.g. /kv; the "
         "OpenAPI schema names it",
     )
+    kv_events_config: str | None = setting(
+        None,
+        "publish KV cache events as vLLM does (ZMQ, msgpack), a JSON object such as "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\'; fields publisher, buffer_steps, hwm, max_queue_size, topic as '
+        "vLLM's (docs/serving.md)",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)

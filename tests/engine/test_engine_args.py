@@ -196,6 +196,23 @@ def check_logprobs_mode(c: Ctx) -> None:
 # ---- CacheConfig --------------------------------------------------------------------------------
 
 
+def check_enable_kv_cache_events(c: Ctx) -> None:
+    """The device and host pools record each newly cached run of blocks with its own tokens;
+    off, nothing is recorded; without prefix caching there is nothing to report: refused."""
+    for on in (True, False):
+        eng = c.engine(enable_kv_cache_events=on, num_host_blocks=32)
+        c.run(eng)
+        eng.drain()
+        stored = [e for e in eng.take_kv_events() if type(e).__name__ == "BlockStored"]
+        media = {e.medium for e in stored}
+        assert media == ({"device", "host"} if on else set()), media
+        for medium in media:  # each tier's runs, in chain order, cover the prompt's blocks
+            toks = [t for e in stored if e.medium == medium for t in e.token_ids]
+            assert toks[: len(PROMPT)] == PROMPT
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineArgs.from_kwargs(None, enable_kv_cache_events=True, enable_prefix_caching=False)
+
+
 def check_block_size(c: Ctx) -> None:
     cfg = c.engine().model_config
     for bs in (4, 8):

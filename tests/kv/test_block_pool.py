@@ -271,12 +271,36 @@ def test_cache_full_blocks_event_names_parent_and_skips_already_hashed_blocks():
     blocks = p.get_new_blocks(3)
     p.cache_full_blocks(0, blocks, [b"h0", b"h1", b"h2"], 0, 1, 2, [10, 11, 12, 13, 14, 15])
     p.cache_full_blocks(0, blocks, [b"h0", b"h1", b"h2"], 0, 3, 2, [10, 11, 12, 13, 14, 15])
-    assert p.take_events() == [
+    assert p.take_events() == [  # each event's tokens are its own blocks', after its parent
         BlockStored([b"h0"], None, [10, 11], 2, 0, "device"),
-        BlockStored([b"h1", b"h2"], None, [10, 11, 12, 13, 14, 15], 2, 0, "device"),
+        BlockStored([b"h1", b"h2"], b"h0", [12, 13, 14, 15], 2, 0, "device"),
     ]
     p.cache_full_blocks(0, blocks + p.get_new_blocks(1), [b"h0", b"h1", b"h2", b"h3"], 3, 4, 2)
     assert p.take_events()[0].parent_block_hash == b"h2"
+
+
+def test_stored_events_cover_runs_of_first_copies_with_their_own_tokens():
+    """A consumer (vllm-router) hashes each event's tokens per block and links the run to its
+    parent: a skipped block (null, or a second copy of a cached hash) splits the run."""
+    p = pool(8, enable_kv_events=True)
+    a, b, c, d = p.get_new_blocks(4)
+    p.cache_full_blocks(0, [a], [b"h1"], 0, 1, 2, [10, 11])
+    p.take_events()
+    blocks = [p.null_block, b, c, d]
+    p.cache_full_blocks(0, blocks, [b"h0", b"h1", b"h2", b"h3"], 0, 4, 2, list(range(10, 18)))
+    assert p.take_events() == [BlockStored([b"h2", b"h3"], b"h1", [14, 15, 16, 17], 2, 0, "device")]
+
+
+def test_removed_event_only_when_the_last_copy_of_a_hash_goes():
+    p = pool(4, enable_kv_events=True)
+    a, b = p.get_new_blocks(2)
+    p.cache_full_blocks(0, [a], [b"h"], 0, 1, 2, [1, 2])
+    p.cache_full_blocks(0, [b], [b"h"], 0, 1, 2, [1, 2])
+    assert p.take_events() == [BlockStored([b"h"], None, [1, 2], 2, 0, "device")]
+    p.evict_blocks([a.block_id])
+    assert p.take_events() == []  # b still holds the hash
+    p.evict_blocks([b.block_id])
+    assert p.take_events() == [BlockRemoved([b"h"], 0, "device")]
 
 
 def test_cache_full_blocks_skips_the_null_block():
@@ -307,8 +331,23 @@ def test_shared_block_needs_one_free_per_holder():
     assert p.num_free_blocks == 1
     p.free([b, p.null_block])
     assert p.num_free_blocks == 2
-    with pytest.raises(AssertionError, match="freed more often"):
-        p.free([b])
+    with pytest.raises(IntegrityError, match="freed more often"):
+        p.free([b])  # a real exception, `python -O` or not: the block stays free once
+    assert b.ref_cnt == 0 and p.num_free_blocks == 2
+
+
+def test_a_cached_block_is_never_refiled_under_another_hash():
+    """A caller passing a prefix-hit block with another hash would file one block's content
+    under two prefixes; refused, `python -O` or not."""
+    p = pool(3)
+    (b,) = p.get_new_blocks(1)
+    p.cache_full_blocks(0, [b], [b"h"], 0, 1, BS)
+    p.cache_full_blocks(0, [b], [b"h"], 0, 1, BS)  # the same hash again: a prefix hit, kept
+    with pytest.raises(IntegrityError, match="asked to cache it as"):
+        p.cache_full_blocks(0, [b], [b"other"], 0, 1, BS)
+    with pytest.raises(IntegrityError, match="in group 1"):
+        p.cache_full_blocks(1, [b], [b"h"], 0, 1, BS)
+    assert p.get_cached_block(0, b"h") is b and p.get_cached_block(0, b"other") is None
 
 
 def test_touch_takes_a_free_cached_block_out_of_the_queue():

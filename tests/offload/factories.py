@@ -12,8 +12,8 @@ from kvtier.sched.request import Request, StepRecord
 _fresh = itertools.count(2_000_000)
 
 
-def device(num_blocks: int = 16, specs: list[KVSpec] | None = None) -> KVCacheManager:
-    return KVCacheManager(specs or [FullAttention(16)], num_blocks, max_model_len=4096)
+def device(num_blocks: int = 16, specs: list[KVSpec] | None = None, **kw: Any) -> KVCacheManager:
+    return KVCacheManager(specs or [FullAttention(16)], num_blocks, max_model_len=4096, **kw)
 
 
 def tier(dev: KVCacheManager, num_host_blocks: int = 8, **kw: Any) -> HostTier:
@@ -33,10 +33,8 @@ def run(dev: KVCacheManager, req: Request, settle: bool = True, step: int = 1) -
     """Allocate and compute the whole prompt (device hits included); settled unless told."""
     hits, num_hit = dev.get_computed_blocks(req)
     n = req.num_tokens - num_hit
-    assert (
-        dev.allocate_slots(req, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
-        is not None
-    ), req.request_id
+    got = dev.allocate_slots(req, n, num_new_computed_tokens=num_hit, new_computed_blocks=hits)
+    assert got is not None, req.request_id
     req.num_computed_tokens = req.num_tokens
     if not settle:
         req.ledger.append(StepRecord(step, n, 0, 1))

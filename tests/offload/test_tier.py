@@ -233,16 +233,29 @@ print("ok", len(names))
     assert int(out.split()[1]) >= 6  # every planning module, not just the package
 
 
-def test_host_events_name_each_stored_block_and_its_parent():
+def test_host_events_name_each_stored_block_its_parent_and_its_tokens():
+    dev = device(enable_kv_events=True)
+    t = tier(dev, enable_kv_events=True)
+    toks = tokens(49)
+    r = request(dev, "R", toks)
+    run(dev, r)
+    settle_all(t, t.plan_stores([r]))
+    stored = [e for e in t.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[h] for h in r.block_hashes[:3]]
+    assert [e.parent_block_hash for e in stored] == [None, *r.block_hashes[:2]]
+    assert [e.token_ids for e in stored] == [toks[i * 16 : (i + 1) * 16] for i in range(3)]
+    assert all(e.medium == "host" and e.block_size == 16 for e in stored)
+
+
+def test_host_blocks_are_not_announced_without_their_tokens():
+    """A consumer matches blocks by their tokens: a store whose device copy was cached without
+    events (no tokens kept) is not announced rather than announced empty."""
     dev = device()
     t = tier(dev, enable_kv_events=True)
     r = request(dev, "R", tokens(49))
     run(dev, r)
     settle_all(t, t.plan_stores([r]))
-    stored = [e for e in t.host.pool.take_events() if isinstance(e, BlockStored)]
-    assert [e.block_hashes for e in stored] == [[h] for h in r.block_hashes[:3]]
-    assert [e.parent_block_hash for e in stored] == [None, *r.block_hashes[:2]]
-    assert all(e.medium == "host" for e in stored)
+    assert [e for e in t.take_events() if isinstance(e, BlockStored)] == []
 
 
 def _device_keeps_head_host_keeps_rest(specs):

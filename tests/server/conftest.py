@@ -72,17 +72,27 @@ def start_server(
     fail_at_step: int | None = None,
     engine_process: bool = False,
     iteration_timeout_s: float = 30.0,
+    kv_events: Any = None,  # a server.kv_events.KVEventsConfig
     **engine_kwargs: Any,
 ) -> ServerHandle:
     kwargs = {"max_model_len": 512, "torch_threads": 1} | engine_kwargs
+    if kv_events is not None:
+        kwargs["enable_kv_cache_events"] = kv_events.publishes
     args = EngineArgs.from_kwargs(None, **kwargs)
     engine: EngineClient
     if engine_process:
         engine = EngineProcess(
-            args, max_waiting_requests, fail_at_step, "warning", iteration_timeout_s
+            args,
+            max_waiting_requests,
+            fail_at_step,
+            "warning",
+            iteration_timeout_s,
+            kv_events=kv_events,
         )
     else:
-        engine = EngineLoop(args, max_waiting_requests, fail_at_step, None, iteration_timeout_s)
+        engine = EngineLoop(
+            args, max_waiting_requests, fail_at_step, None, iteration_timeout_s, kv_events=kv_events
+        )
     engine.start()
     app = build_app(engine, MODEL)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,6 +1,6 @@
 """Scale-out as docs/serving.md, Scale-out sets it up, all real processes: a redis-server, two
-`kvtier serve` replicas sharing it as their remote tier, and vllm-router in front (one
-round_robin router and one prefix-aware router over the same replicas). Replica B's first request
+`kvtier serve` replicas sharing it as their remote tier with their KV events on, and vllm-router in
+front (one round_robin router, and one kv_aware router subscribed to the replicas' events). Replica B's first request
 on A's prefix is a remote hit; a returning conversation goes back to the replica that holds it (the
 router's own decision counters say which); a SIGSTOPped replica's requests complete on the other;
 a client that disconnects through the router is aborted on the replica (its blocks come back);
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import socket
 import threading
@@ -42,6 +43,7 @@ TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
 # what frees the requests of a hung replica (its TCP socket still accepts). Far above a request
 # of these tests, so only a stopped replica reaches it.
 REQUEST_TIMEOUT_S = 20
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the router's log colours
 SYSTEM = (
     "You are a careful assistant for a library of Python recipes. Answer in one sentence, cite "
     "the recipe by its number, and never invent a recipe that is not listed below. Recipes: 1. "
@@ -61,6 +63,12 @@ class Router:
         return self.proc.port
 
     def decisions(self, worker: Proc) -> float:
+        """Requests the router's policy sent to `worker`: its decision counter, or for kv_aware,
+        which counts none per worker, its debug log's decision lines."""
+        if self.policy == "kv_aware":
+            text = ANSI.sub("", self.proc.log.read_text(errors="replace"))
+            line = f'KV prefix decision outcome="prefix_cost" worker="{worker.url}"'
+            return float(text.count(line))
         labels = f'policy="{self.policy}",worker="{worker.url}"'
         return metric(self.metrics_port, "vllm_router_policy_decisions_total", labels)
 
@@ -74,7 +82,7 @@ class Setup:
     redis: RedisServer
     replicas: list[Proc]
     rr: Router  # round_robin: alternates, so a prefix meets the other replica
-    affine: Router  # the prefix-aware policy docs/serving.md recommends
+    affine: Router  # kv_aware over the replicas' KV events, the policy docs/serving.md recommends
 
     def served_by(self, router: Router, path: str, body: dict[str, Any]) -> tuple[Proc, Any]:
         """Send `body` through `router` alone and read which replica its policy chose."""
@@ -97,13 +105,22 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     folder = tmp_path_factory.mktemp("vllm_router")
     redis = RedisServer(folder / "redis").start()
     flags = [*SERVE, *TIERED, "--kv-remote-url", redis.url]
-    replicas = [_start(flags, folder / f"replica{i}.log") for i in range(2)]
+    ports = [free_port() for _ in range(2)]
+    replicas = [
+        _start([*flags, "--kv-events-config", events_config(port)], folder / f"replica{i}.log")
+        for i, port in enumerate(ports)
+    ]
     routers: list[Router] = []
     try:
         wait_ready(replicas)
         timeout = ["--request-timeout-secs", str(REQUEST_TIMEOUT_S)]
         routers.append(_router("round_robin", replicas, folder / "rr.log", *timeout))
-        routers.append(_router("cache_aware", replicas, folder / "affine.log", *timeout))
+        sources = ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
+        for replica, port in zip(replicas, ports):
+            sources += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{port}"]
+        sources += ["--log-level", "debug"]  # its decisions are in its log
+        affine = _router("kv_aware", replicas, folder / "affine.log", *timeout, *sources)
+        routers.append(affine)
         for router in routers:
             wait_until(lambda router=router: router_ready(router.proc), 120)  # type: ignore[misc]
             wait_until(lambda router=router: all(router.health(r) == 1 for r in replicas), 60)  # type: ignore[misc]
@@ -111,6 +128,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     finally:
         stop([r.proc for r in routers] + replicas)
         redis.stop()
+
+
+def events_config(port: int) -> str:
+    """vLLM's `--kv-events-config`: the replica's KV events on a PUB socket the router's
+    subscriber connects to (a wildcard host binds, as vLLM's publisher does)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return json.dumps(config)
 
 
 def chat(*turns: str, system: str | None = SYSTEM) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
 from kvtier.ids import ReqId
+from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
@@ -73,6 +74,7 @@ class EngineCore:
             hash_fn=args.cache.prefix_caching_hash_algo,
             admission=self.plan.admission,
             admit_whole_prompt=sched_cfg.scheduler_reserve_full_isl,
+            enable_kv_events=args.enable_kv_cache_events,
         )
         host = [t for t in self.plan.tiers if t.name == "host"]
         num_host_blocks = host[0].num_blocks if host else 0
@@ -112,6 +114,7 @@ class EngineCore:
                 ),
                 bytes_per_block=self.plan.bytes_per_block,
                 store_from_settled="settled" in args.protect,
+                enable_kv_events=args.enable_kv_cache_events,
                 record_published=args.cache.has_lower_tiers,
             )
             if num_host_blocks
@@ -466,6 +469,17 @@ class EngineCore:
         if self.tier_chain is not None:
             self.tier_chain.close()
         self.device.close()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV cache events since the last call, the device pool's first, then the host
+        tier's and the lower tiers' (mutates; empty without `enable_kv_cache_events`). A
+        block's tier copies come after its device event, so a consumer knows its parent."""
+        events = self.kv.take_events()
+        if self.tier_chain is not None:
+            events += self.tier_chain.take_events()
+        elif self.host_tier is not None:
+            events += self.host_tier.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         """Forget the device prefix cache (the host tier keeps its entries); False, changing

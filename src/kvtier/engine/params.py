@@ -126,6 +126,9 @@ class EngineArgs:
     # torch's kernel threads; None: the usable cores but one, left to the host (engine/threads.py)
     torch_threads: int | None = None
     logprobs_mode: str = "raw_logprobs"  # as vLLM's: raw_/processed_ + logprobs/logits
+    # Record KV cache events in every tier for `EngineCore.take_kv_events`, which the caller must
+    # drain (kvtier serve sets it from --kv-events-config); needs prefix caching.
+    enable_kv_cache_events: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -153,6 +156,11 @@ class EngineArgs:
             )
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
+        if self.enable_kv_cache_events and not self.cache.enable_prefix_caching:
+            raise ValueError(
+                "KV cache events (--kv-events-config) report the prefix cache, which "
+                "--no-enable-prefix-caching turns off: enable prefix caching or drop the events"
+            )
 
     def check_model(self, model: ModelConfig) -> None:
         """ValueError naming the flag for what `model` cannot honour: a max_model_len beyond its

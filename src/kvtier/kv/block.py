@@ -21,6 +21,7 @@ class KVBlock:
         "next_free",
         "prev_free",
         "ref_cnt",
+        "token_ids",
     )
 
     def __init__(self, block_id: BlockId) -> None:
@@ -29,6 +30,9 @@ class KVBlock:
         # Set only on full, cached blocks: (group id, chained hash). INVARIANT: at most one key.
         self.block_hash: BlockHash | None = None
         self.group_id = -1
+        # Set with the hash when its pool emits events: the block's own tokens, which the event
+        # of a copy on another tier names too (kv/events.py).
+        self.token_ids: tuple[int, ...] | None = None
         self.is_null = False
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None

@@ -17,8 +17,10 @@ _CachedEntry = KVBlock | dict[BlockId, KVBlock]
 
 
 class IntegrityError(RuntimeError):
-    """A `check_integrity` found a pool's or a manager's bookkeeping broken (a bug, never bad
-    input). Raised explicitly rather than asserted so that `python -O` still checks."""
+    """kvtier's bookkeeping is broken (a bug, never bad input): found by a `check_integrity`, or
+    refused at a call that would break it (a block freed more often than referenced or cached
+    under another hash, which would hand one block to two owners; a request's ledger consuming
+    steps out of order). Raised explicitly rather than asserted so that `python -O` still checks."""
 
 
 class BlockPool:
@@ -105,36 +107,91 @@ class BlockPool:
 
         Null blocks are skipped; a block that already carries a hash (a prefix hit) must carry the
         expected one. Duplicates of identical content are kept side by side, never merged.
+        `token_ids`: the sequence's tokens from its first block on (for the events).
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        table = self._cached.setdefault(group_id, {})
-        new_hashes: list[BlockHash] = []
+        # runs of consecutive hashes cached here for the first time: one BlockStored each
+        runs: list[list[int]] = [[]]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
-                continue
-            block_hash = block_hashes[i]
-            if block.block_hash is not None:
-                assert block.block_hash == block_hash and block.group_id == group_id
-                continue
-            block.block_hash = block_hash
-            block.group_id = group_id
-            entry = table.get(block_hash)
-            if entry is None:
-                table[block_hash] = block
-            elif isinstance(entry, KVBlock):
-                table[block_hash] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
-            new_hashes.append(block_hash)
-        self._num_cached += len(new_hashes)
-        if self.enable_kv_events and new_hashes:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            toks = list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size])
+                runs.append([])
+            elif block.block_hash is not None:
+                if block.block_hash != block_hashes[i] or block.group_id != group_id:
+                    raise IntegrityError(
+                        f"{block!r} is cached as {block.block_hash!r} in group {block.group_id}, "
+                        f"asked to cache it as {block_hashes[i]!r} in group {group_id}"
+                    )
+                runs.append([])
+            elif self._register(
+                group_id, block, block_hashes[i], self._tokens(token_ids, i, block_size)
+            ):
+                runs[-1].append(i)
+            else:  # another copy of a hash already cached (and announced)
+                runs.append([])
+        if not self.enable_kv_events:
+            return
+        for run in runs:
+            if run:
+                start, end = run[0], run[-1] + 1
+                self._events.append(
+                    BlockStored(
+                        [block_hashes[i] for i in run],
+                        block_hashes[start - 1] if start > 0 else None,
+                        list(token_ids[start * block_size : end * block_size]),
+                        block_size,
+                        group_id,
+                        self.medium,
+                    )
+                )
+
+    def cache_block(
+        self,
+        group_id: int,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent: BlockHash | None,
+        block_size: int,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        """Register one block whose chain is known only by its parent's hash (a tier's copy).
+        `token_ids`: its own tokens; without them no event announces it (a consumer matches
+        blocks by their tokens)."""
+        assert block.block_hash is None and not block.is_null
+        toks = tuple(token_ids) if token_ids is not None and self.enable_kv_events else None
+        first = self._register(group_id, block, block_hash, toks)
+        if first and toks is not None and len(toks) == block_size:
             self._events.append(
-                BlockStored(new_hashes, parent, toks, block_size, group_id, self.medium)
+                BlockStored([block_hash], parent, list(toks), block_size, group_id, self.medium)
             )
+
+    def _tokens(self, token_ids: Sequence[int], i: int, block_size: int) -> tuple[int, ...] | None:
+        if not self.enable_kv_events or len(token_ids) < (i + 1) * block_size:
+            return None
+        return tuple(token_ids[i * block_size : (i + 1) * block_size])
+
+    def _register(
+        self,
+        group_id: int,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...] | None,
+    ) -> bool:
+        """Put `block` in the map under `block_hash`; True when it is the hash's first copy."""
+        block.block_hash = block_hash
+        block.group_id = group_id
+        block.token_ids = token_ids
+        table = self._cached.setdefault(group_id, {})
+        entry = table.get(block_hash)
+        if entry is None:
+            table[block_hash] = block
+        elif isinstance(entry, KVBlock):
+            table[block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+        self._num_cached += 1
+        return entry is None
 
     def _uncache(self, block: KVBlock) -> None:
         block_hash = block.block_hash
@@ -142,6 +199,7 @@ class BlockPool:
             return
         table = self._cached[block.group_id]
         entry = table[block_hash]
+        last_copy = isinstance(entry, KVBlock)
         if isinstance(entry, KVBlock):
             del table[block_hash]
         else:
@@ -149,10 +207,11 @@ class BlockPool:
             if len(entry) == 1:
                 table[block_hash] = next(iter(entry.values()))
         self._num_cached -= 1
-        if self.enable_kv_events:
+        if self.enable_kv_events and last_copy:  # a consumer tracks hashes, not copies
             self._events.append(BlockRemoved([block_hash], block.group_id, self.medium))
         block.block_hash = None
         block.group_id = -1
+        block.token_ids = None
 
     def evict_blocks(self, block_ids: Iterable[BlockId]) -> None:
         """Drop the given blocks from the prefix-cache map only (e.g. after a failed load)."""
@@ -207,8 +266,9 @@ class BlockPool:
         fresh: list[KVBlock] = []
         cached: list[KVBlock] = []
         for block in blocks:
+            if block.ref_cnt == 0:
+                raise IntegrityError(f"{block!r} freed more often than referenced")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block!r} freed more often than referenced"
             if block.ref_cnt == 0:
                 if self.enable_caching and block.block_hash is not None:
                     cached.append(block)
@@ -268,6 +328,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
             block.group_id = -1
+            block.token_ids = None
         self._cached.clear()
         self._num_cached = 0
         if self.enable_kv_events:

@@ -144,10 +144,9 @@ class FusedLayers:
         steps = [_step(p) for p in plans]
         step_addresses = [ctypes.addressof(s) for s in steps]
         hidden = built[0].hidden
-        # the layers' scratch, kept between steps: a prompt step's is tens of MiB (64 × 128 tokens
-        # of the tiny Llama: 54 MiB), and a new one each step was a new mapping whose every page
-        # the kernel faulted in and zeroed (~14,000 faults a step). Taken out while in use, so a
-        # concurrent call (another thread) allocates its own.
+        # the layers' scratch, kept between steps: a prompt step's is large, and a new one each
+        # step is a new mapping whose every page the kernel faults in and zeroes. Taken out while
+        # in use, so a concurrent call (another thread) allocates its own.
         work, self._spare = self._spare, None
         elements = rows * max(b.work for b in built) // 2
         if work is None or work.numel() < elements:
@@ -180,8 +179,8 @@ class FusedLayers:
                 for name, _ in module.named_parameters(recurse=False)
             ]
             self._seen = _registrations
-        # each parameter's storage now (`.data` may be another tensor): 60 calls on the Gemma3,
-        # ~5 µs a step, where reading each through `Module.__getattr__` took 64 µs
+        # each parameter's storage now (`.data` may be another tensor), read from the list
+        # collected above: `Module.__getattr__` per parameter is slow host work on every step
         of = tuple(0 if p is None else p.data_ptr() for p in self._params)
         if of != self._of:
             servable_all = all(servable(layer) for layer in layers)

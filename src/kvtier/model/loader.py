@@ -36,7 +36,7 @@ _INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaim
 def empty_weights() -> Iterator[None]:
     """Build modules on the meta device without filling their weights (a checkpoint assigns
     every one): a random fill of a meta tensor runs a Python decomposition whose first call
-    imports torch._dynamo, 1.2–1.5 s of every process's start. Replaces torch.nn.init's fills
+    imports torch._dynamo, a large part of every process's start. Replaces torch.nn.init's fills
     while it is open (as transformers' `no_init_weights` does): build models on one thread."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
 

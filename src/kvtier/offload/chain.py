@@ -18,7 +18,9 @@ Torch-free: bytes of host blocks go through the `HostBlockBytes` protocol the ru
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -26,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvtier.ids import BlockHash, BlockId, ReqId
+from kvtier.kv.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.kv.specs import FullAttention
 from kvtier.offload.fetch import FetchJob, FetchResult, LowerTier, run_fetch
 from kvtier.offload.store_records import Published
@@ -36,6 +39,8 @@ from kvtier.sched.request import Request
 from kvtier.stores import SEGMENT_BLOCKS, StoreKey, StoreLayout, StoreStats
 
 log = logging.getLogger("kvtier.offload")
+
+_Block = tuple[StoreKey, BlockHash | None, Sequence[int] | None]  # key, parent, tokens (events)
 
 
 class HostBlockBytes(Protocol):
@@ -158,6 +163,15 @@ class TierChain:
         self._ref_group = next(
             (g for g, s in enumerate(self.specs) if isinstance(s, FullAttention)), 0
         )
+        # KV events of the lower tiers (medium: the tier's name), with the host's: a block is
+        # announced before its store is queued; a store reports, from its own threads, each key
+        # it was given but does not hold (dropped, failed, evicted, deleted).
+        self.emits_events = host.emits_events
+        self._events: list[KVEvent] = []
+        self._events_lock = threading.Lock()
+        if self.emits_events:
+            for t in self.lowers:
+                t.store.watch_removals(functools.partial(self._removed, t.name))
 
     # ---- lookup --------------------------------------------------------------------------------
 
@@ -245,8 +259,16 @@ class TierChain:
             for p in range(end // bs, last):
                 if self.host.holds((g, views[g][p])):
                     held.add((g, p))
+        toks = tuple(request.all_token_ids[:max_len]) if self.emits_events else ()
         job = FetchJob(
-            request.request_id, device_hit, end, max_len, copies, frozenset(held), self.layouts
+            request.request_id,
+            device_hit,
+            end,
+            max_len,
+            copies,
+            frozenset(held),
+            self.layouts,
+            toks,
         )
         if all(t.cheap_contains for t in self.lowers):  # disk only: ask its index right here
             g = self._ref_group
@@ -311,7 +333,7 @@ class TierChain:
             if result is not None:
                 self.metrics.fetch_seconds += result.seconds
                 self.metrics.num_fetch_errors += bool(result.errors)
-                self._stage(result)
+                self._stage(fetch.job, result)
             st = self._reqs.get(fetch.job.req_id)
             if st is not None and st.fetch is fetch:
                 st.fetch, st.done, st.result = None, True, result
@@ -320,7 +342,7 @@ class TierChain:
                     other.waiting_on = None
         self._fetches = still
 
-    def _stage(self, result: FetchResult) -> None:
+    def _stage(self, job: FetchJob, result: FetchResult) -> None:
         todo = [
             (w, p, t)
             for w, p, t in result.found
@@ -352,6 +374,7 @@ class TierChain:
                 [good[i][0].key.block_hash for i in idx],
                 [good[i][0].parent if chained else None for i in idx],
                 [good[i][2] for i in idx],
+                [job.tokens(g, good[i][0].position, self.specs[g].block_size) for i in idx],
             )
         self.metrics.num_staged_blocks += len(good)
         for _, payload, t in good:
@@ -359,9 +382,14 @@ class TierChain:
             m.num_promoted_blocks += 1
             m.num_promoted_bytes += len(payload)
         for t in range(1, len(self.lowers)):  # promoted through the tiers above its own
-            items = [(w.key, p) for w, p, src in good if src >= t]
+            found = [(w, p) for w, p, src in good if src >= t]
+            items = [(w.key, p) for w, p in found]
+            named: list[_Block] = [
+                (w.key, w.parent, job.tokens(w.group, w.position, self.specs[w.group].block_size))
+                for w, _ in found
+            ]
             for upper in self.lowers[:t]:
-                self._put(upper, items)
+                self._put(upper, items, named)
 
     # ---- stores --------------------------------------------------------------------------------
 
@@ -371,20 +399,59 @@ class TierChain:
         published.sort(key=lambda p: (p.position, p.group_id))  # chain order: heads first
         payloads = self.io.read([p.host_block_id for p in published])
         items: list[tuple[StoreKey, bytes]] = []
+        blocks: list[_Block] = []
         for p, payload in zip(published, payloads, strict=True):
             tag = p.chain[(p.position // SEGMENT_BLOCKS) * SEGMENT_BLOCKS]
-            items.append((self.layouts[p.group_id].key(p.group_id, p.block_hash, tag), payload))
+            key = self.layouts[p.group_id].key(p.group_id, p.block_hash, tag)
+            items.append((key, payload))
+            chained = isinstance(self.specs[p.group_id], FullAttention) and p.position > 0
+            blocks.append((key, p.chain[p.position - 1] if chained else None, p.token_ids))
         for tier in self.lowers:
-            self._put(tier, items)
+            self._put(tier, items, blocks)
 
-    def _put(self, tier: LowerTier, items: list[tuple[StoreKey, bytes]]) -> None:
+    def _put(
+        self, tier: LowerTier, items: list[tuple[StoreKey, bytes]], blocks: list[_Block]
+    ) -> None:
         if not items:
             return
+        if self.emits_events:  # before the put: its drops and later evictions come after
+            self._announce(tier.name, blocks)
         queued = tier.store.put(items)
         m = self.tier_metrics[tier.name]
         m.num_demoted_blocks += queued
         m.num_demoted_bytes += sum(len(p) for _, p in items[:queued])
         m.num_dropped_blocks += len(items) - queued
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def _announce(self, medium: str, blocks: list[_Block]) -> None:
+        events: list[KVEvent] = [
+            BlockStored(
+                [key.block_hash],
+                parent,
+                list(toks),
+                key.layout.block_size,
+                key.group,
+                medium,
+            )
+            for key, parent, toks in blocks
+            if toks is not None
+        ]
+        with self._events_lock:
+            self._events.extend(events)
+
+    def _removed(self, medium: str, keys: list[StoreKey]) -> None:
+        """A store's report (any thread) of keys it does not hold."""
+        events: list[KVEvent] = [BlockRemoved([k.block_hash], k.group, medium) for k in keys]
+        with self._events_lock:
+            self._events.extend(events)
+
+    def take_events(self) -> list[KVEvent]:
+        """The host tier's KV events since the last call, then the lower tiers' (mutates)."""
+        host = self.host.take_events()
+        with self._events_lock:
+            lower, self._events = self._events, []
+        return host + lower
 
     # ---- the rest of KVTier: the host tier's, plus demotion on store completion ------------------
 

@@ -62,6 +62,12 @@ class FetchJob:
     views: list[Sequence[BlockHash]]  # per group: the request's chained hashes (a copy)
     held: frozenset[Pos]  # positions ≥ start whose block the host held or was storing
     layouts: list[StoreLayout]  # per group
+    token_ids: tuple[int, ...] = ()  # the request's tokens up to max_len, when tiers emit events
+
+    def tokens(self, g: int, p: int, block_size: int) -> tuple[int, ...] | None:
+        """The tokens of group `g`'s block at position `p` (None: not kept)."""
+        end = (p + 1) * block_size
+        return self.token_ids[p * block_size : end] if len(self.token_ids) >= end else None
 
     def want(self, g: int, p: int) -> Want:
         view = self.views[g]

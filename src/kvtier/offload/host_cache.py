@@ -108,20 +108,19 @@ class HostCache:
         parents: Sequence[BlockHash | None] | None,
         block_size: int,
         origins: Sequence[int] | None = None,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> None:
         """Insert completed store blocks (ordered head → tail of their chain) into the map and
         drop the store's reference tail-first; orphans among them go straight to the LRU head.
-        `origins`: per block, where its bytes came from (a lower tier's index), for `take_origin`."""
+        `origins`: per block, where its bytes came from (a lower tier's index), for `take_origin`.
+        `token_ids`: per block, its tokens (for the pool's events; None: not announced)."""
         for i, (block, block_hash) in enumerate(zip(blocks, hashes)):
             if origins is not None:
                 self._origin[(group_id, block_hash)] = origins[i]
             parent = parents[i] if parents is not None else None
-            if parent is None:
-                self.pool.cache_full_blocks(group_id, [block], [block_hash], 0, 1, block_size)
-            else:  # caches position 1 only; position 0 just names the parent in the event
-                self.pool.cache_full_blocks(
-                    group_id, [block, block], [parent, block_hash], 1, 2, block_size
-                )
+            toks = token_ids[i] if token_ids is not None else None
+            self.pool.cache_block(group_id, block, block_hash, parent, block_size, toks)
+            if parent is not None:
                 self._parent[(group_id, block_hash)] = parent
                 self._children.setdefault((group_id, parent), set()).add(block_hash)
         self.pool.free(list(reversed(blocks)))  # rule (a): deepest first = evicted first

@@ -62,3 +62,4 @@ class Published:
     block_hash: BlockHash
     host_block_id: BlockId
     chain: Sequence[BlockHash]  # the request's hashes in this group's view (chain_tag source)
+    token_ids: tuple[int, ...] | None = None  # its tokens, when the pools emit events

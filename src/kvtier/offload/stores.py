@@ -343,7 +343,14 @@ class StorePlanner:
             views = ctx.coordinator.group_hashes(st.request.block_hashes)
             for c, hb in zip(store.cands, store.host_blocks):
                 self._published.append(
-                    Published(c.group_id, c.position, c.key[1], hb.block_id, views[c.group_id])
+                    Published(
+                        c.group_id,
+                        c.position,
+                        c.key[1],
+                        hb.block_id,
+                        views[c.group_id],
+                        c.device_block.token_ids,
+                    )
                 )
         for c in store.cands:
             del self._store_keys[c.key]
@@ -359,6 +366,7 @@ class StorePlanner:
                     [store.cands[i].key[1] for i in idx],
                     [store.cands[i].parent for i in idx],
                     spec.block_size,
+                    token_ids=[store.cands[i].device_block.token_ids for i in idx],
                 )
             ctx.metrics.num_stored_blocks += t.num_blocks
             ctx.metrics.num_stored_bytes += t.num_bytes

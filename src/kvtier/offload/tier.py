@@ -21,6 +21,7 @@ from dataclasses import replace
 from kvtier.ids import BlockHash, BlockId, ReqId
 from kvtier.kv.block import KVBlock
 from kvtier.kv.block_pool import IntegrityError
+from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.specs import KVSpec
 from kvtier.kv.stats import PoolStats
@@ -263,12 +264,23 @@ class HostTier:
         hashes: Sequence[BlockHash],
         parents: Sequence[BlockHash | None],
         origins: Sequence[int],
+        token_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> None:
         """Staging blocks whose bytes are written, head → tail of their chain, become host hits;
         their staging references are dropped (mutates the host cache). `origins`: the lower
-        tier each block came from, until `take_origin` or its eviction."""
+        tier each block came from, until `take_origin` or its eviction. `token_ids`: per block,
+        its tokens (for the events)."""
         bs = self.specs[group_id].block_size
-        self.host.publish(group_id, blocks, hashes, parents, bs, origins)
+        self.host.publish(group_id, blocks, hashes, parents, bs, origins, token_ids)
+
+    @property
+    def emits_events(self) -> bool:
+        """Whether the host pool records KV events (`take_events`)."""
+        return self.host.pool.enable_kv_events
+
+    def take_events(self) -> list[KVEvent]:
+        """The host pool's KV events since the last call (mutates)."""
+        return self.host.pool.take_events()
 
     def take_origin(self, key: Key) -> int | None:
         """The lower tier a staged host entry came from, the first time it is asked (the hit

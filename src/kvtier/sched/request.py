@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.ids import ReqId
+from kvtier.kv.block_pool import IntegrityError
 from kvtier.kv.hashing import BlockHasher, HashExtras
 from kvtier.kv.request import KVSequence
 from kvtier.sampling import DrawParams, StopConditions
@@ -91,10 +92,15 @@ class StepLedger:
         self.num_scheduled_tokens += n
 
     def consume(self, step_seq: int) -> StepRecord | None:
-        """Pop the record of `step_seq` (mutates); None if the request was not in that step."""
+        """Pop the record of `step_seq` (mutates); None if the request was not in that step.
+        Steps are consumed in order: an older record left behind would hold its tokens in flight
+        for good, so it raises `IntegrityError`, `python -O` or not."""
         records = self.records
         if not records or records[0].step_seq != step_seq:
-            assert all(r.step_seq > step_seq for r in records), "ledger skipped a step"
+            if records and records[0].step_seq < step_seq:
+                raise IntegrityError(
+                    f"ledger skipped a step: consumed {step_seq} before {records[0].step_seq}"
+                )
             return None
         record = records.popleft()
         n = record.num_scheduled_tokens

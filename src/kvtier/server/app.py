@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from kvtier.server.body_limit import BodyLimit
-from kvtier.server.completions import completion_routes
+from kvtier.server.completions import completion_routes, render_routes
 from kvtier.server.events import EngineClient
 from kvtier.server.generation import ClientDisconnected
 from kvtier.server.health import health_routes
@@ -68,4 +68,5 @@ def build_app(
     app.include_router(health_routes(engine))
     app.include_router(info_routes(engine, served_model_name))
     app.include_router(completion_routes(engine, served_model_name))
+    app.include_router(render_routes(engine, served_model_name))
     return app

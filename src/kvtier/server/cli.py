@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import signal
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, configure_logging, dataclass_from_args
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvtier.server.events import EngineClient
+    from kvtier.server.kv_events import KVEventsConfig
 
 log = logging.getLogger("kvtier.server")
 DEFAULT_MODEL_NAME = "kvtier-default"
@@ -82,6 +84,21 @@ def _fail_at_step() -> int | None:
     return int(value)
 
 
+def _kv_events(text: str | None) -> KVEventsConfig | None:
+    """The `--kv-events-config` given (None: none); ValueError naming the field."""
+    if text is None:
+        return None
+    try:  # pyzmq and msgspec come with the kv-events extra
+        from kvtier.server.kv_events import KVEventsConfig
+        from kvtier.server.kv_publisher import KVEventPublisher  # noqa: F401  (zmq is there)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"--kv-events-config needs {exc.name} (not installed): pip install "
+            "'kvtier[kv-events]', or drop --kv-events-config"
+        ) from exc
+    return KVEventsConfig.from_json(text)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -98,17 +115,26 @@ def run(args: argparse.Namespace) -> int:
     options = access.uvicorn_options(cfg)  # a missing TLS file fails before the engine starts
     loop: EngineClient
     eargs, fail_at = engine_args(args), _fail_at_step()
+    kv_events = _kv_events(cfg.kv_events_config)
+    if kv_events is not None:
+        eargs = replace(eargs, enable_kv_cache_events=kv_events.publishes)
     timeout_s = cfg.engine_iteration_timeout_s
     name = cfg.served_model_name or args.model or DEFAULT_MODEL_NAME
     names = MetricNames(name, cfg.metrics_prefix)
     if cfg.engine_process:
         loop = EngineProcess(
-            eargs, cfg.max_waiting_requests, fail_at, cfg.log_level, timeout_s, metric_names=names
+            eargs,
+            cfg.max_waiting_requests,
+            fail_at,
+            cfg.log_level,
+            timeout_s,
+            metric_names=names,
+            kv_events=kv_events,
         )
     else:
         loop = EngineLoop(
             eargs, cfg.max_waiting_requests, fail_at, iteration_timeout_s=timeout_s,
-            metric_names=names,
+            metric_names=names, kv_events=kv_events,
         )  # fmt: skip
     loop.start()
     log.info(loop.layout_summary)

@@ -1,10 +1,13 @@
 """The generation routes, `/v1/completions` and `/v1/chat/completions`: validate a body, tokenize
 it off the engine thread, submit its choices to the `EngineClient` and shape the events into
-OpenAI responses, whole or streamed."""
+OpenAI responses, whole or streamed; and their render routes (vLLM's `…/render`), which stop
+after tokenizing and return what would be submitted."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -101,6 +104,136 @@ def _specials(body: CompletionRequest | ChatCompletionRequest) -> bool | None:
     return body.add_special_tokens if "add_special_tokens" in body.model_fields_set else None
 
 
+def _check_completion(
+    body: CompletionRequest, served_model_name: str
+) -> tuple[int | None, list[Prompt]]:
+    """A completion body's checks before tokenizing; returns its max_tokens and prompts."""
+    check_text(body.model_dump(exclude_unset=True), "")
+    check_model(body.model, served_model_name)
+    body.check_unsupported()
+    # vLLM: echo with max_tokens=0 returns the prompt (one token is computed, not shown),
+    # and echo asks for the prompt's logprobs too.
+    echo_only = bool(body.echo) and body.max_tokens == 0
+    max_tokens = 1 if echo_only else body.max_tokens
+    _check_max_tokens(max_tokens, "max_tokens")
+    return max_tokens, list(body.prompts())
+
+
+async def _completion_tokens(
+    engine: EngineClient, body: CompletionRequest, prompts: list[Prompt], max_tokens: int | None
+) -> tuple[list[PromptTokens], list[int]]:
+    """Each prompt's token ids and the max_tokens each leaves room for."""
+    encoded = await _encode_all(
+        engine, prompts, max_tokens, _specials(body), body.truncate_prompt_tokens
+    )
+    params = ("prompt", "max_tokens")
+    limits = [
+        resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
+        for e in encoded
+    ]
+    return encoded, limits
+
+
+def _max_param(body: ChatCompletionRequest) -> str:
+    return "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+
+
+def _check_chat(body: ChatCompletionRequest, served_model_name: str) -> int | None:
+    """A chat body's checks before rendering; returns its max_tokens."""
+    check_text(body.model_dump(exclude_unset=True), "")
+    check_model(body.model, served_model_name)
+    body.check_unsupported()
+    max_tokens = body.requested_max_tokens()
+    _check_max_tokens(max_tokens, _max_param(body))
+    return max_tokens
+
+
+async def _chat_tokens(
+    engine: EngineClient, body: ChatCompletionRequest, max_tokens: int | None
+) -> tuple[list[PromptTokens], int]:
+    """The rendered conversation's token ids and the max_tokens it leaves room for."""
+    opts = ChatOptions(
+        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+    )
+    messages = body.dict_messages()
+    encoded = await _encode_all(
+        engine, [messages], max_tokens, _specials(body), body.truncate_prompt_tokens, opts
+    )
+    limit = resolve_max_tokens(
+        len(encoded[0].token_ids), max_tokens, engine.max_model_len, "messages", _max_param(body)
+    )
+    return encoded, limit
+
+
+def _rendered(
+    request_id: str,
+    token_ids: list[int],
+    body: CompletionRequest | ChatCompletionRequest,
+    params: SamplingParams,
+) -> dict[str, Any]:
+    """One prompt as vLLM's render endpoints return it (its `GenerateRequest`): what a
+    generate call would be sent, token ids first; kvtier has no multimodal features."""
+    sampling = {"n": body.n} | {
+        k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()
+    }
+    return {
+        "request_id": request_id,
+        "token_ids": token_ids,
+        "token_offsets": None,
+        "features": None,
+        "content_parts": None,
+        "sampling_params": sampling,
+        "model": body.model,
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "stream": bool(body.stream),
+        "stream_options": (
+            body.stream_options.model_dump()
+            if body.stream and body.stream_options is not None
+            else None
+        ),
+        "cache_salt": None,
+        "priority": body.priority,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def render_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
+    """vLLM's `/v1/completions/render` (a list, one entry per prompt) and
+    `/v1/chat/completions/render` (one entry): the token ids the generation routes would hand
+    the engine for the same body, through the same checks and tokenization, generating nothing
+    (vllm-router's kv_aware policy reads them to match prefixes)."""
+    router = APIRouter(default_response_class=JSONBody)
+
+    @router.post("/v1/completions/render", response_model=None)
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        max_tokens, prompts = _check_completion(body, served_model_name)
+        encoded, limits = await _completion_tokens(engine, body, prompts, max_tokens)
+        base = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+        return [
+            _rendered(
+                base if len(encoded) == 1 else f"{base}-{i}",
+                list(e.token_ids),
+                body,
+                body.sampling_params(limit, body.logprobs, 0, body.num_prompt_logprobs()),
+            )
+            for i, (e, limit) in enumerate(zip(encoded, limits, strict=True))
+        ]
+
+    @router.post("/v1/chat/completions/render", response_model=None)
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        max_tokens = _check_chat(body, served_model_name)
+        encoded, limit = await _chat_tokens(engine, body, max_tokens)
+        params = body.sampling_params(limit, body.num_logprobs(), 0, body.prompt_logprobs)
+        request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+        return _rendered(request_id, list(encoded[0].token_ids), body, params)
+
+    return router
+
+
 def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
     """`/v1/completions` and `/v1/chat/completions` over a started `engine`; a body naming a model
     other than `served_model_name` gets a 404."""
@@ -110,28 +243,14 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
 
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
-        check_text(body.model_dump(exclude_unset=True), "")
-        check_model(body.model, served_model_name)
-        body.check_unsupported()
-        # vLLM: echo with max_tokens=0 returns the prompt (one token is computed, not shown),
-        # and echo asks for the prompt's logprobs too.
+        max_tokens, prompts = _check_completion(body, served_model_name)
         echo_only = bool(body.echo) and body.max_tokens == 0
-        max_tokens = 1 if echo_only else body.max_tokens
-        _check_max_tokens(max_tokens, "max_tokens")
-        prompts: list[Prompt] = list(body.prompts())
         check_admissible(len(prompts) * body.n, max_unfinished, body.n)
         prompt_logprobs = body.num_prompt_logprobs()
         returns_prompt = bool(body.echo) or prompt_logprobs is not None
         if max_tokens is not None:  # up front: before a single prompt is tokenized
             check_response_size(body.n, [max_tokens] * len(prompts), None, body.logprobs, None)
-        encoded = await _encode_all(
-            engine, prompts, max_tokens, _specials(body), body.truncate_prompt_tokens
-        )
-        params = ("prompt", "max_tokens")
-        limits = [
-            resolve_max_tokens(len(e.token_ids), max_tokens, engine.max_model_len, *params)
-            for e in encoded
-        ]
+        encoded, limits = await _completion_tokens(engine, body, prompts, max_tokens)
         lengths = [len(e.token_ids) for e in encoded] if returns_prompt else None
         check_response_size(body.n, limits, lengths, body.logprobs, prompt_logprobs)
         todo = _requests(encoded, body, limits, body.logprobs, prompt_logprobs)
@@ -196,26 +315,12 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
 
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:
-        check_text(body.model_dump(exclude_unset=True), "")
-        check_model(body.model, served_model_name)
-        body.check_unsupported()
-        max_tokens = body.requested_max_tokens()
-        max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        _check_max_tokens(max_tokens, max_param)
+        max_tokens = _check_chat(body, served_model_name)
         num_logprobs = body.num_logprobs()
         check_admissible(body.n, max_unfinished, body.n)
         if max_tokens is not None:  # up front: before the prompt is rendered and tokenized
             check_response_size(body.n, [max_tokens], None, num_logprobs, None)
-        messages = body.dict_messages()
-        opts = ChatOptions(
-            body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-        )
-        encoded = await _encode_all(
-            engine, [messages], max_tokens, _specials(body), body.truncate_prompt_tokens, opts
-        )
-        limit = resolve_max_tokens(
-            len(encoded[0].token_ids), max_tokens, engine.max_model_len, "messages", max_param
-        )
+        encoded, limit = await _chat_tokens(engine, body, max_tokens)
         lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
         check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
         todo = _requests(encoded, body, [limit], num_logprobs, body.prompt_logprobs)

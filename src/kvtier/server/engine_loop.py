@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import generate_latest
 
@@ -38,6 +38,10 @@ from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason,
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.protocol import APIError
 from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames, RequestRecord
+
+if TYPE_CHECKING:  # KV events need the kv-events extra: imported when configured
+    from kvtier.server.kv_events import KVEventsConfig
+    from kvtier.server.kv_publisher import KVEventPublisher
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -67,8 +71,15 @@ class EngineLoop:
         heartbeat: Heartbeat | None = None,
         iteration_timeout_s: float = ITERATION_TIMEOUT_S,
         metric_names: MetricNames = DEFAULT_NAMES,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
+        if kv_events is not None and kv_events.publishes != args.enable_kv_cache_events:
+            raise ValueError("args.enable_kv_cache_events must match kv_events.publishes")
         self.args = args
+        # Each pass's KV cache events go to this publisher (server/kv_publisher.py), built with
+        # the engine on its thread; None without --kv-events-config.
+        self.kv_events = kv_events
+        self.kv_publisher: KVEventPublisher | None = None
         self.metric_names = metric_names
         self.max_waiting_requests = max_waiting_requests
         # Testing aid: the engine thread raises instead of running its `fail_at_step`-th step
@@ -179,6 +190,7 @@ class EngineLoop:
             return
         try:
             warm_up(engine)
+            self.kv_publisher = self._start_publisher(engine)
         except BaseException as exc:
             log.exception("the engine's warm-up forward failed")
             with contextlib.suppress(Exception):  # release the disk folder and connections
@@ -191,6 +203,7 @@ class EngineLoop:
         try:
             self._loop(engine)
             engine.close()  # the disk and remote tiers finish their queued writes
+            self._publish_kv_events(engine)  # what their last writes reported
         except Exception as exc:
             log.exception("engine loop failed; failing every request in flight")
             self._flush()  # what was decided before the failure (a refusal, a Started) goes first
@@ -205,6 +218,31 @@ class EngineLoop:
                 fn(exc)
             with contextlib.suppress(Exception):  # release the disk folder and connections
                 engine.close()
+        finally:
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+
+    def _start_publisher(self, engine: EngineCore) -> KVEventPublisher | None:
+        if self.kv_events is None or not self.kv_events.publishes:
+            return None
+        from kvtier.server.kv_events import KVEventEncoder
+        from kvtier.server.kv_publisher import KVEventPublisher
+
+        engine.take_kv_events()  # the warm-up's (it caches nothing; drained to be sure)
+        url, pool = engine.args.cache.kv_remote_url, None
+        if url is not None:  # the shared pool by its host:port/db, never its credentials
+            from kvtier.stores.redis_store import redis_url
+
+            pool = redis_url(url)[1]
+        publisher = KVEventPublisher(self.kv_events, KVEventEncoder(remote_pool=pool))
+        publisher.start()
+        return publisher
+
+    def _publish_kv_events(self, engine: EngineCore) -> None:
+        if self.kv_publisher is not None:
+            events = engine.take_kv_events()
+            if events:
+                self.kv_publisher.publish(events)
 
     def _fail_pending(self, exc: BaseException) -> None:
         """Answer commands that raced with a failure (later ones are refused by `submit`)."""
@@ -248,12 +286,16 @@ class EngineLoop:
                     if num_tokens:
                         self.metrics.step(num_tokens)
             self._flush()
+            self._publish_kv_events(engine)
             now = time.monotonic()
             # A snapshot reads every pool: under load, one per METRICS_INTERVAL_S, and at once
             # when a request finished or the engine went idle (so a scrape after a response
             # sees it counted).
             if finished or now >= self._metrics_due or not engine.has_unfinished_requests():
                 self.metrics.update(engine.stats())
+                if self.kv_publisher is not None:
+                    pub = self.kv_publisher.stats()
+                    self.metrics.kv_events(pub.num_batches, pub.num_dropped_batches)
                 self._metrics_due = now + METRICS_INTERVAL_S
 
     def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:

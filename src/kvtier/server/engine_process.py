@@ -25,7 +25,7 @@ import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier.cli_args import configure_logging
 from kvtier.engine.core import EngineCore
@@ -36,6 +36,9 @@ from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason
 from kvtier.server.protocol import APIError
 from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames
+
+if TYPE_CHECKING:
+    from kvtier.server.kv_events import KVEventsConfig
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -55,6 +58,7 @@ class EngineProcess:
         log_level: str = "info",
         iteration_timeout_s: float = ITERATION_TIMEOUT_S,
         metric_names: MetricNames = DEFAULT_NAMES,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
         self.args = args
         self.max_waiting_requests = max_waiting_requests
@@ -78,6 +82,7 @@ class EngineProcess:
                 log_level,
                 liveness,
                 metric_names,
+                kv_events,
             ),
             name="kvtier-engine",
             daemon=True,  # never outlives this process
@@ -317,6 +322,7 @@ def _child_main(
     log_level: str,
     liveness: tuple[Heartbeat, float],
     metric_names: MetricNames,
+    kv_events: KVEventsConfig | None = None,
 ) -> None:
     # The HTTP process owns shutdown: a Ctrl-C or SIGTERM to the process group reaches it, and it
     # stops this one with "stop" after uvicorn has drained (the tiers then finish their writes).
@@ -330,7 +336,12 @@ def _child_main(
             conn.send(msg)
 
     loop = EngineLoop(
-        args, max_waiting_requests, fail_at_step, *liveness, metric_names=metric_names
+        args,
+        max_waiting_requests,
+        fail_at_step,
+        *liveness,
+        metric_names=metric_names,
+        kv_events=kv_events,  # the publisher lives here, beside the engine's events
     )
     try:
         loop.start()

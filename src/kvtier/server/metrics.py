@@ -58,6 +58,13 @@ class EngineMetrics:
             ["status"],
             registry=r,
         )
+        self.kv_event_batches = Counter(
+            "kvtier:kv_event_batches",
+            "KV cache event batches (--kv-events-config): sent on the PUB socket, or dropped by "
+            "the publisher's full queue (max_queue_size; consumers see a sequence gap)",
+            ["op"],
+            registry=r,
+        )
         self.quarantined = Gauge(
             "kvtier:kv_quarantined_block_refs",
             "Block references held by the quarantine until the last step that may touch them "
@@ -181,6 +188,11 @@ class EngineMetrics:
             ("corrupt", s.num_corrupt),
         ):
             self.tier_errors.labels(name, kind).inc(self._delta(f"{name}e{kind}", n))
+
+    def kv_events(self, num_sent: int, num_dropped: int) -> None:
+        """Advance the KV event counters to the publisher's totals."""
+        self.kv_event_batches.labels("sent").inc(self._delta("kv_sent", num_sent))
+        self.kv_event_batches.labels("dropped").inc(self._delta("kv_dropped", num_dropped))
 
     def admitted(self, num_prompt_tokens: int) -> None:
         self.vllm.prompt_tokens.inc(num_prompt_tokens)

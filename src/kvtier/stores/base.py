@@ -8,7 +8,7 @@ counts); every store is safe to call from several threads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvtier.stores.keys import StoreKey
@@ -32,6 +32,13 @@ class BlockStore(Protocol):
         in the background; returns how many were queued. The rest are dropped and counted
         (back-pressure): a store is a cache, and a dropped block is recomputed. Keys already
         stored are not written again and count as queued."""
+        ...
+
+    def watch_removals(self, fn: Callable[[list[StoreKey]], None]) -> None:
+        """From now on, call `fn(keys)` (on any thread, no lock held) with the keys given to
+        `put` that the store does not hold, or no longer: dropped, failed, evicted, deleted as
+        corrupt. Keys it never reports may still vanish unseen (an expiry on a shared server).
+        For KV events."""
         ...
 
     def flush(self, timeout: float | None = None) -> bool:

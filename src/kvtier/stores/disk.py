@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.stores.frame import CorruptFrame, decode_frame, encode_frame, frame_size
@@ -76,6 +76,11 @@ class DiskStore:
         self._total = 0
         self._reserved = 0
         self._writing: set[str] = set()
+        # With a removal watcher: the key of each digest put by this process (a file found at
+        # start was never announced), and the keys gone since the last report.
+        self._on_removed: Callable[[list[StoreKey]], None] | None = None
+        self._keys: dict[str, StoreKey] = {}
+        self._gone: list[StoreKey] = []
         self._last_warning = -_WARN_EVERY_S
         self._scan()
         self._writer: BoundedWriter[list[_Item]] = BoundedWriter(
@@ -103,6 +108,7 @@ class DiskStore:
         self._touch(hits)
         self.metrics.count(num_queries=len(keys), num_hits=len(hits), bytes_out=num_bytes)
         self.metrics.observe("get", time.perf_counter() - start)
+        self._report()
         return out
 
     def contains(self, keys: Sequence[StoreKey]) -> list[bool]:
@@ -141,6 +147,7 @@ class DiskStore:
         todo: list[_Item] = []
         sizes: list[int] = []
         num_queued = 0
+        too_big: list[StoreKey] = []
         with self._lock:
             for key, payload in items:
                 hx = key.digest().hex()
@@ -150,6 +157,8 @@ class DiskStore:
                 elif size <= self.size_bytes:
                     todo.append((key, hx, payload))
                     sizes.append(size)
+                else:
+                    too_big.append(key)
         room, n = self._writer.room(), 0
         while n < len(todo) and sum(sizes[: n + 1]) <= room:
             n += 1
@@ -157,8 +166,31 @@ class DiskStore:
             n = 0
         with self._lock:
             self._writing.update(hx for _, hx, _ in todo[:n])
+            if self._on_removed is not None:
+                self._keys.update((hx, key) for key, hx, _ in todo[:n])
+                self._gone.extend(too_big + [key for key, _, _ in todo[n:]])
         self.metrics.count(num_dropped=len(items) - num_queued - n)
+        self._report()
         return num_queued + n
+
+    def watch_removals(self, fn: Callable[[list[StoreKey]], None]) -> None:
+        """See `BlockStore.watch_removals`."""
+        with self._lock:
+            self._on_removed = fn
+
+    def _drop_key(self, hx: str) -> None:
+        """`hx` is gone: report its key (with the lock held)."""
+        key = self._keys.pop(hx, None)
+        if key is not None:
+            self._gone.append(key)
+
+    def _report(self) -> None:
+        """Hand the keys gone to the watcher (without the lock)."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+            fn = self._on_removed
+        if gone and fn is not None:
+            fn(gone)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes; False if `timeout` seconds passed first."""
@@ -173,12 +205,15 @@ class DiskStore:
                 written.append((hx, len(data)))
             else:
                 self.metrics.count(num_dropped=1)
+                with self._lock:
+                    self._drop_key(hx)
         with self._lock:
             for hx, size in reversed(written):  # the chain's head ends most recent
                 self._total += size - self._index.pop(hx, 0)
                 self._index[hx] = size
                 self._reserved -= size
             self._writing.difference_update(hx for _, hx, _ in batch)
+        self._report()
         self._stamp([hx for hx, _ in written])
         self.metrics.count(num_puts=len(written), bytes_in=sum(s for _, s in written))
         self.metrics.observe("put", time.perf_counter() - start)
@@ -191,6 +226,7 @@ class DiskStore:
                 self._total -= old
                 self._path(hx).unlink(missing_ok=True)
                 self.metrics.count(num_evicted=1)
+                self._drop_key(hx)
             if self._total + self._reserved + size > self.size_bytes:
                 return False
             self._reserved += size
@@ -222,6 +258,7 @@ class DiskStore:
     def _forget(self, hx: str) -> None:
         with self._lock:
             self._total -= self._index.pop(hx, 0)
+            self._drop_key(hx)
 
     def _touch(self, hits: list[str]) -> None:
         """Hits become most recent, the chain's head last (so it is evicted last)."""

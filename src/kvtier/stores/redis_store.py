@@ -125,6 +125,7 @@ class RedisStore:
         self._pending_reads = 0
         self._num_late = 0  # reads whose caller stopped waiting, still running
         self._readers = ThreadPoolExecutor(num_readers, thread_name_prefix="kvtier-redis-get")
+        self._on_removed: Callable[[list[StoreKey]], None] | None = None
         self._writer: BoundedWriter[Callable[[], None]] = BoundedWriter(
             "kvtier-redis-set", lambda job: job(), 1, max_pending_bytes
         )
@@ -313,7 +314,18 @@ class RedisStore:
         if n and not self._writer.submit(lambda: self._write(todo), nbytes):
             n = 0
         self.metrics.count(num_dropped=len(items) - n)
+        self._report([k for k, _ in items[n:]])
         return n
+
+    def watch_removals(self, fn: Callable[[list[StoreKey]], None]) -> None:
+        """See `BlockStore.watch_removals`. Reported: sets dropped, refused or failed; a key the
+        server expires (`ttl_s`) or evicts under its own `maxmemory` policy goes unseen."""
+        self._on_removed = fn
+
+    def _report(self, keys: list[StoreKey]) -> None:
+        fn = self._on_removed
+        if keys and fn is not None:
+            fn(keys)
 
     def _write(self, items: list[tuple[StoreKey, bytes]]) -> None:
         start = time.perf_counter()
@@ -327,12 +339,15 @@ class RedisStore:
 
         if time.monotonic() < self._refuse_until:  # Redis is full: let reads have it
             self.metrics.count(num_refused=len(frames))
+            self._report([k for k, _ in items])
             return
         try:
             replies = self._call(pipeline)
         except (_Unavailable, RedisError, OSError):
             self.metrics.count(num_dropped=len(frames))
+            self._report([k for k, _ in items])
             return
+        self._report([k for (k, _), r in zip(items, replies) if isinstance(r, Exception)])
         written = [f for (_, f), r in zip(frames, replies) if not isinstance(r, Exception)]
         full = sum(isinstance(r, OutOfMemoryError) for r in replies)
         failed = len(frames) - len(written) - full

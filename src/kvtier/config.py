@@ -29,6 +29,7 @@ DTYPE_BYTES = {
 }
 KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES)  # --kv-cache-dtype: auto is the model's (run) dtype
+QUANTIZATIONS = ("compressed-tensors", "int8")  # --quantization (model/quant.py); None: config's
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
@@ -396,6 +397,37 @@ class SchedulerConfig:
     def max_in_flight_tokens(self) -> int:
         """Upper bound of tokens scheduled but not settled across all requests."""
         return self.depth * self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on the grammars requests may constrain their outputs to (model/grammar.py)."""
+
+    structured_outputs_max_spec_bytes: int = setting(
+        64 << 10,
+        "largest JSON schema, regex, choice list or grammar a request may send (bytes); larger "
+        "ones get HTTP 400",
+    )
+    structured_outputs_compile_timeout_s: float = setting(
+        10.0,
+        "a request's grammar that takes longer to compile gets HTTP 400 (and is remembered as "
+        "too slow)",
+    )
+    structured_outputs_cache_size: int = setting(
+        256, "compiled grammars kept, least recently used evicted"
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.structured_outputs_max_spec_bytes < 1:
+            raise ValueError("--structured-outputs-max-spec-bytes must be ≥ 1")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                "--structured-outputs-compile-timeout-s must be positive seconds, got "
+                f"{self.structured_outputs_compile_timeout_s}"
+            )
+        if self.structured_outputs_cache_size < 1:
+            raise ValueError("--structured-outputs-cache-size must be ≥ 1")
 
 
 def check_metrics_prefix(prefix: str) -> None:

@@ -40,7 +40,7 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
         ("/v1/completions", {"repetition_penalty": True}, "repetition_penalty"),
         ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
         ("/v1/completions", {"no_stop_trim": True}, "no_stop_trim"),
-        ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"guided_regex": 5}, "guided_regex"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("/v1/completions", {"truncate_prompt_tokens": 512}, "truncate_prompt_tokens"),
@@ -58,7 +58,7 @@ def _error(payload: dict[str, Any]) -> dict[str, Any]:
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "tools",
         ),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
         (

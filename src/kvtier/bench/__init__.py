@@ -26,6 +26,7 @@ BENCHMARKS = (
     "roofline",
     "overlap",
     "admission",
+    "grammar",
 )
 
 

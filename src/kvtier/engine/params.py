@@ -21,13 +21,15 @@ from kvtier.checks import (
 )
 from kvtier.config import (
     PROTECTIONS,
+    QUANTIZATIONS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     parse_protect,
 )
 from kvtier.engine.prompts import check_prompt_ids
-from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions
+from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions, StructuredOutputsParams
 from kvtier.sched.queues import POLICIES
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
@@ -55,6 +57,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); no cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrain the output to a JSON schema, regex, choice or grammar (`kvtier.sampling`)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -75,6 +79,24 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
             put(self, "prompt_logprobs", n)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a kvtier.sampling.StructuredOutputsParams, got "
+                f"{show(so)}"
+            )
+        if self.min_tokens:
+            # the grammar alone decides where the output may end: EOS banned while the grammar
+            # allows nothing else would leave no token to draw
+            raise ValueError(
+                f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: the "
+                "grammar decides where the output ends; drop min_tokens"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -82,6 +104,7 @@ class SamplingParams:
 
     def draw_params(self) -> DrawParams:
         """How the sampler draws this request's tokens, which logprobs come back."""
+        so = self.structured_outputs
         return DrawParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -90,6 +113,7 @@ class SamplingParams:
             seed=self.seed,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            grammar=None if so is None else so.grammar_spec(),
         )
 
     def stop_conditions(self, eos_token_id: int | None, use_ngram: bool) -> StopConditions:
@@ -111,6 +135,8 @@ class EngineArgs:
 
     model: str | None = None  # local HF folder; None = the embedded default model
     dtype: str = "auto"  # float32, bfloat16, float64, or auto (the checkpoint's)
+    # int8 weights: "compressed-tensors" or "int8" (model/loader.py); None: as config.json says
+    quantization: str | None = None
     device: str = "cpu"  # cpu, sim (virtual device + sanitizer), cuda
     seed: int = 0
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step
@@ -131,6 +157,7 @@ class EngineArgs:
     enable_kv_cache_events: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, PathLike):
@@ -153,6 +180,11 @@ class EngineArgs:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization (--quantization) must be one of {QUANTIZATIONS} or unset (the "
+                f"checkpoint's config.json), got {self.quantization!r}"
             )
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
@@ -190,16 +222,18 @@ class EngineArgs:
         """Flat vLLM-style keywords (block_size=…, max_num_seqs=…) → nested configs."""
         cache_names = {f.name for f in fields(CacheConfig)}
         sched_names = {f.name for f in fields(SchedulerConfig)}
-        own = {f.name for f in fields(cls)} - {"cache", "scheduler"}
-        unknown = sorted(set(kwargs) - cache_names - sched_names - own)
+        so_names = {f.name for f in fields(StructuredOutputsConfig)}
+        own = {f.name for f in fields(cls)} - {"cache", "scheduler", "structured_outputs"}
+        unknown = sorted(set(kwargs) - cache_names - sched_names - so_names - own)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}")
         cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_names})
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
+        so = StructuredOutputsConfig(**{k: v for k, v in kwargs.items() if k in so_names})
         rest = {k: v for k, v in kwargs.items() if k in own}
         if isinstance(rest.get("protect"), str):
             rest["protect"] = parse_protect(rest["protect"])
-        return cls(model=model, cache=cache, scheduler=sched, **rest)
+        return cls(model=model, cache=cache, scheduler=sched, structured_outputs=so, **rest)
 
 
 def check_request(

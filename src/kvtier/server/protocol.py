@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine.params import SamplingParams
+from kvtier.sampling import StructuredOutputsParams
 from kvtier.server.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, NEUTRAL, unsupported_field
 
 # vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
@@ -128,6 +129,39 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # enforced either way (as vLLM): the output follows the schema
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# vLLM's options of `structured_outputs` this engine honours as they are: whitespace is never
+# free in its JSON (as vLLM's disable_any_whitespace), and it has one backend
+STRUCTURED_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "disable_any_whitespace": (None, True, False),
+    "disable_fallback": (None, True, False),
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
+
+
 class _Sampling(_Body):
     """Fields shared by both endpoints: OpenAI's, then vLLM's extensions (sent via extra_body)."""
 
@@ -153,8 +187,55 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output is constrained to, from whichever field asked; APIError (400) when
+        more than one did or one is malformed. (Whether it compiles is the engine's 400.)"""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    "response_format of type json_schema needs json_schema.schema; send "
+                    '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format.json_schema",
+                )
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            check_extras(so.extras(), STRUCTURED_NEUTRAL)
+            kw: dict[str, Any] = {"json": so.json_, "regex": so.regex, "choice": so.choice}
+            kw |= {"grammar": so.grammar, "json_object": so.json_object}
+            asked.append(("structured_outputs", {k: v for k, v in kw.items() if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = [n for n, _ in asked]
+            raise APIError(
+                f"{' and '.join(names)} each constrain the output; send only one",
+                param=names[1],
+            )
+        param, kwargs = asked[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise APIError(f"{param}: {exc}", param=param) from None
 
     def check_unsupported(self) -> None:
         check_extras(self.extras(), self._neutral)
@@ -199,6 +280,7 @@ class _Sampling(_Body):
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured_outputs_params(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:

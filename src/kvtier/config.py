@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the model's shape every layer plans with (`ModelConfig`, read
 from a HF `config.json` by `model/hf_config.py`), the engine's settings (`CacheConfig`,
-`SchedulerConfig`) and the servers' (`ServerConfig`, `RouterConfig`). Validation errors name the
+`SchedulerConfig`) and the server's (`ServerConfig`). Validation errors name the
 flag and the fix.
 
 Each setting carries the help text of its flag (`setting`): the CLI (`cli_args.py`) reads it from
@@ -586,68 +586,4 @@ class ServerConfig:
             raise ValueError(
                 f"--root-path {self.root_path!r} must start with '/' and not end with one: "
                 f"pass {fix!r}"
-            )
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """`kvtier router`: the replicas it fronts and how it routes (see `server/ring.py`)."""
-
-    # base URLs, http://host:port, no trailing slash
-    replicas: tuple[str, ...] = setting(
-        text="base URL of a `kvtier serve` replica (repeat: --replica URL --replica URL)"
-    )
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8080, "port to listen on")
-    health_interval_s: float = setting(1.0, "seconds between GET /health checks of each replica")
-    health_timeout_s: float = setting(
-        1.0, "seconds a replica's GET /health may take before the check counts as failed"
-    )
-    connect_timeout_s: float = setting(
-        2.0, "seconds a replica may take to accept a connection before the request fails over"
-    )
-    route_prefix_chars: int = setting(
-        256,
-        "characters of a completion prompt that name its prefix (chat requests are named by "
-        "their messages through the first user message)",
-    )
-    load_factor: float = setting(
-        1.25,
-        "pass over a replica running more than this × the mean in-flight requests",
-    )
-    # the router buffers each body
-    max_request_body_bytes: int = setting(
-        64 << 20,
-        "largest request body (suffixes KiB/MiB accepted); larger get 413",
-    )
-    log_level: str = setting("info", "debug, info, warning or error")
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not self.replicas:
-            raise ValueError(
-                "give at least one --replica URL, e.g. --replica http://127.0.0.1:8001"
-            )
-        for url in self.replicas:
-            scheme, _, rest = url.partition("://")
-            if scheme not in ("http", "https") or not rest or "/" in rest:
-                raise ValueError(
-                    f"--replica {url!r} must be a base URL like http://127.0.0.1:8001 (no path)"
-                )
-        if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError(f"--replica URLs must be distinct, got {list(self.replicas)}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{flag(name)} must be positive, got {getattr(self, name)}")
-        if self.route_prefix_chars < 1:
-            raise ValueError(f"--route-prefix-chars must be ≥ 1, got {self.route_prefix_chars}")
-        if not self.load_factor >= 1:
-            raise ValueError(f"--load-factor must be ≥ 1, got {self.load_factor}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError("--max-request-body-bytes must be ≥ 1")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(
-                f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
             )

@@ -19,6 +19,7 @@ BENCHMARKS = (
     "throughput",
     "garble",
     "serve",
+    "router",
     "offload",
     "compare",
     "preempt",

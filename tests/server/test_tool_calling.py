@@ -2,7 +2,9 @@
 chat template is Hermes/Qwen-shaped (tools in a system block, calls as `<tool_call>` JSON, results
 as `<tool_response>`), served with `--enable-auto-tool-choice --tool-call-parser hermes`. The
 tools and a conversation's calls and results reach the template; `auto` answers with content when
-the model calls nothing, whole or streamed; the request checks are 400s naming `tool_choice`."""
+the model calls nothing, whole or streamed; `required` and a named function return calls valid for
+their tools (structured outputs), whole and streamed alike; the request checks are 400s naming
+`tool_choice`."""
 
 from __future__ import annotations
 
@@ -64,6 +66,21 @@ WEATHER_TOOL = {
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             },
             "required": ["city"],
+        },
+    },
+}
+# a tool whose arguments are a finite language: a random model's constrained call always ends
+UNIT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
         },
     },
 }
@@ -187,7 +204,14 @@ def test_auto_answers_with_content_when_the_model_calls_nothing(served: int) -> 
             },
             "not among",
         ),
-        ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "structured outputs"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot be combined",
+        ),
     ],
 )
 def test_tool_choices_the_request_cannot_have_are_400s(
@@ -267,3 +291,70 @@ def test_the_required_schema_holds_calls_to_the_tools_and_their_parameters() -> 
     one = calls_schema([WEATHER_TOOL], 1)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_weather", "parameters": {"city": "a"}}] * 2, one)
+
+
+def _calls_whole_and_streamed(port: int, **kwargs: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The calls of one request, whole and streamed (deltas reassembled per index): the two must
+    be the same calls; returned as (name, parsed arguments)."""
+    c = client(port)
+    common = {"model": NAME, "messages": QUESTION, "max_completion_tokens": 256, "temperature": 0}
+    whole = c.chat.completions.create(**common, **kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls]
+    assert all(t.id and t.type == "function" for t in choice.message.tool_calls)
+    parts: dict[int, dict[str, str]] = {}
+    last = None
+    for chunk in c.chat.completions.create(**common, **kwargs, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            got = parts.setdefault(d.index, {"name": "", "arguments": ""})
+            if d.function and d.function.name:
+                got["name"] += d.function.name
+            if d.function and d.function.arguments:
+                got["arguments"] += d.function.arguments
+        last = chunk.choices[0].finish_reason or last
+    assert last == "tool_calls"
+    streamed = [(v["name"], json.loads(v["arguments"])) for _, v in sorted(parts.items())]
+    assert streamed == calls
+    return calls
+
+
+def test_required_returns_calls_valid_for_their_tools_whole_and_streamed(served: int) -> None:
+    tools = [UNIT_TOOL, {"type": "function", "function": {"name": "get_time"}}]
+    calls = _calls_whole_and_streamed(
+        served, tools=tools, tool_choice="required", parallel_tool_calls=False
+    )
+    assert len(calls) == 1
+    (name, args) = calls[0]
+    (tool,) = [t for t in tools if t["function"]["name"] == name]
+    jsonschema.validate(args, tool["function"].get("parameters", {"type": "object"}))
+
+
+def test_a_named_function_is_called_with_valid_arguments_and_the_chat_continues(
+    served: int,
+) -> None:
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    calls = _calls_whole_and_streamed(served, tools=[WEATHER_TOOL, UNIT_TOOL], tool_choice=named)
+    assert [name for name, _ in calls] == ["set_unit"]
+    jsonschema.validate(calls[0][1], UNIT_TOOL["function"]["parameters"])  # type: ignore[index]
+    history: list[Any] = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "set_unit", "arguments": json.dumps(calls[0][1])},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    ]
+    reply = client(served).chat.completions.create(
+        model=NAME, messages=history, tools=[UNIT_TOOL], max_completion_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")

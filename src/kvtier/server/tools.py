@@ -6,10 +6,11 @@ parser (`tool_parsers.py`); "none" shows the tools to the template and parses no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.engine.params import SamplingParams
+from kvtier.sampling import StructuredOutputsParams
 from kvtier.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from kvtier.server.tool_parsers import (
     PARSERS,
@@ -131,14 +132,20 @@ def calls_schema(tools: list[dict[str, Any]], max_calls: int | None) -> dict[str
 
 
 def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-    """`params` with the plan's schema enforced while sampling; APIError (400) naming
-    `tool_choice` while the engine has no structured outputs."""
+    """`params` with the plan's schema (tool_choice "required" or a named function) enforced
+    while sampling, through structured outputs; APIError (400) naming `tool_choice` when the
+    request also constrains its output another way."""
     if plan.schema is None:
         return params
-    raise APIError(
-        'tool_choice "required" or naming a function needs structured outputs (the call\'s '
-        "JSON schema enforced while sampling), which this server does not have yet; send "
-        'tool_choice "auto" or "none"',
-        param="tool_choice",
-        code="unsupported_parameter",
-    )
+    if params.structured_outputs is not None:
+        raise APIError(
+            'tool_choice "required" or a named function holds the output to the tools\' JSON '
+            "schema, so it cannot be combined with response_format or structured_outputs; send "
+            'one of them (or tool_choice "auto")',
+            param="tool_choice",
+        )
+    try:
+        so = StructuredOutputsParams(json=plan.schema)
+        return replace(params, structured_outputs=so)
+    except ValueError as exc:  # min_tokens with a grammar, as for response_format
+        raise APIError(str(exc), param="tool_choice") from exc

@@ -19,7 +19,13 @@ same kernels as the step) against their weights' bytes at the copy bandwidth; `r
 step's other work (attention, norms and activations, sampling, what the host adds): a difference
 of two medians, each round's linears timed right after its steps, so near zero, even a little
 below, where the step is all linears (batch 1; the pass also pays a Python call a layer that the
-step's one-call layers do not)."""
+step's one-call layers do not).
+
+`--weights` compares weight formats in one run, each batch size's rows side by side (the box's
+load moves from minute to minute): bfloat16, `int8` (the model written as a compressed-tensors
+int8 checkpoint, W8A16, its LM head in bfloat16 as llm-compressor leaves it) and `int8-all`
+(that folder with `--quantization int8`, the LM head too); `speedup` is a row's tok/s over the
+first format's at its batch size."""
 
 from __future__ import annotations
 
@@ -40,7 +46,11 @@ from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.model import native
 from kvtier.model.layers import Linear
+from kvtier.model.quant import Int8Linear
 from kvtier.model.served import ServedDecoder
+from kvtier.model.testing import write_int8_model
+
+WEIGHTS = ("bfloat16", "int8", "int8-all")  # --weights: the formats a run compares
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="the KV pool's dtype (auto: --dtype; fp8: 8-bit)"
+    )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["bfloat16"],
+        choices=WEIGHTS,
+        help="weight formats compared in one run: bfloat16 (the model's dtype), int8 (a "
+        "compressed-tensors W8A16 copy, LM head in --dtype), int8-all (the LM head too)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=128)
@@ -104,23 +122,24 @@ def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
     return x.shape[0] * w.numel() / best
 
 
-def linears(model: torch.nn.Module) -> list[Linear]:
+def linears(model: torch.nn.Module) -> list[Linear | Int8Linear]:
     """The model's linear layers, each weight once (a tied LM head is the embedding's table)."""
     seen: set[int] = set()
-    found = []
+    found: list[Linear | Int8Linear] = []
     for module in model.modules():
-        if isinstance(module, Linear) and id(module.weight) not in seen:
+        if isinstance(module, (Linear, Int8Linear)) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             found.append(module)
     return found
 
 
-def linear_pass_s(layers: list[Linear], batch: int, repeats: int = 5) -> float:
-    """Seconds of one pass over `layers` on `batch` rows of random input each (the median of
-    `repeats` passes after a warm-up): the decode step's matrix products alone, through the same
-    kernels (plus a Python call each, a few µs, which the step's one-call layers do not pay)."""
+def linear_pass_s(
+    layers: list[Linear | Int8Linear], batch: int, dtype: torch.dtype, repeats: int = 5
+) -> float:
+    """Seconds of one pass over `layers` on `batch` rows of random `dtype` input each (the median
+    of `repeats` passes after a warm-up): the decode step's matrix products alone, through the
+    same kernels (plus a Python call each, a few µs, which the step's one-call layers do not)."""
     gen = torch.Generator().manual_seed(0)
-    dtype = layers[0].weight.dtype
     widths = sorted({m.in_features for m in layers})
     xs = {n: torch.randn(batch, n, generator=gen).to(dtype) for n in widths}
     times = []
@@ -135,24 +154,34 @@ def linear_pass_s(layers: list[Linear], batch: int, repeats: int = 5) -> float:
 
 
 def step_macs(model: Any, batch: int, weights: int, kv: float, kv_element: int) -> float:
-    """Multiply-adds of one decode step: each row by every weight read, and each query head by
-    its KV head's keys and values over the context (from `kv_bytes`, `kv_element` bytes each)."""
+    """Multiply-adds of one decode step: each row by every weight element read (`weights`), and
+    each query head by its KV head's keys and values over the context (from `kv_bytes`,
+    `kv_element` bytes an element)."""
     cfg = model.config
-    size = model.model.embed_tokens.weight.element_size()
-    return float(batch * weights / size + kv / kv_element * cfg.num_heads / cfg.num_kv_heads)
+    return float(batch * weights + kv / kv_element * cfg.num_heads / cfg.num_kv_heads)
 
 
-def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
-    """Bytes of every weight a decode step reads (each tensor once; an untied embedding table is
-    only indexed, so it is left out)."""
+def weight_bytes(model: torch.nn.Module, tied: bool, elements: bool = False) -> int:
+    """Bytes (or with `elements`, elements) of every weight a decode step reads (each tensor once;
+    an embedding table the LM head does not multiply by is only indexed, so it is left out)."""
     seen: set[int] = set()
     total = 0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen or (name.endswith("embed_tokens.weight") and not tied):
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
+        total += p.numel() * (1 if elements else p.element_size())
     return total
+
+
+def weights_folder(path: Path, weights: str, tmp: Path) -> tuple[Path, str | None]:
+    """The folder and `--quantization` of a `--weights` format for the model at `path`."""
+    if weights == "bfloat16":
+        return path, None
+    folder = tmp / "int8"
+    if not folder.is_dir():
+        write_int8_model(path, folder)
+    return folder, "int8" if weights == "int8-all" else None
 
 
 def kv_bytes(model: Any, batch: int, context: float, element_bytes: int) -> float:
@@ -206,11 +235,57 @@ def with_bounds(row: dict[str, Any], bandwidth: float, rate: float) -> dict[str,
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def measure(
+    args: argparse.Namespace,
+    path: Path,
+    quantization: str | None,
+    batch: int,
+    threads: int,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """One row: the decode step and the linears alone of the model at `path` at `batch` rows."""
     from kvtier.config import DTYPE_BYTES, CacheConfig
     from kvtier.engine import LLM
 
     kv_element = DTYPE_BYTES[CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_dtype(args.dtype)]
+    llm = LLM(str(path), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_num_seqs=batch,
+              max_model_len=args.input_len + args.output_len + args.block_size,
+              max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed,
+              torch_threads=threads, quantization=quantization)  # fmt: skip
+    served = llm.engine.model
+    if not isinstance(served, ServedDecoder):
+        raise ValueError(f"{path}: bench roofline models decoders, not Mamba2 hybrids")
+    model = served.decoder
+    vocab = model.config.vocab_size
+    context = args.input_len + args.output_len / 2  # mean over the decode steps
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    weights = weight_bytes(model, tied)
+    kv = kv_bytes(model, batch, context, kv_element)
+    layers = linears(model)
+    steps, passes = [], []
+    for r in range(args.rounds):  # the linears alone right after each round's steps
+        steps.append(decode_step_s(llm, batch, args, vocab, args.seed + 100 * r))
+        passes.append(linear_pass_s(layers, batch, dtype))
+    step, linear = statistics.median(steps), statistics.median(passes)
+    scales = [m.weight_scale for m in layers if isinstance(m, Int8Linear)]
+    linear_bytes = sum(p.numel() * p.element_size() for p in [m.weight for m in layers] + scales)
+    return {
+        "batch": batch,
+        "weight_bytes": weights,
+        "kv_bytes": kv,
+        "step_ms": step * 1e3,
+        "step_ms_rounds": [s * 1e3 for s in steps],
+        "macs": step_macs(model, batch, weight_bytes(model, tied, elements=True), kv, kv_element),
+        "linear_bytes": linear_bytes,
+        "linear_ms": linear * 1e3,
+        "linear_ms_rounds": [s * 1e3 for s in passes],
+        "rest_ms": (step - linear) * 1e3,
+        "output_tok_s": batch / step,
+        "torch_threads": llm.engine.torch_threads,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
     if args.output_len < 2 or args.rounds < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--output-len must be ≥ 2, --rounds and --batch-sizes ≥ 1")
     rows = []
@@ -225,49 +300,23 @@ def run(args: argparse.Namespace) -> int:
             # batch size and the best of the run taken for all (after the loop)
             bandwidths.append(copy_bandwidth(args.copy_mib))
             rates.append(matmul_rate(dtype))
-            llm = LLM(str(path), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                      block_size=args.block_size, max_num_seqs=batch,
-                      max_model_len=args.input_len + args.output_len + args.block_size,
-                      max_num_batched_tokens=max(batch * args.input_len, 256), seed=args.seed,
-                      torch_threads=threads)  # fmt: skip
-            served = llm.engine.model
-            if not isinstance(served, ServedDecoder):
-                raise ValueError(f"{path}: bench roofline models decoders, not Mamba2 hybrids")
-            model = served.decoder
-            vocab = model.config.vocab_size
-            context = args.input_len + args.output_len / 2  # mean over the decode steps
-            weights = weight_bytes(model, model.spec.tie_word_embeddings)
-            kv = kv_bytes(model, batch, context, kv_element)
-            layers = linears(model)
-            steps, passes = [], []
-            for r in range(args.rounds):  # the linears alone right after each round's steps
-                steps.append(decode_step_s(llm, batch, args, vocab, args.seed + 100 * r))
-                passes.append(linear_pass_s(layers, batch))
-            step, linear = statistics.median(steps), statistics.median(passes)
-            rows.append({
-                "batch": batch,
-                "weight_bytes": weights,
-                "kv_bytes": kv,
-                "step_ms": step * 1e3,
-                "step_ms_rounds": [s * 1e3 for s in steps],
-                "macs": step_macs(model, batch, weights, kv, kv_element),
-                "linear_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
-                "linear_ms": linear * 1e3,
-                "linear_ms_rounds": [s * 1e3 for s in passes],
-                "rest_ms": (step - linear) * 1e3,
-                "output_tok_s": batch / step,
-                "torch_threads": llm.engine.torch_threads,
-            })  # fmt: skip
-            print(f"batch {batch:3d}: decode step {step * 1e3:7.2f} ms ({batch / step:.0f} tok/s), "
-                  f"linears alone {linear * 1e3:7.2f} ms", flush=True)  # fmt: skip
-            del llm
+            base = None  # the first format's row at this batch size
+            for weights in args.weights:
+                folder, quantization = weights_folder(path, weights, Path(tmp))
+                row = measure(args, folder, quantization, batch, threads, dtype)
+                base = base or row
+                speedup = row["output_tok_s"] / base["output_tok_s"]
+                rows.append(row | {"weights": weights, "speedup": speedup})
+                print(f"batch {batch:3d} {weights:>8}: decode step {row['step_ms']:7.2f} ms "
+                      f"({row['output_tok_s']:.0f} tok/s, ×{rows[-1]['speedup']:.2f}), linears "
+                      f"alone {row['linear_ms']:7.2f} ms", flush=True)  # fmt: skip
     bandwidth, rate = max(bandwidths), max(rates)
     print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
           f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s (the best of the run)")  # fmt: skip
     rows = [with_bounds(row, bandwidth, rate) for row in rows]
     for row in rows:
         print(
-            f"batch {row['batch']:3d}: {(row['weight_bytes'] + row['kv_bytes']) / 1e6:7.1f} MB/step "
+            f"batch {row['batch']:3d} {row['weights']}: {(row['weight_bytes'] + row['kv_bytes']) / 1e6:7.1f} MB/step "
             f"(KV {row['kv_bytes'] / 1e6:.1f}) → roofline {row['roofline_ms']:7.2f} ms, decode "
             f"step {row['step_ms']:7.2f} ms → {row['fraction_of_roofline']:.0%} of the roofline; "
             f"compute bound {row['compute_ms']:.2f} ms → {row['fraction_of_bound']:.0%} of the "

@@ -86,7 +86,6 @@ def test_version_is_the_package_version() -> None:
     [
         (("serve",), ["--port PORT", "(default: 8000)", "(default: 256)", "(default: auto)"]),
         (("generate",), ["(default: 64)", "(default: 2048)"]),
-        (("router",), ["(default: "]),
         (("plan",), ["(default: 16)"]),
         (("bench", "kv"), ["(default: "]),
         ((), ["--version"]),

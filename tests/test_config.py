@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import build_parser
-from kvtier.config import CacheConfig, RouterConfig, SchedulerConfig, ServerConfig, flag_help
+from kvtier.config import CacheConfig, SchedulerConfig, ServerConfig, flag_help
 from kvtier.model.hf_config import load_model_config
 
 
@@ -193,7 +193,7 @@ def test_async_depth_defaults_to_two_and_one_is_synchronous_either_way() -> None
     assert SchedulerConfig(async_scheduling=False, async_depth=1).depth == 1
 
 
-SETTINGS = (CacheConfig, SchedulerConfig, ServerConfig, RouterConfig)
+SETTINGS = (CacheConfig, SchedulerConfig, ServerConfig)
 
 
 @pytest.mark.parametrize("cls", SETTINGS, ids=lambda c: c.__name__)
@@ -221,14 +221,3 @@ def test_derived_flags_are_fields_with_their_help(command: str) -> None:
             assert (action.help or "").startswith(flag_help(cls, action.dest).strip())
             seen.add(cls)
     assert seen, f"{command} derives no flags from the config dataclasses"
-
-
-def test_every_router_flag_is_a_router_setting_with_its_help() -> None:
-    """`kvtier router` writes its flags by hand; each still maps to a field and shows its help."""
-    names = {f.name for f in dataclasses.fields(RouterConfig)}
-    options = [a for a in _commands()["router"]._actions if a.dest != "help"]
-    assert len(options) >= 8
-    for action in options:
-        field = "replicas" if action.dest == "replica" else action.dest
-        assert field in names, action.option_strings
-        assert action.help == flag_help(RouterConfig, field)

@@ -237,6 +237,7 @@ def test_the_layer_table_orders_every_package() -> None:
         "checks",
         "ids",
         "sampling",
+        "cpus",
         "kv",
         "stores",
         "sched",

@@ -52,7 +52,12 @@ def test_the_wheel_ships_every_runtime_file(tmp_path: Path) -> None:
 
 
 # Import names that differ from their distribution's name.
-IMPORT_NAMES = {"prometheus-client": "prometheus_client", "pyyaml": "yaml", "pyzmq": "zmq"}
+IMPORT_NAMES = {
+    "prometheus-client": "prometheus_client",
+    "pyyaml": "yaml",
+    "pyzmq": "zmq",
+    "partial-json-parser": "partial_json_parser",
+}
 
 
 def project() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Command line: `kvtier generate · serve · router · plan · bench …`. Subcommands only parse flags and call into the packages."""
+"""Command line: `kvtier generate · serve · plan · bench …`. Subcommands only parse flags and call into the packages."""
 
 from __future__ import annotations
 
@@ -43,16 +43,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = _add_parser(sub, "serve", "serve the OpenAI-compatible HTTP API with /metrics")
     serve_cli.add_arguments(p)
     p.set_defaults(func=serve_cli.run)
-
-
-def _add_router(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    router_cli = importlib.import_module("kvtier.server.router_cli")
-
-    p = _add_parser(
-        sub, "router", "route OpenAI requests to kvtier serve replicas by conversation prefix"
-    )
-    router_cli.add_arguments(p)
-    p.set_defaults(func=router_cli.run)
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -105,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
-    _add_router(sub)
     _add_plan(sub)
     _add_bench(sub)
     return parser

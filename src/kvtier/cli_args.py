@@ -146,5 +146,5 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
 
 
 def configure_logging(level: str) -> None:
-    """Log lines of the long-running commands (`serve` and its engine process, `router`)."""
+    """Log lines of the long-running commands (`serve` and its engine process)."""
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the model's shape every layer plans with (`ModelConfig`, read
 from a HF `config.json` by `model/hf_config.py`), the engine's settings (`CacheConfig`,
-`SchedulerConfig`) and the servers' (`ServerConfig`, `RouterConfig`). Validation errors name the
+`SchedulerConfig`) and the server's (`ServerConfig`). Validation errors name the
 flag and the fix.
 
 Each setting carries the help text of its flag (`setting`): the CLI (`cli_args.py`) reads it from
@@ -35,6 +35,7 @@ KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV poo
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # --kv-cache-dtype: auto is the model's (run) dtype; the resolved fp8 names are accepted too
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *FP8_KV_DTYPES, *sorted(set(FP8_KV_DTYPES.values())))
+QUANTIZATIONS = ("compressed-tensors", "int8")  # --quantization (model/quant.py); None: config's
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)
@@ -405,6 +406,37 @@ class SchedulerConfig:
         return self.depth * self.max_num_batched_tokens
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on the grammars requests may constrain their outputs to (model/grammar.py)."""
+
+    structured_outputs_max_spec_bytes: int = setting(
+        64 << 10,
+        "largest JSON schema, regex, choice list or grammar a request may send (bytes); larger "
+        "ones get HTTP 400",
+    )
+    structured_outputs_compile_timeout_s: float = setting(
+        10.0,
+        "a request's grammar that takes longer to compile gets HTTP 400 (and is remembered as "
+        "too slow)",
+    )
+    structured_outputs_cache_size: int = setting(
+        256, "compiled grammars kept, least recently used evicted"
+    )
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.structured_outputs_max_spec_bytes < 1:
+            raise ValueError("--structured-outputs-max-spec-bytes must be ≥ 1")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(
+                "--structured-outputs-compile-timeout-s must be positive seconds, got "
+                f"{self.structured_outputs_compile_timeout_s}"
+            )
+        if self.structured_outputs_cache_size < 1:
+            raise ValueError("--structured-outputs-cache-size must be ≥ 1")
+
+
 def check_metrics_prefix(prefix: str) -> None:
     """ValueError unless `prefix` can start a Prometheus metric name and is not kvtier's own."""
     if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
@@ -415,6 +447,24 @@ def check_metrics_prefix(prefix: str) -> None:
         raise ValueError(
             "--metrics-prefix kvtier would clash with kvtier's own per-tier families "
             "(kvtier:kv_cache_usage_perc{tier=...}); pick another name, e.g. kvtier_vllm"
+        )
+
+
+# vLLM's --tool-call-parser names this server implements (server/tool_parsers.py PARSERS)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """ValueError naming the flag: an unknown parser, or auto tool choice without one."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+            f"{tool_call_parser!r}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes for Qwen/Hermes, "
+            "llama3_json for Llama 3.x, mistral for Mistral)"
         )
 
 
@@ -491,10 +541,22 @@ class ServerConfig:
         '"tcp://*:5558"}\'; fields publisher, buffer_steps, hwm, max_queue_size, topic as '
         "vLLM's (docs/serving.md)",
     )
+    # Tool calling, as vLLM's flags (server/tool_parsers.py has the parsers)
+    enable_auto_tool_choice: bool = setting(
+        False,
+        'let tool_choice "auto" (the default when a request sends tools) parse tool calls out of '
+        "the model's text with --tool-call-parser",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "how this model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x) "
+        "or mistral",
+    )
 
     def __post_init__(self) -> None:
         check_field_types(self)
         check_metrics_prefix(self.metrics_prefix)
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         self._check_deployment()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
@@ -531,68 +593,4 @@ class ServerConfig:
             raise ValueError(
                 f"--root-path {self.root_path!r} must start with '/' and not end with one: "
                 f"pass {fix!r}"
-            )
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """`kvtier router`: the replicas it fronts and how it routes (see `server/ring.py`)."""
-
-    # base URLs, http://host:port, no trailing slash
-    replicas: tuple[str, ...] = setting(
-        text="base URL of a `kvtier serve` replica (repeat: --replica URL --replica URL)"
-    )
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(8080, "port to listen on")
-    health_interval_s: float = setting(1.0, "seconds between GET /health checks of each replica")
-    health_timeout_s: float = setting(
-        1.0, "seconds a replica's GET /health may take before the check counts as failed"
-    )
-    connect_timeout_s: float = setting(
-        2.0, "seconds a replica may take to accept a connection before the request fails over"
-    )
-    route_prefix_chars: int = setting(
-        256,
-        "characters of a completion prompt that name its prefix (chat requests are named by "
-        "their messages through the first user message)",
-    )
-    load_factor: float = setting(
-        1.25,
-        "pass over a replica running more than this × the mean in-flight requests",
-    )
-    # the router buffers each body
-    max_request_body_bytes: int = setting(
-        64 << 20,
-        "largest request body (suffixes KiB/MiB accepted); larger get 413",
-    )
-    log_level: str = setting("info", "debug, info, warning or error")
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        if not self.replicas:
-            raise ValueError(
-                "give at least one --replica URL, e.g. --replica http://127.0.0.1:8001"
-            )
-        for url in self.replicas:
-            scheme, _, rest = url.partition("://")
-            if scheme not in ("http", "https") or not rest or "/" in rest:
-                raise ValueError(
-                    f"--replica {url!r} must be a base URL like http://127.0.0.1:8001 (no path)"
-                )
-        if len(set(self.replicas)) != len(self.replicas):
-            raise ValueError(f"--replica URLs must be distinct, got {list(self.replicas)}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{flag(name)} must be positive, got {getattr(self, name)}")
-        if self.route_prefix_chars < 1:
-            raise ValueError(f"--route-prefix-chars must be ≥ 1, got {self.route_prefix_chars}")
-        if not self.load_factor >= 1:
-            raise ValueError(f"--load-factor must be ≥ 1, got {self.load_factor}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError("--max-request-body-bytes must be ≥ 1")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(
-                f"--log-level must be debug, info, warning or error, got {self.log_level!r}"
             )

@@ -105,7 +105,7 @@ def test_linears_are_every_weight_once_and_a_pass_runs_them_all(tmp_path: Path) 
     assert per_layer == h * (q + 2 * kv) + q * h + 3 * h * inter
     calls: list[int] = []
     hooks = [m.register_forward_hook(lambda mod, i, o: calls.append(o.shape[0])) for m in layers]
-    assert roofline.linear_pass_s(layers, 3, repeats=2) > 0
+    assert roofline.linear_pass_s(layers, 3, torch.bfloat16, repeats=2) > 0
     for hook in hooks:
         hook.remove()
     assert calls == [3] * 3 * len(layers)  # a warm-up pass and two timed, 3 rows each
@@ -121,10 +121,32 @@ def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> N
     assert roofline.kv_bytes(qwen, 2, 10.0, 2) == 2 * (1 * 10 + 3 * 4) * per_token
     assert roofline.kv_bytes(qwen, 2, 10.0, 1) * 2 == roofline.kv_bytes(qwen, 2, 10.0, 2)  # fp8
     # a step's multiply-adds: every weight element per row, KV elements per query head
-    weights, kv = roofline.weight_bytes(qwen, tied=True), roofline.kv_bytes(qwen, 2, 10.0, 2)
+    weights, kv = roofline.weight_bytes(qwen, True, elements=True), roofline.kv_bytes(qwen, 2, 10.0, 2)
+    assert weights == sum(p.numel() for p in params)
     heads = cfg.num_heads // cfg.num_kv_heads
-    assert roofline.step_macs(qwen, 2, weights, kv, 2) == 2 * weights / 2 + kv / 2 * heads
+    assert roofline.step_macs(qwen, 2, weights, kv, 2) == 2 * weights + kv / 2 * heads
     kv8 = roofline.kv_bytes(qwen, 2, 10.0, 1)  # an 8-bit KV: the same multiply-adds
-    assert roofline.step_macs(qwen, 2, weights, kv8, 1) == roofline.step_macs(
-        qwen, 2, weights, kv, 2
-    )
+    assert roofline.step_macs(qwen, 2, weights, kv8, 1) == roofline.step_macs(qwen, 2, weights, kv, 2)
+
+
+def test_int8_weights_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--weights`: each batch size runs every format, int8 reading about half the bytes; the
+    int8-all head is an int8 copy of the tied table, which is then only indexed."""
+    monkeypatch.setattr(roofline, "matmul_rate", lambda dtype: 1e9)
+    monkeypatch.setattr(roofline, "copy_bandwidth", lambda mib: 1e10)
+    out = tmp_path / "rl.json"
+    args = ["--model", "tiny-llama", "--batch-sizes", "1", "2", "--input-len", "8",
+            "--output-len", "3", "--rounds", "1", "--threads", "1", "--out", str(out),
+            "--weights", "bfloat16", "int8", "int8-all"]  # fmt: skip
+    assert main(roofline, args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["weights"]) for r in rows] == [
+        (b, w) for b in (1, 2) for w in ("bfloat16", "int8", "int8-all")
+    ]
+    by = {(r["batch"], r["weights"]): r for r in rows}
+    bf16, int8, every = by[1, "bfloat16"], by[1, "int8"], by[1, "int8-all"]
+    assert bf16["speedup"] == 1.0 and int8["speedup"] > 0
+    assert int8["speedup"] == pytest.approx(int8["output_tok_s"] / bf16["output_tok_s"])
+    assert 0.5 * bf16["linear_bytes"] < int8["linear_bytes"] < 0.7 * bf16["linear_bytes"]
+    assert every["weight_bytes"] < int8["weight_bytes"] < bf16["weight_bytes"]
+    assert every["macs"] == pytest.approx(bf16["macs"], rel=1e-2)  # the same products (+ scales)

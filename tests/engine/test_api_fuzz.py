@@ -18,9 +18,10 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import CacheConfig, SchedulerConfig
+from kvtier.config import CacheConfig, SchedulerConfig, StructuredOutputsConfig
 from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams
 from kvtier.model.testing import write_tiny_model
+from kvtier.sampling import StructuredOutputsParams
 
 VOCAB = 320  # the tiny models' vocabulary
 MAX_LEN = 48
@@ -65,6 +66,29 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 25)),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "presence_penalty": st.sampled_from([0.0, -2.0, 0.5, 2.0]),
+    "frequency_penalty": st.sampled_from([0.0, -1.0, 1.5]),
+    "repetition_penalty": st.sampled_from([1.0, 0.5, 1.3]),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3)
+    ),
+    "allowed_token_ids": st.one_of(
+        st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)
+    ),
+    "bad_words": st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    "structured_outputs": st.one_of(
+        st.none(),
+        st.sampled_from(
+            [
+                StructuredOutputsParams(choice=["yes", "no"]),
+                StructuredOutputsParams(regex="[a-c]{1,3}"),
+                StructuredOutputsParams(json_object=True),
+                StructuredOutputsParams(
+                    json={"type": "object", "properties": {"a": {"type": "integer"}}}
+                ),
+            ]
+        ),
+    ),
 }
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 assert sorted(PLAUSIBLE) == sorted(SAMPLING_FIELDS)
@@ -240,6 +264,8 @@ def test_generate_refuses_a_batch_whole_or_runs_it(
 
 ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "dtype": st.sampled_from(["auto", "float32"]),
+    "quantization": st.sampled_from([None, "int8", "compressed-tensors"]),  # the last: refused
+    "enable_kv_cache_events": st.booleans(),
     "device": st.sampled_from(["cpu", "sim"]),
     "seed": st.integers(0, 2**32),
     "num_speculative_tokens": st.integers(0, 3),
@@ -274,12 +300,16 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "kv_remote_url": st.none(),
     "kv_remote_ttl_s": st.one_of(st.none(), st.just(30.0)),  # without a remote url: refused
     "kv_tier_timeout_s": st.sampled_from([0.05, 0.5]),
+    "structured_outputs_max_spec_bytes": st.sampled_from([16, 64 << 10]),
+    "structured_outputs_compile_timeout_s": st.sampled_from([0.5, 10.0]),
+    "structured_outputs_cache_size": st.integers(1, 8),
     "block_sise": HOSTILE,  # not an engine argument
 }
 ENGINE_FIELDS = (
-    {f.name for f in fields(EngineArgs)} - {"model", "cache", "scheduler"}
+    {f.name for f in fields(EngineArgs)} - {"model", "cache", "scheduler", "structured_outputs"}
     | {f.name for f in fields(CacheConfig)}
     | {f.name for f in fields(SchedulerConfig)}
+    | {f.name for f in fields(StructuredOutputsConfig)}
     | {"block_sise"}
 )
 assert sorted(ENGINE_PLAUSIBLE) == sorted(ENGINE_FIELDS)

@@ -1,5 +1,5 @@
 """Every engine argument takes effect or is refused: one check per field of `EngineArgs` and of
-the `CacheConfig` and `SchedulerConfig` it nests, each showing what the field changes in a
+the `CacheConfig`, `SchedulerConfig` and `StructuredOutputsConfig` it nests, each showing what the field changes in a
 running engine (or the error that names it). The list is walked with `dataclasses.fields`, so a
 new field without a check fails `test_every_engine_argument_has_a_check` (issue 41: a
 `--kv-cache-dtype fp8` was sized in the plan and never applied to the pool)."""
@@ -15,8 +15,8 @@ import pytest
 import redis
 import torch
 
-from kvtier.config import CacheConfig, SchedulerConfig
-from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.config import CacheConfig, SchedulerConfig, StructuredOutputsConfig
+from kvtier.engine import EngineArgs, EngineCore, SamplingParams, StructuredOutputsParams
 from kvtier.model.testing import write_tiny_model
 from tests.stores.servers import RedisServer
 
@@ -181,6 +181,20 @@ def check_torch_threads(c: Ctx) -> None:
         assert eng.torch_threads == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def check_quantization(c: Ctx) -> None:
+    """int8 quantizes every linear as the model loads (logits move, greedy tokens mostly not);
+    compressed-tensors needs a quantized checkpoint; unset keeps the float weights."""
+    from kvtier.model.quant import Int8Linear
+
+    eng = c.engine(quantization="int8")
+    decoder = eng.model.decoder  # type: ignore[attr-defined]
+    assert isinstance(decoder.lm_head, Int8Linear)
+    assert not isinstance(c.engine().model.decoder.lm_head, Int8Linear)  # type: ignore[attr-defined]
+    assert len(c.run(eng).token_ids) == len(c.tokens())
+    with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
+        c.engine(quantization="compressed-tensors")
 
 
 def check_logprobs_mode(c: Ctx) -> None:
@@ -411,6 +425,42 @@ def check_scheduler_reserve_full_isl(c: Ctx) -> None:
     assert started == {True: 1, False: 2}
 
 
+# ---- StructuredOutputsConfig --------------------------------------------------------------------
+
+
+def _schema_params(schema: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def check_structured_outputs_max_spec_bytes(c: Ctx) -> None:
+    schema = {"enum": ["a" * 100]}
+    c.run(c.engine(), _schema_params(schema))  # the default takes it
+    with pytest.raises(ValueError, match="--structured-outputs-max-spec-bytes"):
+        c.engine(structured_outputs_max_spec_bytes=64).add_request(
+            "r", PROMPT, _schema_params(schema)
+        )
+
+
+def check_structured_outputs_compile_timeout_s(c: Ctx) -> None:
+    """A grammar that compiles within the default is refused under a timeout no compile meets."""
+    schema = {"enum": [f"option {i}" for i in range(2000)]}
+    c.run(c.engine(), _schema_params(schema))
+    eng = c.engine(structured_outputs_compile_timeout_s=1e-6)
+    with pytest.raises(ValueError, match="--structured-outputs-compile-timeout-s"):
+        eng.add_request("r", PROMPT, _schema_params(schema))
+
+
+def check_structured_outputs_cache_size(c: Ctx) -> None:
+    """Two schemas taking turns: a cache of one compiles each time, the default twice in all."""
+    compiles = {}
+    for size in (1, 256):
+        eng = c.engine(structured_outputs_cache_size=size)
+        for i in (0, 1, 0, 1):
+            c.run(eng, _schema_params({"enum": [f"x{i}"]}))
+        compiles[size] = eng.grammars.num_compiles
+    assert compiles == {1: 4, 256: 2}
+
+
 CHECKS: dict[str, Callable[[Ctx], None]] = {
     name.removeprefix("check_"): fn
     for name, fn in globals().items()
@@ -419,8 +469,10 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
 
 
 def all_fields() -> set[str]:
-    own = {f.name for f in dataclasses.fields(EngineArgs)} - {"cache", "scheduler"}
-    nested = {f.name for cls in (CacheConfig, SchedulerConfig) for f in dataclasses.fields(cls)}
+    own = {f.name for f in dataclasses.fields(EngineArgs)}
+    own -= {"cache", "scheduler", "structured_outputs"}
+    configs = (CacheConfig, SchedulerConfig, StructuredOutputsConfig)
+    nested = {f.name for cls in configs for f in dataclasses.fields(cls)}
     return own | nested
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.cpus import usable_cpus
 from kvtier.engine import LLM
 from kvtier.engine.params import DEFAULT_MODEL
 from kvtier.engine.threads import (
     ALL_CORES_WEIGHT_BYTES,
     checkpoint_bytes,
     default_torch_threads,
-    usable_cores,
 )
 from kvtier.model import native
 
@@ -46,7 +46,7 @@ def test_the_engine_sets_and_logs_its_thread_count(caplog: pytest.LogCaptureFixt
         LLM(max_model_len=64, num_device_blocks=64)
     assert torch.get_num_threads() == default_torch_threads()
     assert (
-        f"torch threads: {default_torch_threads()} of {usable_cores()} usable cores" in caplog.text
+        f"torch threads: {default_torch_threads()} of {usable_cpus()} usable cores" in caplog.text
     )
     with caplog.at_level(logging.INFO, logger="kvtier.engine"):
         LLM(max_model_len=64, num_device_blocks=64, torch_threads=2)
@@ -58,7 +58,7 @@ def test_native_kernels_get_every_core_by_default() -> None:
     """They release the GIL and decode attention is memory-bound: the host thread's core helps
     (docs/benchmarks.md); torch keeps its own count."""
     LLM(max_model_len=64, num_device_blocks=64)
-    assert native.threads() == usable_cores()
+    assert native.threads() == usable_cpus()
     assert torch.get_num_threads() == default_torch_threads()
     native.set_threads(None)
     assert native.threads() == torch.get_num_threads()
@@ -81,5 +81,5 @@ def test_the_engine_sizes_its_threads_by_the_checkpoint(
     monkeypatch.setattr(threads, "ALL_CORES_WEIGHT_BYTES", checkpoint_bytes(DEFAULT_MODEL))
     with caplog.at_level(logging.INFO, logger="kvtier.engine"):
         LLM(max_model_len=64, num_device_blocks=64)
-    assert torch.get_num_threads() == usable_cores()
+    assert torch.get_num_threads() == usable_cpus()
     assert "every core for" in caplog.text

@@ -37,6 +37,8 @@ KILLERS: list[dict[str, Any]] = [
     {"stop_token_ids": [10**30], "min_tokens": 1},
     {"stop_token_ids": [-1], "min_tokens": 2},
     {"top_k": 10**30},
+    {"repetition_penalty": 1e-300, "temperature": 1.0},  # +inf logits, once a draw past the vocab
+    {"allowed_token_ids": [7], "bad_words": ["a"], "logit_bias": {"7": -100}},
     {"top_k": -(10**30)},
     {"top_k": 2**63},
     {"min_tokens": 10**30},

@@ -101,7 +101,7 @@ def test_more_choices_than_the_server_ever_holds_is_400_not_429(server: ServerHa
 def test_http_refusals_are_counted_once_each(server: ServerHandle) -> None:
     before = {s: _rejected(server, s) for s in (400, 404, 413)}
     assert _post(server.port, {"prompt": "x", "max_tokens": "ten"})[0] == 400  # validation
-    assert _post(server.port, {"prompt": "x", "presence_penalty": 1.0})[0] == 400
+    assert _post(server.port, {"prompt": "x", "presence_penalty": 9.0})[0] == 400
     assert _post(server.port, {"model": "nope", "prompt": "x"})[0] == 404  # the body's model wins
     assert _post(server.port, {"prompt": "word " * 1_000_000})[0] == 413  # over 4 MiB
     assert _rejected(server, 400) == before[400] + 2

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.server.conftest import MODEL, wait_until
-from tests.server.test_router import Proc, _ready, _start, metric, request
+from tests.server.procs import Proc, _ready, _start, metric, request
 from tests.stores.servers import RedisServer
 
 PROMPT = (

@@ -19,12 +19,14 @@ BENCHMARKS = (
     "throughput",
     "garble",
     "serve",
+    "router",
     "offload",
     "compare",
     "preempt",
     "roofline",
     "overlap",
     "admission",
+    "grammar",
 )
 
 

@@ -27,7 +27,22 @@ from kvtier.bench import save_json
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model id the server serves")
-    parser.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    add_workload_arguments(parser)
+    parser.add_argument("--save-text", action="store_true", help="keep generated text in JSON")
+    parser.add_argument("--out", default="results/bench_serve.json")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="write a PNG of TTFT / ITL distributions (default path: --out with .png)",
+    )
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, dataset: str = "random") -> None:
+    """The flags of the requests sent (dataset, lengths, rates, sampling), shared with
+    `kvtier bench router`."""
+    parser.add_argument("--dataset", choices=("random", "shared-prefix"), default=dataset)
     parser.add_argument("--num-prompts", type=int, default=100, help="requests (conversations)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt (question) tokens")
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
@@ -57,15 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 90,99")
-    parser.add_argument("--save-text", action="store_true", help="keep generated text in JSON")
-    parser.add_argument("--out", default="results/bench_serve.json")
-    parser.add_argument(
-        "--plot",
-        nargs="?",
-        const="",
-        default=None,
-        help="write a PNG of TTFT / ITL distributions (default path: --out with .png)",
-    )
 
 
 def _root(base_url: str) -> str:
@@ -104,18 +110,23 @@ def sampling_extra(args: argparse.Namespace) -> dict[str, Any]:
     return extra
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        from kvtier.bench import serve_client, serve_data, serve_report
-    except ImportError as exc:  # httpx is a dev extra
-        raise SystemExit(f"kvtier bench serve needs {exc.name}: pip install -e '.[dev]'") from None
-
+def check_workload(args: argparse.Namespace) -> None:
+    """SystemExit naming the flag for a workload that cannot run."""
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise SystemExit("--num-prompts, --input-len and --output-len must be at least 1")
     if not 0 <= args.range_ratio < 1:
         raise SystemExit("--range-ratio must be in [0, 1)")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive (inf: all at once)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.bench import serve_client, serve_data, serve_report
+    except ImportError as exc:  # httpx is a dev extra
+        raise SystemExit(f"kvtier bench serve needs {exc.name}: pip install -e '.[dev]'") from None
+
+    check_workload(args)
     extra = sampling_extra(args)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
     root = _root(args.base_url)

@@ -52,6 +52,8 @@ class Settings:
     temperature: float
     timeout: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # sent with each conversation's id on every one of its requests (a router's session key)
+    session_header: str | None = None
 
 
 async def send(
@@ -68,11 +70,13 @@ async def send(
     } | s.extra
     if s.ignore_eos:
         body["ignore_eos"] = True
+    headers = {s.session_header: f"conversation-{rec.conversation}"} if s.session_header else {}
     t0 = time.perf_counter()
     rec.start = t0 - t_bench
     last, done = t0, False
     try:
-        async with asyncio.timeout(s.timeout), client.stream("POST", s.url, json=body) as resp:
+        stream = client.stream("POST", s.url, json=body, headers=headers)
+        async with asyncio.timeout(s.timeout), stream as resp:
             if resp.status_code != 200:
                 raw = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {raw[:300]}"

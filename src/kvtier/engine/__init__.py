@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvtier.engine.requests import FinishedRequest, StepOutput
     from kvtier.engine.stats import EngineStats
     from kvtier.runner.transfers import TransferFaults
+    from kvtier.sampling import StructuredOutputsParams
 
 _HOMES = {
     "EngineCore": "core",
@@ -23,6 +24,7 @@ _HOMES = {
     "RequestOutput": "llm",
     "EngineArgs": "params",
     "SamplingParams": "params",
+    "StructuredOutputsParams": "sampling",
     "FinishedRequest": "requests",
     "StepOutput": "requests",
     "EngineStats": "stats",
@@ -39,6 +41,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepOutput",
+    "StructuredOutputsParams",
     "TransferFaults",
 ]
 
@@ -47,5 +50,5 @@ def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module 'kvtier.engine' has no attribute {name!r}")
     home = _HOMES[name]
-    package = "kvtier.runner" if home == "transfers" else "kvtier.engine"
-    return getattr(importlib.import_module(f"{package}.{home}"), name)
+    package = {"transfers": "kvtier.runner.", "sampling": "kvtier."}.get(home, "kvtier.engine.")
+    return getattr(importlib.import_module(f"{package}{home}"), name)

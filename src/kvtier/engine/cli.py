@@ -8,7 +8,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, dataclass_from_args
-from kvtier.config import PROTECTIONS, CacheConfig, SchedulerConfig, parse_protect
+from kvtier.config import (
+    PROTECTIONS,
+    QUANTIZATIONS,
+    CacheConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    parse_protect,
+)
 
 if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, not when parsing
     from kvtier.engine.core import EngineCore
@@ -23,6 +30,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (the checkpoint's; float16 runs as bfloat16 off cuda), float32, bfloat16, "
         "float64, or float16 (cuda only)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weights' quantization (default: the checkpoint's config.json): compressed-tensors "
+        "int8 weights, or int8 to quantize a float checkpoint's linears as it loads (W8A16)",
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
@@ -43,6 +58,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_dataclass_args(parser, CacheConfig)
     add_dataclass_args(parser, SchedulerConfig)
+    add_dataclass_args(parser, StructuredOutputsConfig)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -51,6 +67,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         seed=args.seed,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -59,6 +76,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         protect=parse_protect(args.protect),
         cache=dataclass_from_args(CacheConfig, args),
         scheduler=dataclass_from_args(SchedulerConfig, args),
+        structured_outputs=dataclass_from_args(StructuredOutputsConfig, args),
     )
 
 

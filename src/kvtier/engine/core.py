@@ -17,6 +17,7 @@ from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
+from kvtier.engine.prompts import bad_words_token_ids
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
@@ -26,6 +27,7 @@ from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
+from kvtier.model.grammar import Grammars
 from kvtier.model.hf_config import load_model_config
 from kvtier.model.loader import model_folder, resolve_dtype
 from kvtier.model.served import load_served
@@ -58,7 +60,7 @@ class EngineCore:
         )
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(args.seed)
-        self.model = load_served(path, dtype)  # a plain decoder or a Mamba2 hybrid
+        self.model = load_served(path, dtype, args.quantization)  # a decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
         self.plan = self._plan(dtype_name)
         kv_dtype = self.args.cache.kv_dtype(dtype_name)  # what the plan sized the blocks in
@@ -136,6 +138,11 @@ class EngineCore:
         )
         self.model.to(self.device.torch_device)  # weights and rope tables where the KV lives
         self.eos_token_id = self.tokenizer.eos_token_id
+        eos_ids = () if self.eos_token_id is None else (self.eos_token_id,)
+        # a grammar may end only where the scheduler stops: on the one EOS it knows
+        self.grammars = Grammars(
+            self.tokenizer, self.model_config.vocab_size, eos_ids, args.structured_outputs
+        )
         self.runner = ModelRunner(
             self.model,
             self.device,
@@ -146,10 +153,11 @@ class EngineCore:
             max_model_len=self.plan.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
             max_async_depth=sched_cfg.depth,
-            eos_token_ids=() if self.eos_token_id is None else (self.eos_token_id,),
+            eos_token_ids=eos_ids,
             seed=args.seed,
             order_copies_after_compute="event" in args.protect,
             logprobs_mode=args.logprobs_mode,
+            grammars=self.grammars,
         )
         # Added, final output not yet handed out: by the id the scheduler knows it by, and the
         # caller's id → that id. They differ only for a caller's id reused while an aborted
@@ -228,13 +236,16 @@ class EngineCore:
         if req_id in self._ids:
             raise ValueError(f"request id {req_id!r} is already in use")
         try:
-            return check_request(
+            tokens = check_request(
                 prompt_token_ids,
                 params,
                 priority,
                 vocab_size=self.model_config.vocab_size,
                 max_logprobs=self.args.max_logprobs,
             )
+            if params.structured_outputs is not None:  # compiled (and cached) here, or refused
+                self.grammars.compile(params.structured_outputs.grammar_spec())
+            return tokens
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"request {req_id!r}: {exc}") from None
 
@@ -245,7 +256,8 @@ class EngineCore:
         prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
         use_ngram = self.args.num_speculative_tokens > 0
         stop = params.stop_conditions(self.eos_token_id, use_ngram)
-        draw = params.draw_params()
+        words = bad_words_token_ids(self.tokenizer, tuple(params.bad_words or ()))
+        draw = params.draw_params(words)
         sched_id = self._sched_id(req_id)
         request = Request(sched_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
@@ -258,10 +270,17 @@ class EngineCore:
             params.min_tokens,
         )
         state = RequestState(req_id, request, params, detok)
+        if draw.grammar is not None:
+            self.grammars.hold(draw.grammar)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
         self._requests[sched_id] = state
         self._ids[req_id] = sched_id
+
+    def _release_grammar(self, state: RequestState) -> None:
+        grammar = state.request.draw.grammar
+        if grammar is not None:
+            self.grammars.release(grammar)
 
     def _sched_id(self, req_id: str) -> ReqId:
         """The id the scheduler and the layers below know a new request by: the caller's, unless
@@ -287,6 +306,7 @@ class EngineCore:
         if sched_id is None:
             return None
         state = self._requests.pop(sched_id)
+        self._release_grammar(state)
         self.scheduler.abort(sched_id)
         state.finish_reason = "abort"
         return state.finished()
@@ -377,6 +397,7 @@ class EngineCore:
             if finished:
                 del self._requests[out.req_id]
                 del self._ids[state.req_id]
+                self._release_grammar(state)
                 step_out.result = state.finished()
             outs.append(step_out)
         if self.args.check_integrity:

@@ -21,13 +21,21 @@ from kvtier.checks import (
 )
 from kvtier.config import (
     PROTECTIONS,
+    QUANTIZATIONS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     parse_protect,
 )
 from kvtier.engine.prompts import check_prompt_ids
-from kvtier.sampling import LOGPROBS_MODES, DrawParams, StopConditions
+from kvtier.sampling import (
+    LOGPROBS_MODES,
+    DrawParams,
+    StopConditions,
+    StructuredOutputsParams,
+    check_logit_bias,
+)
 from kvtier.sched.queues import POLICIES
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model" / "default"
@@ -55,18 +63,48 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n per prompt token (and the token's own); no cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrain the output to a JSON schema, regex, choice or grammar (`kvtier.sampling`)
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's semantics: presence and frequency over output tokens, repetition over prompt and
+    # output tokens (1 = off); logit_bias adds to a token's logit; allowed_token_ids keeps only
+    # those; each bad word's last token is banned where its other tokens were just output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # {token id: bias} (or (id, bias) pairs), stored as sorted pairs so the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
         if self.stop_token_ids is not None:
             put(self, "stop_token_ids", check_ints("stop_token_ids", self.stop_token_ids))
         stop = self.stop_conditions(None, False)  # checks max_tokens, min_tokens
-        names = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
-        draw = DrawParams(**{name: getattr(self, name) for name in names})  # checks them
+        names = (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "allowed_token_ids",
+        )
+        draw = DrawParams(  # checks them
+            **{name: getattr(self, name) for name in names},
+            logit_bias=check_logit_bias(self.logit_bias),
+        )
         for name in ("max_tokens", "min_tokens"):
             put(self, name, getattr(stop, name))
         for name in names:
             put(self, name, getattr(draw, name))
+        if self.logit_bias is not None:
+            put(self, "logit_bias", draw.logit_bias)
+        if self.bad_words is not None:
+            put(self, "bad_words", check_strs("bad_words", self.bad_words))
         if self.stop is not None:
             strs = check_strs("stop", self.stop)
             put(self, "stop", self.stop if isinstance(self.stop, str) else strs)
@@ -75,13 +113,33 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             n = check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hint=" (or None)")
             put(self, "prompt_logprobs", n)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a kvtier.sampling.StructuredOutputsParams, got "
+                f"{show(so)}"
+            )
+        if self.min_tokens:
+            # the grammar alone decides where the output may end: EOS banned while the grammar
+            # allows nothing else would leave no token to draw
+            raise ValueError(
+                f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: the "
+                "grammar decides where the output ends; drop min_tokens"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return check_strs("stop", self.stop)
 
-    def draw_params(self) -> DrawParams:
-        """How the sampler draws this request's tokens, which logprobs come back."""
+    def draw_params(self, bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> DrawParams:
+        """How the sampler draws this request's tokens, which logprobs come back;
+        `bad_words_token_ids`: `bad_words` tokenized (`engine/prompts.py` `bad_words_token_ids`)."""
+        so = self.structured_outputs
         return DrawParams(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -90,6 +148,13 @@ class SamplingParams:
             seed=self.seed,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            grammar=None if so is None else so.grammar_spec(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias or (),  # type: ignore[arg-type]
+            allowed_token_ids=self.allowed_token_ids,  # type: ignore[arg-type]
+            bad_words_token_ids=bad_words_token_ids,
         )
 
     def stop_conditions(self, eos_token_id: int | None, use_ngram: bool) -> StopConditions:
@@ -111,6 +176,8 @@ class EngineArgs:
 
     model: str | None = None  # local HF folder; None = the embedded default model
     dtype: str = "auto"  # float32, bfloat16, float64, or auto (the checkpoint's)
+    # int8 weights: "compressed-tensors" or "int8" (model/loader.py); None: as config.json says
+    quantization: str | None = None
     device: str = "cpu"  # cpu, sim (virtual device + sanitizer), cuda
     seed: int = 0
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step
@@ -131,6 +198,7 @@ class EngineArgs:
     enable_kv_cache_events: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, PathLike):
@@ -153,6 +221,11 @@ class EngineArgs:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization (--quantization) must be one of {QUANTIZATIONS} or unset (the "
+                f"checkpoint's config.json), got {self.quantization!r}"
             )
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"--torch-threads must be in 1..1024, got {self.torch_threads}")
@@ -190,16 +263,18 @@ class EngineArgs:
         """Flat vLLM-style keywords (block_size=…, max_num_seqs=…) → nested configs."""
         cache_names = {f.name for f in fields(CacheConfig)}
         sched_names = {f.name for f in fields(SchedulerConfig)}
-        own = {f.name for f in fields(cls)} - {"cache", "scheduler"}
-        unknown = sorted(set(kwargs) - cache_names - sched_names - own)
+        so_names = {f.name for f in fields(StructuredOutputsConfig)}
+        own = {f.name for f in fields(cls)} - {"cache", "scheduler", "structured_outputs"}
+        unknown = sorted(set(kwargs) - cache_names - sched_names - so_names - own)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}")
         cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_names})
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
+        so = StructuredOutputsConfig(**{k: v for k, v in kwargs.items() if k in so_names})
         rest = {k: v for k, v in kwargs.items() if k in own}
         if isinstance(rest.get("protect"), str):
             rest["protect"] = parse_protect(rest["protect"])
-        return cls(model=model, cache=cache, scheduler=sched, **rest)
+        return cls(model=model, cache=cache, scheduler=sched, structured_outputs=so, **rest)
 
 
 def check_request(
@@ -217,12 +292,18 @@ def check_request(
         raise TypeError(
             f"sampling_params must be a kvtier.engine.SamplingParams, got {show(params)}"
         )
-    bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"stop_token_ids {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
-            "drop them or use this model's token ids"
-        )
+    named = {
+        "stop_token_ids": params.stop_token_ids or (),
+        "allowed_token_ids": params.allowed_token_ids or (),
+        "logit_bias": [t for t, _ in params.logit_bias or ()],  # type: ignore[misc]
+    }
+    for name, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} {show_ids(bad)} are outside the vocabulary [0, {vocab_size}); "
+                "drop them or use this model's token ids"
+            )
     for name in ("logprobs", "prompt_logprobs"):
         n = getattr(params, name)
         if n is not None and n > max_logprobs:

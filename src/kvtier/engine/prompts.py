@@ -10,6 +10,7 @@ before it is tokenized whole: one huge prompt never costs more than its allowed 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool entries, for the template
 
 
 def encode_prompt(
@@ -128,9 +130,11 @@ def render_chat(
     add_gen = opts.add_generation_prompt and not opts.continue_final_message
     try:
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, add_gen, opts.template_kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, add_gen, opts.template_kwargs, opts.tools
+            )
         else:
-            text = render_default_chat(messages, add_gen)
+            text = render_default_chat(messages, add_gen, opts.tools)
     except Exception as exc:
         raise ValueError(f"chat template: {exc}") from None
     return _open_final_message(text, messages) if opts.continue_final_message else text
@@ -151,10 +155,19 @@ def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     return text[:end]
 
 
-def render_default_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    """The plain template, used when the tokenizer has none: one `role: content` line per
-    message, then `assistant:` when a generation prompt is wanted."""
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+def render_default_chat(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The plain template, used when the tokenizer has none: a `tools:` line with their JSON
+    when given, one `role: content` line per message (an assistant's tool calls as JSON after
+    its content), then `assistant:` when a generation prompt is wanted."""
+    text = f"tools: {json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+    for m in messages:
+        calls = m.get("tool_calls")
+        extra = f" {json.dumps(calls, ensure_ascii=False)}" if calls else ""
+        text += f"{m['role']}: {m['content']}{extra}\n"
     return text + ("assistant:" if add_generation_prompt else "")
 
 
@@ -238,3 +251,21 @@ def _encode_tail(tokenizer: Tokenizer, text: str, add_special_tokens: bool, k: i
             return ids[-k:]
         size *= 2
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)[-k:]
+
+
+def bad_words_token_ids(
+    tokenizer: Tokenizer, words: tuple[str, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, as vLLM tokenizes them: the word alone (at the start of a
+    text), and after a space when that spelling starts with another token but has as many (a
+    word inside a text); ValueError naming `bad_words` for a word with no tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise ValueError(f"bad_words entry {show(word)} has no tokens; drop it")
+        out.append(alone)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            out.append(spaced)
+    return tuple(out)

@@ -1,4 +1,5 @@
-"""How many threads torch's kernels get. The host thread (scheduling, output processing, HTTP)
+"""How many threads torch's kernels get, out of the CPUs this process may use (`kvtier.cpus`:
+its affinity mask and cgroup quota, not the machine's count). The host thread (scheduling, output processing, HTTP)
 and each device stream's worker need a core of their own, so kernels get the rest: OpenMP
 threads spin while they wait, so a pool as large as the machine takes the cores the host needs
 and stalls every step behind it. A model whose weights reach `ALL_CORES_WEIGHT_BYTES` gets every
@@ -11,18 +12,11 @@ threads only when its work pays for them."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
+from kvtier.cpus import usable_cpus
+
 log = logging.getLogger("kvtier.engine")
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # platforms without affinity masks
-        return os.cpu_count() or 1
 
 
 ALL_CORES_WEIGHT_BYTES = 256 << 20  # a checkpoint this large gets every usable core
@@ -36,7 +30,7 @@ def checkpoint_bytes(folder: str | Path) -> int:
 def default_torch_threads(cores: int | None = None, weight_bytes: int = 0) -> int:
     """All usable cores but one, which is left to the host thread, at least one; all of them for
     a model of at least `ALL_CORES_WEIGHT_BYTES` of weights."""
-    cores = usable_cores() if cores is None else cores
+    cores = usable_cpus() if cores is None else cores
     if weight_bytes >= ALL_CORES_WEIGHT_BYTES:
         return cores
     return max(1, cores - 1)
@@ -50,7 +44,7 @@ def configure_torch_threads(requested: int | None, model_path: str | Path | None
     from kvtier.model import native
 
     weight_bytes = 0 if model_path is None else checkpoint_bytes(model_path)
-    cores = usable_cores()
+    cores = usable_cpus()  # affinity and cgroup quota (kvtier/cpus.py)
     threads = requested if requested is not None else default_torch_threads(cores, weight_bytes)
     torch.set_num_threads(threads)
     # The native kernels release the GIL and are memory-bound (decode attention): every core

@@ -66,6 +66,9 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
     "kvtier_linear_available": (_INT, ()),
     "kvtier_linear_pack": (None, (_P, _I64, _I64, _P)),
     "kvtier_linear": (_INT, (_P, _I64, _I64, _P, _I64, _I64, _P, _P, _INT)),
+    "kvtier_linear_i8_available": (_INT, ()),
+    "kvtier_linear_i8_pack": (None, (_P, _I64, _I64, _P)),
+    "kvtier_linear_i8": (_INT, (_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT)),
     "kvtier_linear_f32_available": (_INT, ()),
     "kvtier_linear_f32_pack": (None, (_P, _I64, _I64, _P)),
     "kvtier_linear_f32": (_INT, (_P, _I64, _I64, _P, _I64, _I64, _P, _P, _INT)),
@@ -78,8 +81,9 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
 # The structs' fields in kvtier.h's order: the mirrors below declare them, the checks read them.
 LAYER_FIELDS: list[tuple[str, Any]] = [
     *((name, _P) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")),
-    *((name, _P) for name in ("q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias")),
-    *((name, _P) for name in ("gate_up", "gate_up_bias", "down", "down_bias")),
+    *((name, _P) for name in ("q_norm", "k_norm", "qkv", "o", "gate_up", "down")),
+    *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
+    *((name, _P) for name in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")),
     *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     *((name, _F) for name in ("eps", "scale", "softcap", "k_scale", "v_scale")),
     *((name, _INT) for name in ("gemma", "qk_gemma", "act", "kv_dtype")),

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.cpus import usable_cpus
+
 log = logging.getLogger("kvtier.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -37,6 +39,8 @@ SOURCES: dict[str, tuple[str, ...]] = {  # every object of the library and its o
     "linear.c": (),
     "linear_amx.c": (),
     "linear_avx512bf16.c": (),
+    "linear_i8_amx.c": (),
+    "linear_i8_avx512.c": (),
     "linear_f32_avx512.c": (),
 }
 BASE_FLAGS = (
@@ -166,7 +170,7 @@ def _build(
              str(work / f"{Path(name).stem}.o")]
             for name, own in sorted(sources.items())
         ]  # fmt: skip
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
             errors = [e for e in pool.map(_run, commands) if e is not None]
         if errors:
             log.warning("building the kernels failed: native kernels off:\n%s", "\n".join(errors))

@@ -24,6 +24,7 @@ from kvtier.kernels import abi
 from kvtier.model import native
 from kvtier.model.layers import PACK_BF16, RMSNorm, takes_tiles
 from kvtier.model.paged import GroupPlan
+from kvtier.model.quant import Int8Linear
 
 # transformer.DecoderLayer, which this module cannot import (transformer.py imports it)
 DecoderLayer = Any
@@ -36,9 +37,15 @@ class _Built:
         attn, mlp = layer.self_attn, layer.mlp
         self.tensors: list[torch.Tensor] = list(layer.parameters())  # the struct points here
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        self.numels = [lin.weight.numel() for lin in linears]
-        tiles = [lin.tiles(kernels) for lin in linears]
-        self.tensors += tiles
+        # the bfloat16 linears' sizes (`takes_tiles`); the int8 kernel serves any row count
+        self.numels = [lin.weight.numel() for lin in linears if not isinstance(lin, Int8Linear)]
+        tiles, scales = [], []
+        for lin in linears:
+            packed, scale = lin.tiles(kernels) if isinstance(lin, Int8Linear) else (
+                lin.tiles(kernels), None)  # fmt: skip
+            tiles.append(packed)
+            scales.append(scale)
+            self.tensors += [packed] if scale is None else [packed, scale]
         s = abi.Layer()
         s.input_norm = layer.input_layernorm.weight.data_ptr()
         s.post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -48,8 +55,11 @@ class _Built:
         if attn.q_norm is not None and attn.k_norm is not None:
             s.q_norm, s.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
             s.qk_gemma = int(attn.q_norm.gemma)
-        for name, lin, packed in zip(("qkv", "o", "gate_up", "down"), linears, tiles, strict=True):
+        names = ("qkv", "o", "gate_up", "down")
+        for name, lin, packed, scale in zip(names, linears, tiles, scales, strict=True):
             setattr(s, name, packed.data_ptr())
+            if scale is not None:
+                setattr(s, f"{name}_scale", scale.data_ptr())
             if lin.bias is not None:
                 setattr(s, f"{name}_bias", lin.bias.data_ptr())
         s.hidden, s.heads, s.kv_heads = attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads
@@ -76,9 +86,10 @@ def _registered(module: torch.nn.Module, name: str, param: torch.nn.Parameter | 
 torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 
 
-def servable(layer: DecoderLayer) -> bool:
-    """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU, every
-    norm, the rope and the MLP's activation on the native kernels, no float32 leftovers."""
+def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
+    """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU (int8
+    ones with their scales and bfloat16 biases where the int8 linear is built), every norm, the
+    rope and the MLP's activation on the native kernels, no float32 leftovers."""
     attn, mlp = layer.self_attn, layer.mlp
     norms: list[RMSNorm | None] = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.sandwich:
@@ -89,8 +100,14 @@ def servable(layer: DecoderLayer) -> bool:
         return False
     if attn.head_dim > native.MAX_HEAD_DIM or mlp.activation not in native.ACTIVATIONS:
         return False
+    int8 = [m for m in layer.modules() if isinstance(m, Int8Linear)]
+    if int8 and not kernels.i8_linear:
+        return False
+    scaled = {id(p) for m in int8 for p in (m.weight, m.weight_scale)}
     return all(
-        p.dtype == torch.bfloat16 and p.device == native.CPU and p.is_contiguous()
+        (id(p) in scaled or p.dtype == torch.bfloat16)
+        and p.device == native.CPU
+        and p.is_contiguous()
         for p in layer.parameters()
     )
 
@@ -190,7 +207,7 @@ class FusedLayers:
         # collected above: `Module.__getattr__` per parameter is slow host work on every step
         of = tuple(0 if p is None else p.data_ptr() for p in self._params)
         if of != self._of:
-            servable_all = all(servable(layer) for layer in layers)
+            servable_all = all(servable(layer, kernels) for layer in layers)
             self._built = [_Built(layer, kernels) for layer in layers] if servable_all else None
             self._of = of
         return self._built

@@ -18,6 +18,7 @@ from torch import nn
 from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.hf_config import load_model_config
+from kvtier.model.quant import QUANTIZATIONS, Int8Linear, int8_config, int8_tensors, quantize_int8
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
 
@@ -116,19 +117,36 @@ def load_pretrained(path: str | Path, dtype: str | torch.dtype | None = None) ->
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, *, native: bool = True
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    *,
+    native: bool = True,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model of the folder's config.json and load its safetensors weights
-    (`native=False`: torch ops only, no kernels of model/native.py)."""
+    (`native=False`: torch ops only, no kernels of model/native.py). `quantization` as
+    `resolve_quantization`: int8 linears where the checkpoint has them, or made at load."""
     folder = model_folder(path)
     config = load_model_config(folder)
     spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
+    method = resolve_quantization(quantization, folder)
     with empty_weights():
         model = CausalLM(config, spec, native=native)
-    state = _fused_state(read_safetensors(folder), config.num_layers, torch_dtype, folder)
+    raw = read_safetensors(folder)
+    int8 = _fused_int8(int8_tensors(raw, folder), config.num_layers, folder)
+    state = _fused_state(raw, config.num_layers, torch_dtype, folder)
+    if method == "int8":  # every linear the checkpoint holds in float, quantized as it loads
+        for name in [*_decoder_linears(config.num_layers), "lm_head"]:
+            if name not in int8:  # a tied head gets its own int8 copy; lookups keep the table
+                w = state.pop(f"{name}.weight", None)
+                int8[name] = quantize_int8(state[_EMBED] if w is None else w)
+    for name, (q, scale) in int8.items():
+        _make_int8(model, name)
+        state[f"{name}.weight"], state[f"{name}.weight_scale"] = q, scale
+    tied = spec.tie_word_embeddings and "lm_head" not in int8
     expected = set(model.state_dict())
-    if spec.tie_word_embeddings:
+    if tied:
         expected.discard("lm_head.weight")
         state.pop("lm_head.weight", None)
     missing = sorted(expected - set(state))
@@ -140,9 +158,30 @@ def load_model(
             "config.json"
         )
     model.load_state_dict(state, strict=False, assign=True)
-    if spec.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def resolve_quantization(quantization: str | None, folder: Path) -> str | None:
+    """What `--quantization` means for a folder: None follows its config.json (int8 weights where
+    it has a compressed-tensors `quantization_config`); "compressed-tensors" requires one;
+    "int8" takes a checkpoint's int8 weights as they are and quantizes every other linear as it
+    loads (symmetric, per output channel), the LM head included: decode reads it every step."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization (--quantization) {quantization!r} is not supported; use one of "
+            f"{list(QUANTIZATIONS)}, or leave it unset to follow the checkpoint's config.json"
+        )
+    config = json.loads((folder / "config.json").read_text())
+    found = "compressed-tensors" if int8_config(config, folder) is not None else None
+    if quantization == "compressed-tensors" and found is None:
+        raise ValueError(
+            f"--quantization compressed-tensors: {folder}/config.json has no compressed-tensors "
+            "quantization_config; pass an int8 compressed-tensors checkpoint, or --quantization "
+            "int8 to quantize this one as it loads"
+        )
+    return quantization or found
 
 
 def resolve_dtype(
@@ -224,6 +263,49 @@ def _fused_state(
                 f"{mlp}gate_up_proj.{kind}",
             )
     return {k: v.to(dtype) for k, v in state.items()}
+
+
+_EMBED = "model.embed_tokens.weight"
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _decoder_linears(num_layers: int) -> list[str]:
+    """Our names of every decoder layer's linears (the fused ones)."""
+    kinds = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    return [f"model.layers.{i}.{kind}" for i in range(num_layers) for kind in kinds]
+
+
+def _fused_int8(
+    int8: dict[str, tuple[torch.Tensor, torch.Tensor]], num_layers: int, folder: Path
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module names of int8 linears → ours, q/k/v and gate/up concatenated (weights and their
+    per-channel scales alike); a fused group must be int8 whole."""
+    for i in range(num_layers):
+        for prefix in (f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."):
+            for fused, parts in _FUSED.items():
+                names = [prefix + p for p in parts]
+                have = [n in int8 for n in names]
+                if any(have) and not all(have):
+                    raise ValueError(
+                        f"{folder}: {names} must all be int8 or none (they run as one linear); "
+                        f"int8: {[n for n, h in zip(names, have, strict=True) if h]}"
+                    )
+                if all(have):
+                    qs, scales = zip(*(int8.pop(n) for n in names), strict=True)
+                    int8[prefix + fused] = (torch.cat(qs), torch.cat(scales))
+    return int8
+
+
+def _make_int8(model: nn.Module, name: str) -> None:
+    """Replace the linear `name` of `model` by an `Int8Linear` of its shape."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child, None)
+    if not isinstance(old, nn.Linear):
+        raise ValueError(f"{name} has int8 weights in the checkpoint but is not a linear here")
+    with torch.device("meta"):
+        new = Int8Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    setattr(parent, child, new)
 
 
 def _fuse(state: dict[str, torch.Tensor], names: list[str], fused: str) -> None:

@@ -52,12 +52,13 @@ class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; None:
     neither, oneDNN serves every linear); `f32_linear`: the batch-invariant float32 linear is
-    built (AVX-512F)."""
+    built (AVX-512F); `i8_linear`: the int8-weight linear (W8A16) is built (AVX512-BF16)."""
 
     lib: ctypes.CDLL
     path: Path
     tile_linear: str | None
     f32_linear: bool
+    i8_linear: bool = False
 
     def attention_tiles(self, use: bool | None = None) -> bool:
         """Whether the attention kernel runs its small work items (≤ 16 query rows: decodes and
@@ -221,6 +222,58 @@ class Kernels:
         self.lib.kvtier_linear_pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
+    def pack_linear_i8(self, weight: torch.Tensor) -> torch.Tensor:
+        """An int8 weight [n, k] in the tiles of the int8 linear (needs `i8_linear`)."""
+        _host("weight", weight, torch.int8)
+        _contiguous("weight", weight)
+        _require(weight.dim() == 2, f"weight must be [n, k], got shape {tuple(weight.shape)}")
+        _require(self.i8_linear, "the int8 linear kernel is not built here (no AVX512-BF16): "
+                 "dequantize the weight and use F.linear")  # fmt: skip
+        n, k = weight.shape
+        packed = torch.empty(_packed_size(torch.int8, n, k), dtype=torch.int8)
+        self.lib.kvtier_linear_i8_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear_i8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [m, k] bfloat16 (rows contiguous) times the int8 weight [n, k]ᵀ packed by
+        `pack_linear_i8`, column j scaled by scales[j] (float32 [n]), (+ bias) → [m, n]
+        bfloat16."""
+        _host("x", x, torch.bfloat16)
+        _require(x.dim() == 2 and x.stride(1) == 1,
+                 f"x must be [m, k] with contiguous rows, got shape {tuple(x.shape)} strides "
+                 f"{tuple(x.stride())}")  # fmt: skip
+        _host("packed", packed, torch.int8)
+        _contiguous("packed", packed)
+        m, k = x.shape
+        want = _packed_size(torch.int8, n, k)
+        _require(packed.numel() == want,
+                 f"packed has {packed.numel()} elements, a [{n}, {k}] weight packs into {want}: "
+                 "pack the weight with pack_linear_i8, and pass its n")  # fmt: skip
+        _host("scales", scales, torch.float32)
+        _contiguous("scales", scales)
+        _require(scales.numel() == n, f"scales must have {n} elements, got {scales.numel()}")
+        if bias is not None:
+            _host("bias", bias, torch.bfloat16)
+            _contiguous("bias", bias)
+            _require(bias.numel() == n, f"bias must have {n} elements, got {bias.numel()}")
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        status = self.lib.kvtier_linear_i8(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(), n, k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
+        )  # fmt: skip
+        if status == -2:
+            raise ValueError("the int8 linear kernel is not built here: dequantize, F.linear")
+        if status != 0:
+            raise MemoryError("kvtier_linear_i8: no scratch memory")
+        return out
+
     def linear_f32(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -277,7 +330,8 @@ class Kernels:
 
 
 def _packed_size(dtype: torch.dtype, n: int, k: int) -> int:
-    """Elements of a [n, k] weight packed for the linear kernel of its dtype (kvtier.h)."""
+    """Elements of a [n, k] weight packed for the linear kernel of its dtype (kvtier.h): int8
+    and bfloat16 share the tiles."""
     if dtype == torch.float32:
         return -(-n // 16) * k * 16
     return -(-n // 16) * -(-k // 32) * 512
@@ -384,4 +438,5 @@ def build(isa: str | None = None) -> Kernels | None:
         path,
         LINEAR_KINDS[lib.kvtier_linear_available()],
         lib.kvtier_linear_f32_available() == 1,
+        lib.kvtier_linear_i8_available() == 1,
     )

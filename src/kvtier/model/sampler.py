@@ -1,9 +1,9 @@
 """Token sampling for a batch of requests with different parameters: greedy, temperature, top-k,
-top-p, min-p, per-request seeds; logprobs of the raw distribution (or, as vLLM's `logprobs_mode`,
-of the logits or of what the draw used). Stateless: a seeded
-request's draw at position p depends only on (seed, p), so batch makeup, preemption and async
-depth never change its tokens. A request's parameters are `kvtier.sampling.DrawParams`; stop
-strings live in `detokenizer.py`."""
+top-p, min-p, per-request seeds, after the penalties, bias and bans of `adjust.py`; logprobs of
+the raw distribution (or, as vLLM's `logprobs_mode`, of the logits or of what the draw used).
+Stateless: a seeded request's draw at position p depends only on (seed, p), so batch makeup,
+preemption and async depth never change its tokens. A request's parameters are
+`kvtier.sampling.DrawParams`; stop strings live in `detokenizer.py`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.model import native
+from kvtier.model.adjust import Adjustments
 from kvtier.sampling import LOGPROBS_MODES, DrawParams
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy (as vLLM)
@@ -88,16 +89,20 @@ def sample(
     generator: torch.Generator | None = None,
     *,
     banned: tuple[list[int], list[int]] | None = None,
+    adjust: Adjustments | None = None,
     logprobs_mode: str = "raw_logprobs",
     consume: bool = False,
 ) -> SamplerOutput:
     """logits [n, vocab] → one token per row; `generator` draws for rows without a seed.
 
-    `banned` (rows, token ids) can never be drawn (e.g. EOS before min_tokens). Logprobs, for
-    batches where a row asked, follow `logprobs_mode` (one of LOGPROBS_MODES): raw ones are taken
-    from `logits` as given, before the ban, temperature and filters. With `consume` the caller
-    hands `logits` over (it reads them no more): a ban writes -inf into them in place instead of
-    into a copy of the whole batch (0.5B shape at batch 64: 64 × 32,000 logits a step).
+    `banned` (rows, token ids) can never be drawn (e.g. EOS before min_tokens); `adjust` (allowed
+    ids, bad words, logit bias, penalties: `model/adjust.py`) applies after the ban, and a row it
+    leaves nothing to draw keeps its logits unadjusted (it never draws outside the vocabulary).
+    Logprobs, for batches where a row asked, follow `logprobs_mode` (one of LOGPROBS_MODES): raw
+    ones are taken from `logits` as given, before the ban, adjustments, temperature and filters.
+    With `consume` the caller hands `logits` over (it reads them no more): a ban writes -inf into
+    them in place instead of into a copy of the whole batch (0.5B shape at batch 64: 64 × 32,000
+    logits a step).
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
@@ -121,6 +126,10 @@ def sample(
         logits = (
             logits.index_put_(where, minus_inf) if owned else logits.index_put(where, minus_inf)
         )
+    if adjust is not None:
+        adjusted = adjust.apply(logits.float().clone())
+        dead = torch.isneginf(adjusted.amax(dim=-1, keepdim=True))  # [n, 1]: nothing left
+        logits = torch.where(dead, logits.float(), adjusted)
     if batch.all_greedy:
         tokens = native.argmax(logits)
         processed = logits

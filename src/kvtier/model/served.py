@@ -21,7 +21,7 @@ from kvtier.model.attention import AttentionMetadata, LayerKind
 from kvtier.model.hf_config import load_model_config
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_loader import load_hybrid
-from kvtier.model.loader import load_model, model_folder
+from kvtier.model.loader import load_model, model_folder, resolve_quantization
 from kvtier.model.mamba2 import MambaCache, StateMetadata
 from kvtier.model.transformer import CausalLM
 
@@ -137,13 +137,24 @@ class ServedHybrid(ServedModel):
         return hidden
 
 
-def load_served(path: str | Path, dtype: str | torch.dtype | None = None) -> ServedModel:
+def load_served(
+    path: str | Path, dtype: str | torch.dtype | None = None, quantization: str | None = None
+) -> ServedModel:
     """The model of a HF folder behind the seam: `load_hybrid` for a Mamba2 hybrid (its config
-    has `mamba_*` sizes), `load_model` otherwise; in eval mode, no gradients."""
-    config = load_model_config(model_folder(path))
+    has `mamba_*` sizes), `load_model` otherwise (with `quantization`, as `load_model` takes
+    it); in eval mode, no gradients."""
+    folder = model_folder(path)
+    config = load_model_config(folder)
     if config.mamba is not None:
+        if resolve_quantization(quantization, folder) is not None:
+            raise ValueError(
+                f"{folder}: int8 weights (--quantization, or a quantization_config) run on "
+                "decoder-only models; this Mamba2 hybrid loads in its float dtype: drop "
+                "--quantization and pass its unquantized checkpoint"
+            )
         return ServedHybrid(load_hybrid(path, dtype))
-    return ServedDecoder(load_model(path, dtype).eval().requires_grad_(False))
+    model = load_model(path, dtype, quantization=quantization)
+    return ServedDecoder(model.eval().requires_grad_(False))
 
 
 def _attention_view(config: ModelConfig, slot: torch.Tensor, block_size: int) -> torch.Tensor:

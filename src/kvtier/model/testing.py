@@ -193,6 +193,72 @@ def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, **config: Any
     return out
 
 
+INT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_int8_model(
+    source: str | Path, folder: str | Path, fmt: str = "int-quantized", lm_head: bool = False
+) -> Path:
+    """Copy the model folder `source` into `folder` with its decoder linears (and the lm_head if
+    asked and untied) quantized to int8 in compressed-tensors' layout, as llm-compressor writes a
+    W8A16 channel-wise scheme: `fmt` "int-quantized" (`weight` int8) or "pack-quantized"
+    (`weight_packed` int32 + `weight_shape`), `weight_scale` [n, 1] in the checkpoint's dtype."""
+    from safetensors.torch import load_file
+
+    from kvtier.model.quant import CT_FORMATS, pack_int8, quantize_int8
+
+    if fmt not in CT_FORMATS:
+        raise ValueError(f"fmt must be one of {CT_FORMATS}, got {fmt!r}")
+    src, out = Path(source), Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(str(shard))
+    weights: dict[str, torch.Tensor] = {}
+    for key, w in tensors.items():
+        module = key.removesuffix(".weight")
+        int8 = key.endswith(".weight") and (
+            module.rsplit(".", 1)[-1] in INT8_LINEARS or (lm_head and module == "lm_head")
+        )
+        if not int8:
+            weights[key] = w
+            continue
+        q, scale = quantize_int8(w)
+        weights[f"{module}.weight_scale"] = scale.to(w.dtype)[:, None].contiguous()
+        if fmt == "pack-quantized":
+            weights[f"{module}.weight_packed"] = pack_int8(q)
+            weights[f"{module}.weight_shape"] = torch.tensor(q.shape)
+        else:
+            weights[f"{module}.weight"] = q
+    save_file(weights, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+              "group_size": None, "block_structure": None, "dynamic": False, "actorder": None,
+              "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": scheme,
+                "input_activations": None,
+                "output_activations": None,
+                "format": fmt,
+            },
+        },
+        "ignore": [] if lm_head else ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def tiny_hybrid_config(
     arch: str,
     *,

@@ -52,10 +52,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render the chat template (jinja2, sandboxed) the way `transformers` does;
         `template_kwargs` are further variables (they may override the special tokens, never the
-        messages or the generation prompt)."""
+        messages, the tools or the generation prompt); `tools` (OpenAI's tool entries) reach the
+        template as `tools`, None when the request has none."""
         if not self.chat_template:
             raise ValueError(
                 "this tokenizer has no chat template; add `chat_template` to tokenizer_config.json "
@@ -71,9 +73,17 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson  # transformers' (jinja's own escapes <, > and &)
         variables = self.special_tokens | (template_kwargs or {})
         variables |= {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables["tools"] = tools
         return env.from_string(self.chat_template).render(**variables)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+    """The `tojson` filter as `transformers` defines it for chat templates: plain JSON, text
+    left unescaped (templates write tool schemas with it)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

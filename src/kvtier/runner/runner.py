@@ -4,7 +4,8 @@ The host prepares nothing the device computes: input ids, positions and slot map
 inside the forward op from the device-side state (`state.py`), so step k+1 reads step k's sampled
 tokens on the device, with no host round trip, even with speculative drafts rolled back. Every
 tensor an op uses lives on `device.torch_device`; the op never waits for the device to read a
-value back (n-gram drafts excepted: they are proposed on the device's tokens in Python). The host
+value back (n-gram drafts and grammars excepted: drafts are proposed, and a grammar request's matcher
+advanced, on the sampled tokens in Python; architecture.md §Grammar). The host
 reads results only after the step's event, through declared host ops, and hands them back in the
 `RunnerOutput` (tokens, logprobs, draft counts, finished copies). Every op declares the blocks and
 buffers it touches, for the sanitizer; what a request needs (its draw parameters) arrives in the
@@ -21,7 +22,9 @@ import torch
 from kvtier.config import MAX_ASYNC_DEPTH
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
+from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.attention import AttentionMetadata
+from kvtier.model.grammar import Grammars, apply_mask
 from kvtier.model.mamba2 import StateMetadata
 from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
 from kvtier.model.served import ServedModel
@@ -37,6 +40,7 @@ TOKEN_STATE = "token_state"  # the device-side request state (tokens, positions)
 SAMPLED = "sampled_tokens"  # [max_num_seqs, 1 + k] device buffer the forward writes
 GENERATOR = "sampler_generator"  # the sampler's random state, advanced by every forward
 RESULTS = "step_results_{}"  # per ring slot: what a forward leaves for the host besides tokens
+GRAMMAR = "grammar_matchers"  # the matchers of structured-output requests, advanced by forwards
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class StepHandle:
         return list(self.output.num_scheduled_tokens)
 
 
+NO_HISTORY = RowHistory(0, 0, 0)  # a row whose logits nothing adjusts reads no past tokens
 STATE_PAGES_KEPT = 1 << 16  # steps whose declared state pages `ModelRunner.state_pages` keeps
 
 
@@ -93,8 +98,10 @@ class ModelRunner:
         seed: int = 0,
         order_copies_after_compute: bool = True,
         logprobs_mode: str = "raw_logprobs",
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars  # compiles a request's grammar; None: no structured outputs
         self.device = device
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
@@ -137,6 +144,7 @@ class ModelRunner:
         width = 1 + num_speculative_tokens
         device.alloc_buffer(TOKEN_STATE, (1,), "int64")  # names what `state` holds
         device.alloc_buffer(GENERATOR, (1,), "int64")  # names `generator`
+        device.alloc_buffer(GRAMMAR, (1,), "int64")  # names the requests' `grammar` matchers
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
         self.ring = max_async_depth + 1
         self.host_out = [
@@ -162,6 +170,7 @@ class ModelRunner:
                 "device": sorted(writes),
                 TOKEN_STATE: None,
                 GENERATOR: None,
+                GRAMMAR: None,
                 SAMPLED: None,
                 RESULTS.format(slot): None,
             },
@@ -291,6 +300,7 @@ class ModelRunner:
     def _forward(self, output: SchedulerOutput, slot: int) -> None:
         state = self.state
         state.apply_diffs(output, self.eos_token_ids)
+        self._start_matchers(output)
         results = self._results[slot] = _StepResults()
         spec = output.scheduled_spec_decode_tokens
         plan: list[_Planned] = []
@@ -340,13 +350,43 @@ class ModelRunner:
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
         positions = on_device(meta.query_positions(), self.torch_device)
         hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
+        # on cuda the forward's kernels are queued: the masks are filled while they run
+        masks = self._fill_masks(plan)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
-        sampled_rows = self._sample(plan, meta, hidden, results)
+        sampled_rows = self._sample(plan, meta, hidden, results, masks)
         if drafting:
             self._land_draft_states(plan, drafting)
         # queued copies to host memory; the host reads them once the step's event completed
         results.sampled = None if sampled_rows is None else sampled_rows.to_host()
         results.prompt = None if prompt_rows is None else prompt_rows.to_host()
+
+    def _start_matchers(self, output: SchedulerOutput) -> None:
+        """A matcher for every new request with a grammar, advanced over the outputs it resumes
+        with: after a preemption, a prefix hit or a load, its place in the grammar is rebuilt
+        from the tokens the host knows (architecture.md §Grammar)."""
+        for new in output.scheduled_new_reqs:
+            spec = new.draw.grammar
+            if spec is None or self.grammars is None:
+                continue
+            outputs = new.token_ids[new.num_prompt_tokens :]
+            self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
+
+    def _fill_masks(self, plan: list[_Planned]) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar masks of this step's sampled rows (row order as `_sample`'s) and the rows
+        they constrain, None when no request has a grammar; a drafting request's row j gets the
+        mask after its first j drafts (`Grammars.fill_masks`), its matcher left on real tokens."""
+        jobs = []
+        num_rows = 0
+        for p in plan:
+            if not p.samples:
+                continue
+            if p.state.grammar is not None:
+                jobs.append((p.state.grammar, num_rows, p.drafts))
+            num_rows += len(p.drafts) + 1
+        if not jobs or self.grammars is None:
+            return None
+        mask, rows = self.grammars.fill_masks(jobs, num_rows)
+        return (mask, rows) if rows else None  # every grammar ended: nothing to mask
 
     def _land_draft_states(self, plan: list[_Planned], drafting: list[int]) -> None:
         """After the drafts are accepted: each state page of the device's new count holds the
@@ -393,13 +433,16 @@ class ModelRunner:
         meta: AttentionMetadata,
         hidden: torch.Tensor,
         results: _StepResults,
+        masks: tuple[torch.Tensor, list[int]] | None = None,
     ) -> LogprobRows | None:
-        """Sample every request whose step reaches its last known token, accept drafts and write
-        the tokens to the sampled buffer (row i: the step's i-th request) and the token buffer;
-        returns the logprob rows of requests that asked."""
+        """Sample every request whose step reaches its last known token (under its grammar's
+        mask), accept drafts, advance grammars and write the tokens to the sampled buffer (row i:
+        the step's i-th request) and the token buffer; returns the logprob rows of requests that
+        asked."""
         index: list[int] = []  # hidden-state row of every sampled position
         row_params: list[DrawParams] = []
         positions: list[int] = []
+        histories: list[RowHistory] = []  # where each row's past lies in the token buffer
         sampling: list[tuple[_Planned, int, int]] = []  # request, its first row, its output row
         for i, (p, end) in enumerate(zip(plan, meta.query_start_loc[1:], strict=True)):
             if not p.samples:  # a prefill chunk that does not reach the end of the prompt
@@ -410,15 +453,32 @@ class ModelRunner:
                 index.append(end - len(p.drafts) - 1 + j)
                 row_params.append(p.state.params)
                 positions.append(p.start + p.num_real + j)
+                if p.state.params.adjusts_logits:  # drafts 0..j-1 are in the buffer before it
+                    histories.append(
+                        RowHistory(p.state.row, p.state.num_prompt_tokens, positions[-1])
+                    )
+                else:
+                    histories.append(NO_HISTORY)
         if not index:
             return None
         logits = self.model.compute_logits(hidden, self._index(index)[0])  # [rows, vocab]
+        if masks is not None:  # before the sampler: raw logprobs see the mask too, as vLLM's
+            apply_mask(logits, on_device(masks[0], self.torch_device), masks[1])
         batch = SamplingBatch.from_params(
             row_params, positions, logits.shape[-1], device=self.torch_device
         )
         banned = _banned_before_min_tokens(sampling)
+        adjust = Adjustments.build(row_params, histories, logits.shape[-1], self.state.tokens)
         mode = self.logprobs_mode  # the logits are the sampler's: a ban goes in place
-        out = sample(logits, batch, self.generator, banned=banned, logprobs_mode=mode, consume=True)
+        out = sample(
+            logits,
+            batch,
+            self.generator,
+            banned=banned,
+            adjust=adjust,
+            logprobs_mode=mode,
+            consume=True,
+        )
         if self.state.track_tokens:
             counts = self._accept_drafts(sampling, out.token_ids, results)
         else:  # one token per sampling request, left on the device
@@ -433,6 +493,8 @@ class ModelRunner:
             for p, _, _ in sampling:
                 p.state.num_tokens += 1
                 p.state.position = p.state.num_tokens - 1
+            if any(p.state.grammar for p, _, _ in sampling):  # the op's one read, without drafts
+                self._advance_grammars(sampling, out.token_ids)
         spans = [  # rows of requests asking for logprobs
             (p.req_id, first, n, p.state.params.logprobs, 0)
             for (p, first, _), n in zip(sampling, counts, strict=True)
@@ -470,6 +532,8 @@ class ModelRunner:
             st.token_ids.extend(new)
             st.num_tokens = len(st.token_ids)
             st.position = st.num_tokens - 1
+            if st.grammar is not None:  # accepted tokens only: rejected drafts never reach it
+                st.grammar.accept_free(new)
             counts.append(len(new))
             new_rows.append(i)
             new_ids.append(new + [-1] * (self.sampled.shape[1] - len(new)))
@@ -482,6 +546,16 @@ class ModelRunner:
         flat = [t for seq, (_, _, n) in zip(new_ids, buf, strict=True) for t in seq[:n]]
         self.state.scatter(rows, pos, self._index(flat)[0])
         return counts
+
+    @staticmethod
+    def _advance_grammars(sampling: list[tuple[_Planned, int, int]], tokens: torch.Tensor) -> None:
+        """Advance each grammar request's matcher by the token it drew (read back to the host:
+        on cuda the op waits for the sampler here, and the next step's mask needs it)."""
+        rows = [(p.state.grammar, first) for p, first, _ in sampling if p.state.grammar]
+        drawn = tokens.tolist()
+        for matcher, first in rows:
+            assert matcher is not None
+            matcher.accept_free([drawn[first]])
 
 
 @dataclass(slots=True)

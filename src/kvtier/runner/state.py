@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.model.grammar import Matcher
 from kvtier.sampling import DrawParams
 from kvtier.sched.output import SchedulerOutput
 
@@ -30,6 +31,7 @@ class DeviceRequest:
     eos_ids: tuple[int, ...] = field(default_factory=tuple)  # banned until min_tokens outputs
     num_prompt_logprobs: int | None = None  # top candidates per prompt token; None: not asked
     token_ids: list[int] | None = None  # every token, kept only when drafts are proposed on them
+    grammar: Matcher | None = None  # structured outputs: the grammar after every token it holds
 
 
 class DeviceState:

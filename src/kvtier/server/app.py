@@ -18,15 +18,20 @@ from kvtier.server.generation import ClientDisconnected
 from kvtier.server.health import health_routes
 from kvtier.server.info import info_routes
 from kvtier.server.protocol import APIError, JSONBody, validation_error
+from kvtier.server.tools import ToolConfig
 
 log = logging.getLogger("kvtier.server")
 
 
 def build_app(
-    engine: EngineClient, served_model_name: str, max_request_body_bytes: int = 4 << 20
+    engine: EngineClient,
+    served_model_name: str,
+    max_request_body_bytes: int = 4 << 20,
+    tool_config: ToolConfig | None = None,
 ) -> FastAPI:
     """The HTTP app over a started `EngineClient`; `served_model_name` is the only model id, bodies
-    over `max_request_body_bytes` get a 413."""
+    over `max_request_body_bytes` get a 413; `tool_config`: `--enable-auto-tool-choice` and
+    `--tool-call-parser`."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.engine = engine
     # every refusal is counted once per HTTP request (never per choice), the 413s too
@@ -67,6 +72,6 @@ def build_app(
 
     app.include_router(health_routes(engine))
     app.include_router(info_routes(engine, served_model_name))
-    app.include_router(completion_routes(engine, served_model_name))
+    app.include_router(completion_routes(engine, served_model_name, tool_config))
     app.include_router(render_routes(engine, served_model_name))
     return app

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.app import build_app
     from kvtier.server.engine_loop import EngineLoop
     from kvtier.server.engine_process import EngineProcess
+    from kvtier.server.tools import ToolConfig
     from kvtier.server.vllm_metrics import MetricNames
 
     cfg = dataclass_from_args(ServerConfig, args)
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     loop.start()
     log.info(loop.layout_summary)
-    app = build_app(loop, name, cfg.max_request_body_bytes)
+    tools = ToolConfig(cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+    app = build_app(loop, name, cfg.max_request_body_bytes, tools)
     scheme = "https" if cfg.ssl_certfile else "http"
     guard = f"an API key ({len(keys)}) required" if keys else "no API key"
     log.info("serving %r on %s://%s:%d/v1, %s", name, scheme, cfg.host, cfg.port, guard)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,6 +35,7 @@ from kvtier.server.protocol import (
     JSONBody,
     check_text,
 )
+from kvtier.server.tools import ToolConfig, constrain, plan_tools, template_tools
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -86,14 +88,16 @@ def _requests(
     encoded: list[PromptTokens],
     body: CompletionRequest | ChatCompletionRequest,
     limits: list[int],
+    vocab_size: int,
     num_logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> list[tuple[list[int], SamplingParams]]:
     """One (token ids, parameters) per choice: `body.n` per prompt, in choice order."""
     out = []
+    bias = body.token_bias(vocab_size)
     for e, limit in zip(encoded, limits, strict=True):
         for i in range(body.n):
-            sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs)
+            sp = body.sampling_params(limit, num_logprobs, i, prompt_logprobs, bias)
             out.append((e.token_ids, sp))
     return out
 
@@ -151,9 +155,13 @@ def _check_chat(body: ChatCompletionRequest, served_model_name: str) -> int | No
 async def _chat_tokens(
     engine: EngineClient, body: ChatCompletionRequest, max_tokens: int | None
 ) -> tuple[list[PromptTokens], int]:
-    """The rendered conversation's token ids and the max_tokens it leaves room for."""
+    """The rendered conversation's token ids (the request's tools shown to the template) and
+    the max_tokens it leaves room for."""
     opts = ChatOptions(
-        body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+        template_tools(body),
     )
     messages = body.dict_messages()
     encoded = await _encode_all(
@@ -218,7 +226,13 @@ def render_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
                 base if len(encoded) == 1 else f"{base}-{i}",
                 list(e.token_ids),
                 body,
-                body.sampling_params(limit, body.logprobs, 0, body.num_prompt_logprobs()),
+                body.sampling_params(
+                    limit,
+                    body.logprobs,
+                    0,
+                    body.num_prompt_logprobs(),
+                    body.token_bias(engine.vocab_size),
+                ),
             )
             for i, (e, limit) in enumerate(zip(encoded, limits, strict=True))
         ]
@@ -227,16 +241,20 @@ def render_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
     async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
         max_tokens = _check_chat(body, served_model_name)
         encoded, limit = await _chat_tokens(engine, body, max_tokens)
-        params = body.sampling_params(limit, body.num_logprobs(), 0, body.prompt_logprobs)
+        bias = body.token_bias(engine.vocab_size)
+        params = body.sampling_params(limit, body.num_logprobs(), 0, body.prompt_logprobs, bias)
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         return _rendered(request_id, list(encoded[0].token_ids), body, params)
 
     return router
 
 
-def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
+def completion_routes(
+    engine: EngineClient, served_model_name: str, tool_config: ToolConfig | None = None
+) -> APIRouter:
     """`/v1/completions` and `/v1/chat/completions` over a started `engine`; a body naming a model
-    other than `served_model_name` gets a 404."""
+    other than `served_model_name` gets a 404; `tool_config`: the server's tool flags."""
+    tool_config = tool_config or ToolConfig()
     router = APIRouter(default_response_class=JSONBody)
     # the most requests the engine ever holds: more choices in one request can never be admitted
     max_unfinished = engine.args.scheduler.max_num_seqs + engine.max_waiting_requests
@@ -253,7 +271,7 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         encoded, limits = await _completion_tokens(engine, body, prompts, max_tokens)
         lengths = [len(e.token_ids) for e in encoded] if returns_prompt else None
         check_response_size(body.n, limits, lengths, body.logprobs, prompt_logprobs)
-        todo = _requests(encoded, body, limits, body.logprobs, prompt_logprobs)
+        todo = _requests(encoded, body, limits, engine.vocab_size, body.logprobs, prompt_logprobs)
         texts = [e.text or "" for e in encoded]
         gen = Generation(engine, "cmpl", texts, body.n, body.request_id)
         await gen.start(todo, body.priority)
@@ -316,6 +334,7 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
     @router.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:
         max_tokens = _check_chat(body, served_model_name)
+        plan = plan_tools(body, tool_config)
         num_logprobs = body.num_logprobs()
         check_admissible(body.n, max_unfinished, body.n)
         if max_tokens is not None:  # up front: before the prompt is rendered and tokenized
@@ -323,7 +342,13 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
         encoded, limit = await _chat_tokens(engine, body, max_tokens)
         lengths = None if body.prompt_logprobs is None else [len(encoded[0].token_ids)]
         check_response_size(body.n, [limit], lengths, num_logprobs, body.prompt_logprobs)
-        todo = _requests(encoded, body, [limit], num_logprobs, body.prompt_logprobs)
+        skip = plan.skip_special_tokens
+        todo = [
+            (ids, constrain(replace(sp, skip_special_tokens=skip(sp.skip_special_tokens)), plan))
+            for ids, sp in _requests(
+                encoded, body, [limit], engine.vocab_size, num_logprobs, body.prompt_logprobs
+            )
+        ]
         gen = Generation(
             engine, "chatcmpl", [e.text or "" for e in encoded], body.n, body.request_id
         )
@@ -338,29 +363,46 @@ def completion_routes(engine: EngineClient, served_model_name: str) -> APIRouter
 
         if body.stream:
             greeted: set[int] = set()
+            calls = [plan.stream() for _ in gen.texts]  # per choice, when tool calls are parsed
 
-            def chunk(i: int, d: Delta) -> dict[str, Any]:
-                delta: dict[str, Any] = {"content": d.text}
+            def chunk(i: int, d: Delta) -> list[dict[str, Any]]:
+                content, tool_deltas = d.text, list[dict[str, Any]]()
+                streamer = calls[i]
+                if streamer is not None:  # the text so far, held back while it may be a call
+                    content, tool_deltas = streamer.feed(gen.texts[i], d.finish_reason is not None)
+                delta: dict[str, Any] = {"content": content}
                 if i not in greeted:  # each choice's first delta carries the role
                     greeted.add(i)
                     delta["role"] = "assistant"
-                c = {"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)}
-                c["finish_reason"] = _finish_reason(d.finish_reason)
-                out = head | {"choices": [c]}
-                return out | {"usage": gen.choice_usage(i)} if body.continuous_usage else out
+                out = []
+                if content or len(delta) > 1 or not tool_deltas or d.logprobs:
+                    out.append({"index": i, "delta": delta, "logprobs": logprobs(d.logprobs)})
+                for tool_delta in tool_deltas:  # one call's head or fragment per chunk (OpenAI)
+                    out.append({"index": i, "delta": {"tool_calls": [tool_delta]}})
+                reason = _finish_reason(d.finish_reason)
+                if reason == "stop" and streamer is not None and streamer.num_calls:
+                    reason = "tool_calls"
+                for c in out:
+                    c.setdefault("logprobs", None)
+                    c["finish_reason"] = None
+                out[-1]["finish_reason"] = reason
+                usage = {"usage": gen.choice_usage(i)} if body.continuous_usage else {}
+                return [head | {"choices": [c]} | usage for c in out]
 
             return stream(gen, raw, chunk, head if body.include_usage else None)
         await collect(gen, raw)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs(gen.logprobs[i]),
-                "finish_reason": _finish_reason(gen.finish[i]),
-                "stop_reason": gen.stop_reasons[i],
-            }
-            for i, text in enumerate(gen.texts)
-        ]
+        choices = []
+        for i, text in enumerate(gen.texts):
+            message, reason = plan.message(text, _finish_reason(gen.finish[i]))
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs(gen.logprobs[i]),
+                    "finish_reason": reason,
+                    "stop_reason": gen.stop_reasons[i],
+                }
+            )
         out = head | {"choices": choices, "usage": gen.usage_body()}
         if body.prompt_logprobs is not None:  # vLLM: beside the choices, one list per request
             out["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs[0] or [])

@@ -171,10 +171,11 @@ def sse(obj: dict[str, Any]) -> str:
 def stream(
     gen: Generation,
     raw: Request,
-    chunk: Callable[[int, Delta], dict[str, Any]],
+    chunk: Callable[[int, Delta], dict[str, Any] | list[dict[str, Any]]],
     usage_head: dict[str, Any] | None,
 ) -> StreamingResponse:
-    """SSE of `chunk(index, delta)` per delta, then (if `usage_head`) a usage chunk, then [DONE]."""
+    """SSE of `chunk(index, delta)` per delta (one chunk, or several: a tool call's pieces), then
+    (if `usage_head`) a usage chunk, then [DONE]."""
 
     async def events() -> AsyncIterator[str]:
         def on_disconnect(task: asyncio.Future[None]) -> None:
@@ -185,7 +186,9 @@ def stream(
         watch.add_done_callback(on_disconnect)
         try:
             async for i, d in gen.deltas():
-                yield sse(chunk(i, d))
+                shaped = chunk(i, d)
+                for c in shaped if isinstance(shaped, list) else [shaped]:
+                    yield sse(c)
             if usage_head is not None:
                 yield sse(usage_head | {"choices": [], "usage": gen.usage_body()})
             yield "data: [DONE]\n\n"

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 import kvtier
 from kvtier.server.events import EngineClient
-from kvtier.server.prompts import Prompt, encode
+from kvtier.server.prompts import ChatOptions, Prompt, encode
 from kvtier.server.protocol import (
     APIError,
     DetokenizeRequest,
@@ -85,6 +85,7 @@ def info_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
         )
         tok = engine.tokenizer
         assert tok is not None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = (
             await asyncio.to_thread(
                 lambda: encode(
@@ -95,6 +96,7 @@ def info_routes(engine: EngineClient, served_model_name: str) -> APIRouter:
                     body.add_special_tokens,
                     max_model_len=engine.max_model_len,
                     max_tokens=0,
+                    chat=ChatOptions(body.add_generation_prompt, tools=tools),
                 )
             )
         ).token_ids

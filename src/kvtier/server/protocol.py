@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine.params import SamplingParams
+from kvtier.sampling import StructuredOutputsParams
 from kvtier.server.fields import CHAT_NEUTRAL, COMPLETION_NEUTRAL, NEUTRAL, unsupported_field
 
 # vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
@@ -112,6 +113,10 @@ INT64 = 2**63
 # An entry renders as tens of bytes of JSON, so this bounds what the HTTP process builds for one
 # request to tens of MB (listed in docs/serving.md).
 MAX_RESPONSE_TOKENS = 1 << 21
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BAD_WORDS = 128
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bounds; vLLM clamps a bias into them
 
 
 class _Body(BaseModel):
@@ -126,6 +131,39 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class JSONSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # enforced either way (as vLLM): the output follows the schema
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# vLLM's options of `structured_outputs` this engine honours as they are: whitespace is never
+# free in its JSON (as vLLM's disable_any_whitespace), and it has one backend
+STRUCTURED_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "disable_any_whitespace": (None, True, False),
+    "disable_fallback": (None, True, False),
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
 
 
 class _Sampling(_Body):
@@ -153,8 +191,64 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's penalties and bias, vLLM's repetition penalty, bad words and allowed ids
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output is constrained to, from whichever field asked; APIError (400) when
+        more than one did or one is malformed. (Whether it compiles is the engine's 400.)"""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    "response_format of type json_schema needs json_schema.schema; send "
+                    '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format.json_schema",
+                )
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            check_extras(so.extras(), STRUCTURED_NEUTRAL)
+            kw: dict[str, Any] = {"json": so.json_, "regex": so.regex, "choice": so.choice}
+            kw |= {"grammar": so.grammar, "json_object": so.json_object}
+            asked.append(("structured_outputs", {k: v for k, v in kw.items() if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = [n for n, _ in asked]
+            raise APIError(
+                f"{' and '.join(names)} each constrain the output; send only one",
+                param=names[1],
+            )
+        param, kwargs = asked[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise APIError(f"{param}: {exc}", param=param) from None
 
     def check_unsupported(self) -> None:
         check_extras(self.extras(), self._neutral)
@@ -171,6 +265,11 @@ class _Sampling(_Body):
             raise APIError(
                 "stream_options can only be given with stream=true", param="stream_options"
             )
+        if any(not w.strip() or len(w) > MAX_STOP_CHARS for w in self.bad_words or ()):
+            raise APIError(
+                f"bad_words entries must hold text and be at most {MAX_STOP_CHARS} characters",
+                param="bad_words",
+            )
         if self.stream and self.prompt_logprobs:
             raise APIError(
                 "prompt_logprobs are not available with stream=true (as vLLM); ask without "
@@ -178,17 +277,48 @@ class _Sampling(_Body):
                 param="prompt_logprobs",
             )
 
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """`logit_bias` keyed by token id, each bias clamped into ±LOGIT_BIAS_RANGE (as vLLM);
+        APIError (400) naming `logit_bias` for a key that is no token id of this vocabulary.
+        Also checks `allowed_token_ids` against the vocabulary."""
+        bad = [t for t in self.allowed_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(
+                f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                param="allowed_token_ids",
+            )
+        if self.logit_bias is None:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab_size:
+                raise APIError(
+                    f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, "
+                    f'{vocab_size}); send token ids as strings, e.g. {{"50256": -100}}',
+                    param="logit_bias",
+                )
+            out[token] = min(LOGIT_BIAS_RANGE, max(-LOGIT_BIAS_RANGE, bias))
+        return out
+
     def sampling_params(
         self,
         max_tokens: int,
         logprobs: int | None,
         index: int = 0,
         prompt_logprobs: int | None = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> SamplingParams:
         """Parameters of choice `index` of a prompt (a seeded request's choice i draws with
-        seed + i, as vLLM's parallel sampling). Raises APIError (400) for values
-        `SamplingParams` rejects."""
+        seed + i, as vLLM's parallel sampling); `logit_bias` as `token_bias` returns it. Raises
+        APIError (400) for values `SamplingParams` rejects."""
         kwargs: dict[str, Any] = {
+            "logit_bias": logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "seed": None if self.seed is None else self.seed + index,
@@ -199,8 +329,10 @@ class _Sampling(_Body):
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured_outputs_params(),
         }
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        names = ("temperature", "top_p", "top_k", "min_p")
+        for name in (*names, "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         try:
@@ -278,6 +410,31 @@ class ChatMessage(_Body):
         return "\n".join(texts)
 
 
+MAX_TOOLS = 128
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolParam(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -289,6 +446,11 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of what the chat template writes
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (server/tools.py): the tools reach the chat template; tool_choice decides
+    # whether calls are parsed from the output (auto) or not (none); None: auto when tools
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the first)
 
     _neutral: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_NEUTRAL
 
@@ -370,6 +532,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)  # for the template
 
 
 class DetokenizeRequest(_Body):

@@ -17,9 +17,10 @@ typedef struct {
 
 static const Field layer_fields[] = {
     F(Layer, input_norm), F(Layer, post_attn_norm), F(Layer, pre_ff_norm),
-    F(Layer, post_ff_norm), F(Layer, q_norm), F(Layer, k_norm), F(Layer, qkv),
-    F(Layer, qkv_bias), F(Layer, o), F(Layer, o_bias), F(Layer, gate_up),
-    F(Layer, gate_up_bias), F(Layer, down), F(Layer, down_bias), F(Layer, hidden),
+    F(Layer, post_ff_norm), F(Layer, q_norm), F(Layer, k_norm), F(Layer, qkv), F(Layer, o),
+    F(Layer, gate_up), F(Layer, down), F(Layer, qkv_bias), F(Layer, o_bias),
+    F(Layer, gate_up_bias), F(Layer, down_bias), F(Layer, qkv_scale), F(Layer, o_scale),
+    F(Layer, gate_up_scale), F(Layer, down_scale), F(Layer, hidden),
     F(Layer, heads), F(Layer, kv_heads), F(Layer, head_dim), F(Layer, inter), F(Layer, eps),
     F(Layer, scale), F(Layer, softcap), F(Layer, k_scale), F(Layer, v_scale), F(Layer, gemma),
     F(Layer, qk_gemma), F(Layer, act), F(Layer, kv_dtype),

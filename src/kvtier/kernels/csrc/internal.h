@@ -19,6 +19,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define KVTIER_AVX512BF16 1 /* and its BF16 dot products and conversions: the bfloat16 paths */
 #endif
+#if defined(KVTIER_AVX512BF16) && defined(__AVX512VNNI__)
+#define KVTIER_AVX512VNNI 1 /* and int16 dot products: the int8-weight linear (every such CPU) */
+#endif
 #if defined(KVTIER_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)
 #define KVTIER_AMX 1 /* AMX tiles (granted per process by Linux): the tile paths */

@@ -24,7 +24,10 @@ typedef struct { /* one layer: its weights (linears packed by kvtier_linear_pack
     const void *input_norm, *post_attn_norm;
     const void *pre_ff_norm, *post_ff_norm; /* sandwich norms (Gemma 2/3), else NULL */
     const void *q_norm, *k_norm;            /* per-head norms before rope (Gemma3), else NULL */
-    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *qkv, *o, *gate_up, *down;   /* bfloat16 tiles, or int8 ones where scaled */
+    const uint16_t *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    /* int8 weights' column scales (kvtier_linear_i8_pack's tiles), or NULL: bfloat16 tiles */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale, softcap; /* softcap 0: none */
     float k_scale, v_scale;    /* an fp8 cache's per-tensor scales (1 for a bfloat16 one) */
@@ -98,6 +101,13 @@ KVTIER_API void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint
 KVTIER_API int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m,
                              const uint16_t *packed, int64_t n, int64_t k, const uint16_t *bias,
                              uint16_t *out, int threads);
+/* int8 weights, bfloat16 activations (W8A16): 1 where built (AVX512-BF16), 0 where not; the
+ * weight packed into kvtier_linear_pack's tiles a byte an element, scales [n] per column */
+KVTIER_API int kvtier_linear_i8_available(void);
+KVTIER_API void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed);
+KVTIER_API int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m,
+                                const int8_t *packed, const float *scales, int64_t n, int64_t k,
+                                const uint16_t *bias, uint16_t *out, int threads);
 /* 1: the batch-invariant float32 linear is built (AVX-512F), 0: not */
 KVTIER_API int kvtier_linear_f32_available(void);
 KVTIER_API void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed);

@@ -22,18 +22,28 @@
 
 #include "linear.h"
 
+/* the tile layout of either weight type: element (col, kk) of w [n, k] at packed[tile_at] */
+#define PACK_TILES(w, n, k, packed)                                                           \
+    do {                                                                                      \
+        const int64_t nbs = ((n) + 15) / 16, kbs = ((k) + 31) / 32;                           \
+        for (int64_t nb = 0; nb < nbs; nb++)                                                  \
+            for (int64_t kb = 0; kb < kbs; kb++)                                              \
+                for (int r = 0; r < 16; r++)                                                  \
+                    for (int c = 0; c < 16; c++)                                              \
+                        for (int e = 0; e < 2; e++) {                                         \
+                            const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;        \
+                            (packed)[(nb * kbs + kb) * 512 + (r * 16 + c) * 2 + e] =          \
+                                col < (n) && kk < (k) ? (w)[col * (k) + kk] : 0;              \
+                        }                                                                     \
+    } while (0)
+
 void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
-    const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
-    for (int64_t nb = 0; nb < nbs; nb++)
-        for (int64_t kb = 0; kb < kbs; kb++) {
-            uint16_t *tile = packed + (nb * kbs + kb) * 512;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++)
-                    for (int e = 0; e < 2; e++) {
-                        const int64_t col = nb * 16 + c, kk = kb * 32 + 2 * r + e;
-                        tile[(r * 16 + c) * 2 + e] = col < n && kk < k ? w[col * k + kk] : 0;
-                    }
-        }
+    PACK_TILES(w, n, k, packed);
+}
+
+/* int8 weights in the same tiles, a byte an element (kvtier_linear_i8) */
+void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) {
+    PACK_TILES(w, n, k, packed);
 }
 
 /* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
@@ -54,6 +64,41 @@ int kvtier_linear_available(void) { return tile_path(); }
 #define CHUNK_X (256 << 10)    /* bytes of x in a row chunk, at most (kvtier_linear) */
 #define CHUNK_WEIGHT (1 << 20) /* bytes of a weight whose rows are chunked, at most */
 
+/* A tile linear's call, either weight type: `job` holds the operands, with `tiles` 16-column
+ * tiles a column group and `rows` a register block (the AVX-512 paths), `elem` a weight's
+ * bytes, `max_chunk` the most rows an item takes (0: any). Returns 0, or -1 when the scratch for
+ * x's last partial k block could not be allocated. */
+static int run_tiles(ChunkFn run, Job job, int tiles, int rows, int64_t elem, int64_t max_chunk,
+                     int threads) {
+    const int64_t m = job.m, n = job.n, k = job.k;
+    uint16_t *tail = NULL;
+    if (k % 32 && !job.xq) {
+        tail = calloc((size_t)(m * 32), sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t r = 0; r < m; r++)
+            memcpy(tail + r * 32, job.x + r * job.x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
+    }
+    /* an item: a column group by a chunk of rows. On a weight that stays in L2 (CHUNK_WEIGHT), a
+     * chunk's x fits there with it (CHUNK_X), and the chunks run one after another, so each group
+     * re-reads the chunk's x from L2 instead of streaming all of x again. A larger weight is read
+     * once per chunk from memory, so it keeps all rows in one. */
+    const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
+    int64_t chunk_rows = m;
+    if (n * k * elem <= CHUNK_WEIGHT && m * k * 2 > CHUNK_X) {
+        chunk_rows = CHUNK_X / (k * 2) / 16 * 16;
+        if (chunk_rows < 16) chunk_rows = 16;
+    }
+    if (max_chunk && chunk_rows > max_chunk) chunk_rows = max_chunk;
+    const int64_t items = groups * ((m + chunk_rows - 1) / chunk_rows);
+    job.tail = tail, job.tiles = tiles, job.rows = rows, job.groups = groups;
+    job.chunk_rows = chunk_rows;
+    /* multiply-adds: below 512K (a 1 MiB weight at one row) a helper saves less than it costs */
+    const int64_t work = m * n * k;
+    pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
+    free(tail);
+    return 0;
+}
+
 /* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
  * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
  * where neither tile path is built. */
@@ -62,13 +107,8 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     const int path = tile_path();
     const ChunkFn run = groups_of(path);
     if (!run) return -2;
-    uint16_t *tail = NULL;
-    if (k % 32) {
-        tail = calloc((size_t)(m * 32), sizeof(uint16_t));
-        if (!tail) return -1;
-        for (int64_t r = 0; r < m; r++)
-            memcpy(tail + r * 32, x + r * x_stride + (k / 32) * 32, (size_t)(k % 32) * 2);
-    }
+    const Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
+                     .x_stride = x_stride};
     /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
      * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
      * pass from memory and the others from L2 (at 4, 32 and 64 rows 4 tiles were as fast or
@@ -78,24 +118,43 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
         tiles = 3;
         rows = m > 8 ? (int)(m + 1) / 2 : (int)m;
     }
-    /* an item: a column group by a chunk of rows. On a weight that stays in L2 (CHUNK_WEIGHT), a
-     * chunk's x fits there with it (CHUNK_X), and the chunks run one after another, so each group
-     * re-reads the chunk's x from L2 instead of streaming all of x again. A larger weight is read
-     * once per chunk from memory, so it keeps all rows in one. */
-    const int64_t groups = ((n + 15) / 16 + tiles - 1) / tiles;
-    int64_t chunk_rows = m;
-    if (n * k * 2 <= CHUNK_WEIGHT && m * k * 2 > CHUNK_X) {
-        chunk_rows = CHUNK_X / (k * 2) / 16 * 16;
-        if (chunk_rows < 16) chunk_rows = 16;
+    return run_tiles(run, job, tiles, rows, 2, 0, threads);
+}
+
+/* int8 weights (W8A16) wherever AVX512-VNNI is built with AVX512-BF16 (every CPU with the
+ * latter has the former). Up to I8_AMX_ROWS rows, x in int16 blocks against the int8 weights
+ * sign-extended (linear_i8_avx512.c): the bytes read bound the call. Above, where the OS grants
+ * AMX, a column tile widened to bfloat16 once per k block serves up to 64 rows by TDPBF16PS
+ * (linear_i8_amx.c): in registers the products would bound the call. The two round x
+ * differently (int16 blocks, bfloat16), so a row's bits depend on which side of I8_AMX_ROWS its
+ * batch is. */
+#define I8_AMX_ROWS 4
+int kvtier_linear_i8_available(void) { return LINEAR_I8; }
+
+/* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
+ * are packed[.., j] * scales[j]. Returns as kvtier_linear (-2: no AVX512-VNNI). */
+int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_t *packed,
+                     const float *scales, int64_t n, int64_t k, const uint16_t *bias,
+                     uint16_t *out, int threads) {
+    if (!LINEAR_I8) return -2;
+    Job job = {.x = x, .packed8 = packed, .scales = scales, .bias = bias, .out = out, .m = m,
+               .n = n, .k = k, .x_stride = x_stride};
+    if (LINEAR_I8_AMX && m > I8_AMX_ROWS && tile_path() == 1)
+        return run_tiles(linear_i8_amx_groups, job, 1, 16, 1, 64, threads);
+    const int64_t kbs = (k + 31) / 32;
+    int16_t *xq = malloc((size_t)(m * kbs * 32) * sizeof(int16_t));
+    float *xs = malloc((size_t)(m * kbs) * sizeof(float));
+    int status = -1;
+    if (xq && xs) {
+        linear_i8_quantize_x(&job, xq, xs);
+        job.xq = xq, job.xs = xs;
+        /* int32 sums and float32 accumulators both in registers: 2 rows by 4 tiles, or 4 by 2 */
+        status = run_tiles(linear_i8_avx512_groups, job, m <= 2 ? 4 : 2, m <= 2 ? (int)m : 4, 1,
+                           0, threads);
     }
-    const int64_t items = groups * ((m + chunk_rows - 1) / chunk_rows);
-    const Job job = {x,     packed, bias, tail,   out,       m,   n, k, x_stride,
-                     tiles, rows,   groups, chunk_rows};
-    /* multiply-adds: below 512K (a 1 MiB weight at one row) a helper saves less than it costs */
-    const int64_t work = m * n * k;
-    pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
-    free(tail);
-    return 0;
+    free(xq);
+    free(xs);
+    return status;
 }
 
 /* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the

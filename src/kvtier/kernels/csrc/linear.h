@@ -8,6 +8,10 @@
 
 typedef struct {
     const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
+    const int8_t *packed8; /* int8 tiles (W8A16) instead of `packed`, with their column scales */
+    const float *scales;
+    const int16_t *xq; /* int8 on VNNI: x in int16 [m][k blocks][32] and each block's scale */
+    const float *xs;
     uint16_t *out;
     int64_t m, n, k, x_stride;
     int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
@@ -58,6 +62,31 @@ void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AVX512BF16 0
 static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX512VNNI)
+#define LINEAR_I8 1
+/* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks) */
+void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs);
+void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_I8 0
+static inline void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
+    (void)a, (void)xq, (void)xs;
+}
+static inline void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AMX) && defined(KVTIER_AVX512VNNI)
+#define LINEAR_I8_AMX 1
+void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_I8_AMX 0
+static inline void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1) {
     (void)job, (void)i0, (void)i1;
 }
 #endif

@@ -1,0 +1,389 @@
+"""`kvtier bench router`: one serving workload through vllm-router in front of N `kvtier serve`
+replicas sharing one Redis, once per routing policy, each policy on fresh processes (a new
+redis-server, new replicas, a new router: every run starts cold).
+
+The workload is `kvtier bench serve`'s (default: shared-prefix, more conversations than one
+replica's device and host tiers hold), sent with an `X-Session-ID` per conversation, the key
+vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
+tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
+p99, output tok/s and the requests each replica served; saves JSON and, with --plot, a PNG.
+kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources.
+Everything listens on 127.0.0.1 only; every process is stopped at the end of its policy's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import save_json
+from kvtier.bench.serve import add_workload_arguments, check_workload, sampling_extra
+
+POLICIES = ("round_robin", "consistent_hash", "cache_aware", "kv_aware")
+TIERS = ("device", "host", "disk", "remote")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated vllm-router policies, run in this order (of {', '.join(POLICIES)})",
+    )
+    parser.add_argument("--num-replicas", type=int, default=2)
+    parser.add_argument("--model", default="kvtier-default", help="`kvtier serve`'s model")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-device-blocks", type=int, default=256, help="per replica")
+    parser.add_argument("--num-host-blocks", type=int, default=1024, help="per replica")
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more `kvtier serve` argument for every replica (repeat; e.g. --serve-arg=--async-scheduling)",
+    )
+    parser.add_argument("--redis-server", default="redis-server", help="the binary to start")
+    parser.add_argument("--vllm-router", default="vllm-router", help="the binary to start")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per process")
+    add_workload_arguments(parser, dataset="shared-prefix")
+    parser.set_defaults(
+        num_prompts=48,
+        num_prefixes=4,
+        prefix_len=384,
+        num_rounds=4,
+        input_len=48,
+        output_len=32,
+        max_concurrency=8,
+        prompt_format="text",  # what a prefix-matching router reads
+    )
+    stamp = time.strftime("%Y-%m-%d")
+    parser.add_argument("--out", default=f"results/bench_router_{stamp}.json")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="write a PNG comparing the policies (default path: --out with .png)",
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Proc:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"{self.name} exited ({self.proc.returncode}); {self.log}:\n{tail}")
+
+
+def _spawn(name: str, cmd: list[str], port: int, folder: Path) -> _Proc:
+    log = folder / f"{name}.log"
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    return _Proc(name, port, proc, log)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except OSError:
+        return 0, ""
+
+
+def _wait_healthy(p: _Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _get(f"{p.url}/health")[0] != 200:
+        p.alive()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{p.name} not healthy after {timeout:.0f} s; see {p.log}")
+        time.sleep(0.5)
+
+
+def _wait_listening(p: _Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        p.alive()
+        try:
+            socket.create_connection(("127.0.0.1", p.port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"{p.name} not listening after {timeout:.0f} s; see {p.log}"
+                ) from None
+            time.sleep(0.2)
+
+
+def served_name(model: str) -> str:
+    """The name every replica serves the model as (the router's model identity too)."""
+    return "kvtier-default" if model == "kvtier-default" else Path(model).name
+
+
+def _stop(procs: list[_Proc]) -> None:
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.proc.pid, signal.SIGKILL)
+            p.proc.wait(10)
+
+
+def _tier_counters(p: _Proc) -> dict[str, float]:
+    """`tier:hits` and `tier:queries` token counts, and `served` (finished requests), from a
+    replica's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = _get(f"{p.url}/metrics")
+    if status != 200:
+        raise SystemExit(f"{p.name}: GET /metrics answered {status}")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            kind = {"kvtier:prefix_cache_hits_total": "hits"}.get(s.name)
+            kind = kind or {"kvtier:prefix_cache_queries_total": "queries"}.get(s.name)
+            if kind:
+                out[f"{s.labels['tier']}:{kind}"] = s.value
+            elif s.name == "vllm:request_success_total":
+                out["served"] = out.get("served", 0.0) + s.value
+    return out
+
+
+@contextmanager
+def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator[Any]:
+    """Redis, the replicas and vllm-router with `policy`, all healthy; stopped on exit."""
+    procs: list[_Proc] = []
+    try:
+        port = _free_port()
+        redis = [args.redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        redis += ["--appendonly", "no", "--dir", str(folder)]
+        procs.append(_spawn("redis", redis, port, folder))
+        _wait_listening(procs[0], args.startup_timeout)
+        replicas, sources = [], []
+        for i in range(args.num_replicas):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "kvtier.cli", "serve"]
+            cmd += [] if args.model == "kvtier-default" else [args.model]
+            cmd += ["--served-model-name", served_name(args.model)]
+            cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
+            cmd += ["--num-device-blocks", str(args.num_device_blocks)]
+            cmd += ["--num-host-blocks", str(args.num_host_blocks)]
+            cmd += ["--kv-remote-url", f"redis://127.0.0.1:{procs[0].port}/0", *args.serve_arg]
+            if policy == "kv_aware":
+                pub, replay = _free_port(), _free_port()
+                events = {"enable_kv_cache_events": True, "publisher": "zmq"}
+                # as vLLM's publisher, a wildcard host binds (any other host connects); the
+                # router's subscriber connects to 127.0.0.1
+                events |= {"endpoint": f"tcp://*:{pub}"}
+                events |= {"replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+                cmd += ["--kv-events-config", json.dumps(events)]
+                sources.append((f"http://127.0.0.1:{port}", pub, replay))
+            replicas.append(_spawn(f"replica{i}", cmd, port, folder))
+        procs += replicas
+        for p in replicas:
+            _wait_healthy(p, args.startup_timeout)
+        port, metrics_port = _free_port(), _free_port()
+        cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        cmd += ["--worker-urls", *[p.url for p in replicas]]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+        cmd += ["--request-timeout-secs", str(int(args.timeout) + 60)]
+        for url, pub, replay in sources:
+            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{pub}"]
+            cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
+        if sources:
+            cmd += ["--kv-event-block-size", "16", "--kv-event-model", served_name(args.model)]
+        router = _spawn("router", cmd, port, folder)
+        procs.append(router)
+        _wait_healthy(router, args.startup_timeout)
+        yield replicas, router
+    finally:
+        _stop(list(reversed(procs)))
+
+
+def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[str, Any]:
+    from kvtier.bench import serve_client, serve_report
+
+    convs, tok, settings, percentiles = workload
+    folder = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-router-{policy}-"))
+    with _deployment(args, policy, folder) as (replicas, router):
+        before = [_tier_counters(p) for p in replicas]
+        records, duration = asyncio.run(
+            serve_client.run_all(convs, settings, tok, args.max_concurrency, router.url)
+        )
+        after = [_tier_counters(p) for p in replicas]
+    summary = serve_report.summarize(records, duration, percentiles)
+    delta = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before)) for k in after[0]}
+    prompt_tokens = delta.get("device:queries", 0.0)
+    hits = {t: delta.get(f"{t}:hits", 0.0) for t in TIERS}
+    # the host tier counts every token loaded through it, the lower tiers' hits included
+    hits["host"] -= hits["disk"] + hits["remote"]
+    shares = {t: hits[t] / prompt_tokens if prompt_tokens else 0.0 for t in TIERS}
+    shutil.rmtree(folder, ignore_errors=True)  # logs are kept only when a process failed
+    return {
+        "policy": policy,
+        "hit_tokens_by_tier": hits,
+        "hit_share_by_tier": shares,
+        "hit_share": sum(shares.values()),
+        "prompt_tokens_looked_up": prompt_tokens,
+        # where the policy sent them (kv_aware counts no decisions per worker, so the replicas do)
+        "served": {p.name: a["served"] - b["served"] for p, a, b in zip(replicas, after, before)},
+        "summary": summary,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.bench import serve_client, serve_data
+    except ImportError as exc:  # httpx is a dev extra
+        raise SystemExit(f"kvtier bench router needs {exc.name}: pip install -e '.[dev]'") from None
+
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise SystemExit(f"--policies: {unknown or 'none'} not among {', '.join(POLICIES)}")
+    if args.num_replicas < 2:
+        raise SystemExit("--num-replicas must be at least 2 (one replica needs no router)")
+    for binary, flag in (
+        (args.redis_server, "--redis-server"),
+        (args.vllm_router, "--vllm-router"),
+    ):
+        if shutil.which(binary) is None:
+            hint = (
+                "apt-get install redis-server"
+                if flag == "--redis-server"
+                else ("pip install 'kvtier[router]'")
+            )
+            raise SystemExit(f"{flag} {binary!r} is not on PATH: {hint}")
+    check_workload(args)
+    extra = sampling_extra(args)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
+    tok = serve_data.resolve_tokenizer(args.tokenizer, args.model)
+    use_ids = args.prompt_format == "ids" or (args.prompt_format == "auto" and tok is not None)
+    if use_ids and tok is None:
+        raise SystemExit("--prompt-format ids needs a tokenizer (--tokenizer)")
+    convs = serve_data.build(serve_data.Dataset.from_args(args), tok, use_ids)
+    settings = serve_client.Settings(
+        url="/v1/completions",
+        model=served_name(args.model),
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        timeout=args.timeout,
+        extra=extra,
+        session_header="X-Session-ID",
+    )
+    print(
+        f"bench router: {args.dataset}, {args.num_prompts} conversations × "
+        f"{len(convs[0].questions)} rounds, concurrency {args.max_concurrency or 'unlimited'}, "
+        f"{args.num_replicas} replicas × ({args.num_device_blocks} device + "
+        f"{args.num_host_blocks} host blocks) on one Redis; policies {', '.join(policies)}",
+        flush=True,
+    )
+    results = []
+    for policy in policies:
+        print(f"-- {policy}", flush=True)
+        results.append(_run_policy(args, policy, (convs, tok, settings, percentiles)))
+        print(render([results[-1]], percentiles), flush=True)
+    print(render(results, percentiles))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["request_rate"] = str(args.request_rate)
+    print(f"saved {save_json({'config': config, 'policies': results}, args.out)}")
+    if args.plot is not None:
+        png = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+        print(f"plot {plot(results, png, percentiles)}")
+    return 0 if all(r["summary"]["completed"] for r in results) else 1
+
+
+def render(results: list[dict[str, Any]], percentiles: list[float]) -> str:
+    p = f"p{percentiles[-1]:g}" if percentiles else None
+    head = f"{'policy':<16}{'hits':>7}" + "".join(f"{t:>8}" for t in TIERS)
+    head += (
+        f"{'TTFT p50':>10}"
+        + (f"{'TTFT ' + p:>11}" if p else "")
+        + f"{'out tok/s':>11}{'failed':>8}"
+    )
+    lines = [head]
+    for r in results:
+        s = r["summary"]
+        row = f"{r['policy']:<16}{r['hit_share']:>7.1%}"
+        row += "".join(f"{r['hit_share_by_tier'][t]:>8.1%}" for t in TIERS)
+        row += f"{s['median_ttft_ms']:>8.0f}ms"
+        row += f"{s[f'{p}_ttft_ms']:>9.0f}ms" if p else ""
+        row += f"{s['output_throughput']:>11.1f}{s['failed']:>8}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path, percentiles: list[float]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["policy"] for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    bottom = [0.0] * len(results)
+    for tier in TIERS:
+        vals = [100 * r["hit_share_by_tier"][tier] for r in results]
+        axes[0].bar(names, vals, bottom=bottom, label=tier)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[0].set_ylabel("prompt tokens found (%)")
+    axes[0].set_title("prefix hits by tier")
+    axes[0].legend(loc="lower right", fontsize="small")
+    p = f"p{percentiles[-1]:g}" if percentiles else None
+    x = range(len(results))
+    axes[1].bar(
+        [i - 0.2 for i in x], [r["summary"]["median_ttft_ms"] for r in results], 0.4, label="median"
+    )
+    if p:
+        axes[1].bar(
+            [i + 0.2 for i in x], [r["summary"][f"{p}_ttft_ms"] for r in results], 0.4, label=p
+        )
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_ylabel("TTFT (ms)")
+    axes[1].set_title("time to first token")
+    axes[1].legend(loc="lower right", fontsize="small")
+    axes[2].bar(names, [r["summary"]["output_throughput"] for r in results])
+    axes[2].set_ylabel("output tok/s")
+    axes[2].set_title("output throughput")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle("kvtier bench router: one workload through vllm-router, by policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,143 @@
+/* The int8-weight linear's column groups (W8A16) for a few rows, with AVX512-VNNI: each row of x
+ * is turned into int16 fixed point a k block of 32 at a time (the block's largest magnitude
+ * sets its power-of-two scale, 2^14 ≤ that value's image < 2^15: every bfloat16 within 2^7 of the
+ * block's largest is exact, the others off by at most 2^-15 of it), a tile row's int8 weights are
+ * sign-extended to int16, and VPDPWSSD sums each k block exactly in int32; the block's sum is
+ * scaled into a float32 accumulator, a column's scale applied once at the end, then the bias
+ * and the one bfloat16 rounding (linear_store). Decode reads every weight once a step: widening
+ * int8 to bfloat16 for VDPBF16PS took five instructions a tile row and bound the call by
+ * arithmetic; this takes one (linear.c dispatches; docs/kernels.md). */
+#include <math.h>
+#include <stdlib.h>
+
+#include "linear.h"
+
+#if defined(KVTIER_AVX512VNNI)
+#include <immintrin.h>
+
+void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
+    const int64_t kbs = (a->k + 31) / 32;
+    for (int64_t row = 0; row < a->m; row++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            const int64_t left = a->k - kb * 32;
+            const __mmask32 mask = left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1u);
+            const __m512i h = _mm512_maskz_loadu_epi16(mask, a->x + row * a->x_stride + kb * 32);
+            const __m512 lo = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            const __m512 hi = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            int16_t *out = xq + (row * kbs + kb) * 32;
+            float *scale = xs + row * kbs + kb;
+            const int nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) |
+                            _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q); /* max_ps drops NaN */
+            if (nan || !(amax > 0.0f) || !isfinite(amax)) { /* NaN / inf, kept as NaN; or zeros */
+                memset(out, 0, 64);
+                *scale = !nan && amax == 0.0f ? 0.0f : NAN;
+                continue;
+            }
+            const int e = ilogbf(amax);
+            const __m512 up = _mm512_set1_ps((float)(14 - e));
+            _mm256_storeu_si256((__m256i *)out,
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(lo, up))));
+            _mm256_storeu_si256((__m256i *)(out + 16),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(hi, up))));
+            *scale = ldexpf(1.0f, e - 14);
+        }
+}
+
+/* rows [m0, m0 + R) by T column tiles: per k block, R × T int32 sums, then into float32 */
+static inline __attribute__((always_inline)) void i8_block(const Job *a, const int8_t *w,
+                                                            int64_t m0, int64_t nb0, const char *pf,
+                                                            int64_t pf_lines, const int R,
+                                                            const int T) {
+    const int64_t kbs = (a->k + 31) / 32;
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < kbs; kb++) {
+        for (int64_t l = kb * pf_lines / kbs; l < (kb + 1) * pf_lines / kbs; l++)
+            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        const int8_t *b = w + kb * 512;
+        __m512i sum[4][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) sum[i][t] = _mm512_setzero_si512();
+        const int32_t *xp[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + ((m0 + i) * kbs + kb) * 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < 16; r++) {
+            __m512i wt[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                wt[t] = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(b + t * kbs * 512 + r * 32)));
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m512i xb = _mm512_set1_epi32(xp[i][r]);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) sum[i][t] = _mm512_dpwssd_epi32(sum[i][t], xb, wt[t]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m512 s = _mm512_set1_ps(a->xs[(m0 + i) * kbs + kb]);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][t]), s, acc[i][t]);
+        }
+    }
+    float out[4][4 * 16] __attribute__((aligned(64)));
+    for (int t = 0; t < T; t++) {
+        const int64_t n0 = (nb0 + t) * 16;
+        const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+        const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), a->scales + n0);
+        for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, _mm512_mul_ps(acc[i][t], s));
+        linear_store(a, out[t], m0, R, n0);
+    }
+}
+
+#define I8_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
+#define I8_CASE(R, T)                                     \
+    case (R) * 8 + (T):                                   \
+        i8_block(a, w, m0, nb0, pf, pf_lines, (R), (T));  \
+        break;
+#define I8_CASES2(R) I8_CASE(R, 1) I8_CASE(R, 2)
+#define I8_CASES(R) I8_CASES2(R) I8_CASE(R, 3) I8_CASE(R, 4)
+
+/* items [i0, i1) as the bfloat16 path runs them (linear_avx512bf16.c), on int8 tiles: blocks of
+ * a->rows rows (up to 2 rows by 4 tiles, or up to 4 by 2: int32 sums and float32 accumulators
+ * both in registers) */
+void linear_i8_avx512_groups(const void *ctx, int64_t i0, int64_t i1) {
+    const Job *a = (const Job *)ctx;
+    const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
+    const int64_t T = a->tiles, R = a->rows;
+    for (int64_t item = i0; item < i1; item++) {
+        int64_t g, r0, r1;
+        item_span(a, item, &g, &r0, &r1);
+        const int64_t nb0 = g * T, blocks = (r1 - r0 + R - 1) / R;
+        const int tiles = nbs - nb0 < T ? (int)(nbs - nb0) : (int)T;
+        const int8_t *w = a->packed8 + nb0 * kbs * 512;
+        const int64_t next_tiles =
+            item + 1 < i1 && g + 1 < a->groups ? (nbs - nb0 - T < T ? nbs - nb0 - T : T) : 0;
+        const int64_t next_bytes = next_tiles * kbs * 512;
+        const int prefetch = blocks > 1 && next_bytes > 0 && next_bytes <= I8_PREFETCH_MAX;
+        const int64_t share = prefetch ? (next_bytes / 64 + blocks - 1) / blocks : 0;
+        for (int64_t m0 = r0; m0 < r1; m0 += R) {
+            const int rows = r1 - m0 < R ? (int)(r1 - m0) : (int)R;
+            const int64_t j = (m0 - r0) / R, first = j * share;
+            const char *pf = (const char *)(w + tiles * kbs * 512) + first * 64;
+            int64_t pf_lines = 0;
+            if (prefetch && first < next_bytes / 64)
+                pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;
+            switch (rows * 8 + tiles) {
+                I8_CASES(1) I8_CASES(2) I8_CASES2(3) I8_CASES2(4)
+            }
+        }
+    }
+}
+#endif

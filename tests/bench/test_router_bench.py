@@ -1,0 +1,64 @@
+"""`kvtier bench router` for real: it starts a redis-server, two `kvtier serve` replicas and
+vllm-router, runs the workload through the router, reads the tiers' hits from the replicas and the
+requests each one served, and stops every process it started."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import router
+
+
+def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    router.add_arguments(parser)
+    return parser.parse_args(["--out", str(tmp_path / "router.json"), *flags])
+
+
+def _children() -> set[str]:
+    """This process's children (their pid and command), `ps` itself left out."""
+    ps = ["ps", "-o", "pid=,comm=", "--ppid", str(os.getpid())]
+    lines = subprocess.run(ps, capture_output=True, text=True).stdout.splitlines()
+    return {line.strip() for line in lines if line.split()[-1] != "ps"}
+
+
+def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path) -> None:
+    """consistent_hash keys on the X-Session-ID the bench sends per conversation: every round
+    after the first finds its history on the replica it ran on (device hits), every request is
+    served by one replica, and nothing the bench started is left running."""
+    before = _children()
+    args = _args(tmp_path, "--policies", "consistent_hash", "--num-prompts", "4")
+    args.num_rounds, args.prefix_len, args.max_concurrency = 2, 64, 4
+    assert router.run(args) == 0
+    assert _children() <= before
+    res = json.loads((tmp_path / "router.json").read_text())
+    (only,) = res["policies"]
+    s = only["summary"]
+    assert s["completed"] == 8 and s["failed"] == 0
+    assert sum(only["served"].values()) == 8
+    assert set(only["served"]) == {"replica0", "replica1"}
+    shares = only["hit_share_by_tier"]
+    assert shares["device"] > 0 and only["hit_share"] == pytest.approx(sum(shares.values()))
+    assert only["hit_share"] <= 1
+    # the replicas' hits are the cached tokens the responses reported
+    assert sum(only["hit_tokens_by_tier"].values()) == s["cached_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--policies", "fastest"), "--policies: ['fastest'] not among"),
+        (("--num-replicas", "1"), "--num-replicas must be at least 2"),
+        (("--vllm-router", "no-such-router"), "pip install 'kvtier[router]'"),
+        (("--num-prompts", "0"), "--num-prompts"),
+    ],
+)
+def test_bad_flags_name_the_flag(tmp_path: Path, flags: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(SystemExit, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        router.run(_args(tmp_path, *flags))

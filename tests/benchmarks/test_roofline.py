@@ -121,12 +121,17 @@ def test_bytes_per_step_count_tied_weights_once_and_windows(tmp_path: Path) -> N
     assert roofline.kv_bytes(qwen, 2, 10.0, 2) == 2 * (1 * 10 + 3 * 4) * per_token
     assert roofline.kv_bytes(qwen, 2, 10.0, 1) * 2 == roofline.kv_bytes(qwen, 2, 10.0, 2)  # fp8
     # a step's multiply-adds: every weight element per row, KV elements per query head
-    weights, kv = roofline.weight_bytes(qwen, True, elements=True), roofline.kv_bytes(qwen, 2, 10.0, 2)
+    weights, kv = (
+        roofline.weight_bytes(qwen, True, elements=True),
+        roofline.kv_bytes(qwen, 2, 10.0, 2),
+    )
     assert weights == sum(p.numel() for p in params)
     heads = cfg.num_heads // cfg.num_kv_heads
     assert roofline.step_macs(qwen, 2, weights, kv, 2) == 2 * weights + kv / 2 * heads
     kv8 = roofline.kv_bytes(qwen, 2, 10.0, 1)  # an 8-bit KV: the same multiply-adds
-    assert roofline.step_macs(qwen, 2, weights, kv8, 1) == roofline.step_macs(qwen, 2, weights, kv, 2)
+    assert roofline.step_macs(qwen, 2, weights, kv8, 1) == roofline.step_macs(
+        qwen, 2, weights, kv, 2
+    )
 
 
 def test_int8_weights_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,6 +50,21 @@ def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path)
     assert sum(only["hit_tokens_by_tier"].values()) == s["cached_tokens"]
 
 
+def test_kv_aware_keeps_a_conversation_on_the_replica_it_started_on(tmp_path: Path) -> None:
+    """kv_aware places each conversation's first round by KV cost and load, and every later round
+    goes to the replica its session is bound to (the router's own decision counters); with
+    --kv-aware-session-ttl 0 every round is placed by cost alone."""
+    for ttl, decisions in ((600, {"prefix_cost": 4, "sticky_hit": 4}), (0, {"prefix_cost": 8})):
+        args = _args(tmp_path, "--policies", "kv_aware", "--num-prompts", "4")
+        args.num_rounds, args.prefix_len, args.max_concurrency = 2, 64, 4
+        args.kv_aware_session_ttl = ttl
+        assert router.run(args) == 0
+        (only,) = json.loads((tmp_path / "router.json").read_text())["policies"]
+        assert only["summary"]["completed"] == 8
+        assert only["router_decisions"] == decisions
+        assert only["hit_share_by_tier"]["device"] > 0
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -57,6 +72,7 @@ def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path)
         (("--num-replicas", "1"), "--num-replicas must be at least 2"),
         (("--vllm-router", "no-such-router"), "pip install 'kvtier[router]'"),
         (("--num-prompts", "0"), "--num-prompts"),
+        (("--kv-aware-session-ttl", "-1"), "--kv-aware-session-ttl must be 0"),
     ],
 )
 def test_bad_flags_name_the_flag(tmp_path: Path, flags: tuple[str, ...], needle: str) -> None:

@@ -7,7 +7,12 @@ replica's device and host tiers hold), sent with an `X-Session-ID` per conversat
 vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
 tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
 p99, output tok/s and the requests each replica served; saves JSON and, with --plot, a PNG.
-kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources.
+kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources
+and, by default, its session affinity on the same `X-Session-ID` (`--kv-aware-session-ttl`): its
+cost is (uncached prompt tokens + the tokens still prefilling on a worker) × (the worker's requests
++ 1), so on prefill-bound replicas the load term outweighs a conversation's cached history and
+later rounds leave the replica that holds it; with affinity a conversation's first round is placed
+by that cost and its later rounds stay (docs/benchmarks.md, Routing).
 Everything listens on 127.0.0.1 only; every process is stopped at the end of its policy's run.
 """
 
@@ -55,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="one more `kvtier serve` argument for every replica (repeat; e.g. --serve-arg=--async-scheduling)",
+    )
+    parser.add_argument(
+        "--kv-aware-session-ttl",
+        type=int,
+        default=600,
+        help="kv_aware: vllm-router's session affinity on X-Session-ID, idle TTL in seconds "
+        "(--kv-aware-session-affinity-ttl-secs); 0: off, every round placed by KV cost and load",
     )
     parser.add_argument("--redis-server", default="redis-server", help="the binary to start")
     parser.add_argument("--vllm-router", default="vllm-router", help="the binary to start")
@@ -183,6 +195,22 @@ def _tier_counters(p: _Proc) -> dict[str, float]:
     return out
 
 
+def _decision_outcomes(metrics_port: int) -> dict[str, float]:
+    """The router's prefix-aware decisions by outcome, from its /metrics (empty for the policies
+    that count none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = _get(f"http://127.0.0.1:{metrics_port}/metrics")
+    if status != 200:
+        raise SystemExit(f"router: GET /metrics answered {status}")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "vllm_router_prefix_routing_decisions_total":
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    return out
+
+
 @contextmanager
 def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator[Any]:
     """Redis, the replicas and vllm-router with `policy`, all healthy; stopped on exit."""
@@ -226,10 +254,12 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
             cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
         if sources:
             cmd += ["--kv-event-block-size", "16", "--kv-event-model", served_name(args.model)]
+            if args.kv_aware_session_ttl:
+                cmd += ["--kv-aware-session-affinity-ttl-secs", str(args.kv_aware_session_ttl)]
         router = _spawn("router", cmd, port, folder)
         procs.append(router)
         _wait_healthy(router, args.startup_timeout)
-        yield replicas, router
+        yield replicas, router, metrics_port
     finally:
         _stop(list(reversed(procs)))
 
@@ -239,12 +269,13 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
 
     convs, tok, settings, percentiles = workload
     folder = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-router-{policy}-"))
-    with _deployment(args, policy, folder) as (replicas, router):
+    with _deployment(args, policy, folder) as (replicas, router, metrics_port):
         before = [_tier_counters(p) for p in replicas]
         records, duration = asyncio.run(
             serve_client.run_all(convs, settings, tok, args.max_concurrency, router.url)
         )
         after = [_tier_counters(p) for p in replicas]
+        decisions = _decision_outcomes(metrics_port)
     summary = serve_report.summarize(records, duration, percentiles)
     delta = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after, before)) for k in after[0]}
     prompt_tokens = delta.get("device:queries", 0.0)
@@ -261,6 +292,9 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
         "prompt_tokens_looked_up": prompt_tokens,
         # where the policy sent them (kv_aware counts no decisions per worker, so the replicas do)
         "served": {p.name: a["served"] - b["served"] for p, a, b in zip(replicas, after, before)},
+        # kv_aware's decisions by outcome: "prefix_cost" (placed by KV cost and load),
+        # "sticky_hit" (a session's bound replica)
+        "router_decisions": decisions,
         "summary": summary,
     }
 
@@ -277,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--policies: {unknown or 'none'} not among {', '.join(POLICIES)}")
     if args.num_replicas < 2:
         raise SystemExit("--num-replicas must be at least 2 (one replica needs no router)")
+    if not 0 <= args.kv_aware_session_ttl <= 31_536_000:  # the router's range
+        raise SystemExit("--kv-aware-session-ttl must be 0 (off) to 31536000 seconds")
     for binary, flag in (
         (args.redis_server, "--redis-server"),
         (args.vllm_router, "--vllm-router"),

@@ -279,7 +279,7 @@ ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "logprobs_mode": st.sampled_from(["raw_logprobs", "processed_logprobs", "raw_logits"]),
     "block_size": st.sampled_from([1, 2, 4, 16]),
     "num_device_blocks": st.integers(24, 200),
-    "kv_cache_dtype": st.sampled_from([None, "float32", "fp8", "fp8_e5m2", "int8"]),  # int8: refused
+    "kv_cache_dtype": st.sampled_from([None, "float32", "fp8", "fp8_e5m2", "int8"]),  # int8: no
     "enable_prefix_caching": st.booleans(),
     "prefix_caching_hash_algo": st.sampled_from(["sha256"]),
     "num_host_blocks": st.one_of(st.none(), st.integers(2, 64)),

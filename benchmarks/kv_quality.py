@@ -1,4 +1,4 @@
-"""What an 8-bit KV cache costs in quality (docs/kernels.md §8-bit KV): the goldens' tiny models of
+"""What an 8-bit KV cache costs in quality (docs/kernels.md, "8-bit KV"): the goldens' tiny models of
 every architecture (head size 16, and 64 where the native kernel's tile and pairs paths run), run
 in bfloat16 with a bfloat16 KV pool and with each fp8 format, the goldens' prompt then 32 teacher-
 forced tokens; per KV dtype the mean and max |Δlogit| against the bfloat16 pool and against

@@ -30,7 +30,7 @@ DTYPE_BYTES = {
     "int32": 4,
 }
 KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV pool's dtype
-# 8-bit KV pools (docs/kernels.md §8-bit KV): vLLM's --kv-cache-dtype spellings → the dtype the
+# 8-bit KV pools (docs/kernels.md, "8-bit KV"): vLLM's --kv-cache-dtype spellings → the dtype the
 # pool holds. Per-tensor k/v scales live with the model's layers, not in the pages.
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # --kv-cache-dtype: auto is the model's (run) dtype; the resolved fp8 names are accepted too

@@ -1,4 +1,4 @@
-"""An 8-bit KV cache through every tier (docs/kernels.md §8-bit KV): with a device pool and a host
+"""An 8-bit KV cache through every tier (docs/kernels.md, "8-bit KV"): with a device pool and a host
 tier too small to keep the prefixes, later rounds load fp8 blocks back from the host, the disk or
 a real Redis, and every completion — tokens and their logprobs, bit for bit — equals the run
 whose blocks all stayed on the device; on the sim device with the sanitizer raising and NaN poison

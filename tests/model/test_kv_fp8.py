@@ -1,4 +1,4 @@
-"""The 8-bit KV cache in the model (docs/kernels.md §8-bit KV): every path of paged attention over
+"""The 8-bit KV cache in the model (docs/kernels.md, "8-bit KV"): every path of paged attention over
 an fp8 cache (e4m3 and e5m2, per-tensor k/v scales) against a float64 reference over what the
 cache holds; the one-call layer kernel quantizes on store to the bytes the Python path stores and
 gives its bits; and the quality cost against bfloat16 KV on the goldens' tiny models, bounded
@@ -135,7 +135,7 @@ def decode_fp8(model, fmt: torch.dtype, seqs: int = 4, steps: int = 12):
 
 
 # Bounds on the cost of 8-bit KV against bfloat16 KV (both against float64 `transformers`; the
-# models' logit std ≈ 3). Measured on these models (docs/kernels.md §8-bit KV): e4m3's mean
+# models' logit std ≈ 3). Measured on these models (docs/kernels.md, "8-bit KV"): e4m3's mean
 # error 3.5-4.6× bfloat16 KV's and greedy agreement 75-96 %; e5m2's 6.1-7.8× and 64-88 %.
 QUALITY = {torch.float8_e4m3fn: (6.0, 0.7), torch.float8_e5m2: (10.0, 0.6)}
 

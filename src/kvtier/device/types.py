@@ -23,7 +23,7 @@ STORE = StreamId(2)
 DEFAULT_STREAMS: dict[StreamId, str] = {COMPUTE: "compute", LOAD: "load", STORE: "store"}
 WHOLE: BlockId = -1  # the one "block" of a named, unpaged buffer (e.g. "sampled_tokens")
 
-# 8-bit pools hold fp8 codes (docs/kernels.md §8-bit KV); every copy between tiers moves bytes
+# 8-bit pools hold fp8 codes (docs/kernels.md, "8-bit KV"); every copy between tiers moves bytes
 FLOAT_DTYPES = frozenset(
     {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 )

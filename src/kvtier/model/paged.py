@@ -4,7 +4,7 @@ of a prompt (no cached prefix) on their own new keys; sequences with few queries
 with the native kernel straight from the cache where it serves (`native.py`: CPU, float32 or
 bfloat16 queries, the cache theirs or fp8), else, like longer chunks after a prefix, on keys
 gathered from the cache block by block; causal/window/chunk masks throughout. An fp8 cache holds
-codes of K/V over per-tensor scales (`stored`; docs/kernels.md §8-bit KV). Holds no state
+codes of K/V over per-tensor scales (`stored`; docs/kernels.md, "8-bit KV"). Holds no state
 between forwards.
 
 A KV tensor is [num_blocks, 2, block_size, num_kv_heads, head_dim] (`device.types.KVLayout`), so

@@ -58,7 +58,7 @@ static inline uint16_t f32_to_bf16(float f) {
 /* f rounded to bfloat16 and widened back */
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* ---- 8-bit KV: fp8 codes (docs/kernels.md §8-bit KV) -------------------------------------- */
+/* ---- 8-bit KV: fp8 codes (docs/kernels.md, "8-bit KV") -------------------------------------- */
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 }; /* a cache's element types */
 

@@ -76,7 +76,7 @@ static inline float raise_max(float new_max, int64_t D, float *m, float *l, floa
 /* 32 fp8 codes (widened to 16-bit lanes) as bfloat16, exactly, in integer lanes (internal.h fp8_to_f32's values): the
  * sign moves to bit 15, exponent and mantissa shift into bfloat16's and the exponent is rebiased;
  * subnormal codes come from a table; e4m3's 0x7f and e5m2's top exponent become NaN (and ±inf).
- * As cheap as an int8 code times a scale (docs/kernels.md §8-bit KV). */
+ * As cheap as an int8 code times a scale (docs/kernels.md, "8-bit KV"). */
 static inline __m512i fp8_lanes_bf16(__m512i x, int kv_dtype) {
     static const uint16_t sub_e4m3[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
     static const uint16_t sub_e5m2[32] = {0, 0x3780, 0x3800, 0x3840};

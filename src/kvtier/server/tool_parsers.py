@@ -14,6 +14,7 @@ OpenAI's streamed deltas. Knows no request, model or engine.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import secrets
@@ -46,17 +47,17 @@ class Split:
     calls: list[RawCall]
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base: a family's markers and how its call objects name their arguments."""
 
     name = ""
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
 
+    @abc.abstractmethod
     def split(self, text: str, final: bool) -> Split:
         """`text` split into content and calls. Not `final`: a prefix of the output, so text
         that may still become a marker is held back. `final`: the whole output; a call whose
         JSON is malformed makes the whole text content (as vLLM answers)."""
-        raise NotImplementedError
 
     def adjust_skip_special_tokens(self, skip: bool) -> bool:
         """Whether the detokenizer may skip special tokens (a family whose marker is one keeps

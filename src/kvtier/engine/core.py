@@ -9,6 +9,7 @@ when it hands out its `FinishedRequest`."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -35,6 +36,7 @@ from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.transfers import TransferFaults
+from kvtier.sampling import GrammarSpec
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
@@ -165,6 +167,8 @@ class EngineCore:
         self._requests: dict[ReqId, RequestState] = {}
         self._ids: dict[str, ReqId] = {}
         self._num_renamed = 0
+        # caller's id → the grammar `prepare_request` holds for it until its add or abort
+        self._prepared: dict[str, GrammarSpec] = {}
         self.num_draft_tokens = 0  # drafts verified, over every step processed
         # (step_seq, total_num_scheduled_tokens) of the last step processed: the server's
         # tokens-per-step histogram reads it after each `step()`
@@ -230,7 +234,8 @@ class EngineCore:
     ) -> list[int]:
         """What `add_request` checks before recording anything, without side effects: returns
         the prompt as a list of ints; TypeError / ValueError naming the field otherwise. (Limits
-        of the scheduler, such as max_model_len, are checked only by `add_request`.)"""
+        of the scheduler, such as max_model_len, and whether a grammar compiles are checked only
+        by `add_request`.)"""
         if not isinstance(req_id, str):
             raise TypeError(f"request id must be a string, got {type(req_id).__name__}")
         if req_id in self._ids:
@@ -243,17 +248,53 @@ class EngineCore:
                 vocab_size=self.model_config.vocab_size,
                 max_logprobs=self.args.max_logprobs,
             )
-            if params.structured_outputs is not None:  # compiled (and cached) here, or refused
-                self.grammars.compile(params.structured_outputs.grammar_spec())
+            if params.structured_outputs is not None:
+                self.grammars.check_size(params.structured_outputs.grammar_spec())
             return tokens
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"request {req_id!r}: {exc}") from None
 
+    def prepare_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Future[None] | None:
+        """Check a request as `check_request` does and start compiling its grammar on a worker,
+        so that `add_request` of it never waits for a compile (architecture.md §Grammar).
+        Returns None when it may be added at once, else a future done (on a worker thread) once
+        it may: the grammar compiled, or refused (then `add_request` raises the ValueError).
+        The grammar stays cached until `add_request` or `abort` of `req_id`."""
+        self.check_request(req_id, prompt_token_ids, params, priority)
+        if req_id in self._prepared:
+            raise ValueError(f"request {req_id!r}: request id is already in use")
+        so = params.structured_outputs
+        if so is None:
+            return None
+        spec = so.grammar_spec()
+        self.grammars.hold(spec)  # before the compile: held, it cannot be evicted once cached
+        self._prepared[req_id] = spec
+        ready = self.grammars.compile_async(spec)
+        return None if ready.done() else ready
+
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queue a request; TypeError / ValueError (nothing queued) if it can never run here."""
+        """Queue a request; TypeError / ValueError (nothing queued) if it can never run here.
+        Its grammar is compiled here unless `prepare_request` compiled it."""
+        prepared = self._prepared.pop(req_id, None) if isinstance(req_id, str) else None
+        try:
+            self._add(req_id, prompt_token_ids, params, priority)
+        finally:
+            if prepared is not None:  # the request holds it now, or was refused
+                self.grammars.release(prepared)
+
+    def _add(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
         prompt_token_ids = self.check_request(req_id, prompt_token_ids, params, priority)
+        if params.structured_outputs is not None:  # a cache hit once prepared
+            try:
+                self.grammars.compile(params.structured_outputs.grammar_spec())
+            except ValueError as exc:
+                raise ValueError(f"request {req_id!r}: {exc}") from None
         use_ngram = self.args.num_speculative_tokens > 0
         stop = params.stop_conditions(self.eos_token_id, use_ngram)
         words = bad_words_token_ids(self.tokenizer, tuple(params.bad_words or ()))
@@ -302,6 +343,9 @@ class EngineCore:
     def abort(self, req_id: str) -> FinishedRequest | None:
         """Stop a request now and forget it; returns it as it ended (None: unknown, or already
         handed out as finished). Its blocks return once no step in flight can touch them."""
+        prepared = self._prepared.pop(req_id, None)
+        if prepared is not None:  # prepared, never added: only its grammar's hold to drop
+            self.grammars.release(prepared)
         sched_id = self._ids.pop(req_id, None)
         if sched_id is None:
             return None

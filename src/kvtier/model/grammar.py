@@ -3,7 +3,8 @@ outputs): the compiled grammars of one tokenizer, cached by spec, and the per-re
 that says which tokens may come next.
 
 `Grammars.compile` is the boundary: a spec it cannot compile (bad schema or regex, too large, too
-slow) is a ValueError naming the problem, raised before a request is queued. `Matcher` is runner
+slow) is a ValueError naming the problem, raised before a request is queued; `compile_async`
+runs it on a worker so the engine thread never waits for a compile. `Matcher` is runner
 state: it advances on the tokens a forward op accepted and never on an unverified draft
 (architecture.md §Grammar). Nothing here schedules or knows a request.
 """
@@ -15,6 +16,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,8 +37,8 @@ log = logging.getLogger("kvtier.grammar")
 class Grammars:
     """Compiles `GrammarSpec`s for one tokenizer and vocabulary (the model's logits width; ids
     past the tokenizer's are never allowed) and keeps the last `cache_size` compiled, and the
-    specs that failed, by (kind, spec). Thread-safe: the engine thread compiles when a request
-    is added, the compute worker looks them up when it builds a matcher."""
+    specs that failed, by (kind, spec). Thread-safe: compiles run on workers (`compile_async`)
+    or on the caller's thread, the compute worker looks them up when it builds a matcher."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class Grammars:
         self._executor: Any = None  # llguidance's thread pool for the masks of a step
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._held: dict[GrammarSpec, int] = {}  # specs of live requests: never evicted
+        self._compiling: dict[GrammarSpec, Future[None]] = {}  # `compile_async`s not yet done
         self.num_compiles = 0  # compiles started (cache misses)
 
     def hold(self, spec: GrammarSpec) -> None:
@@ -80,6 +83,12 @@ class Grammars:
     def num_cached(self) -> int:
         return len(self._cache)
 
+    @property
+    def num_held(self) -> int:
+        """Specs held by `hold` (each counted once however many holders)."""
+        with self._lock:
+            return len(self._held)
+
     def _tokenizer(self) -> Any:
         """llguidance's view of the tokenizer (from its tokenizer.json), built once."""
         with self._lock:
@@ -99,14 +108,7 @@ class Grammars:
         """The compiled grammar of `spec` (a fresh llguidance `LLMatcher`, copied for each
         request); ValueError naming the problem when it is too large, does not compile, or
         compiles too slowly."""
-        cfg = self.config
-        size = len(spec.spec.encode())
-        if size > cfg.structured_outputs_max_spec_bytes:
-            raise ValueError(
-                f"the {_what(spec)} is {size} bytes, over the limit of "
-                f"{cfg.structured_outputs_max_spec_bytes} (--structured-outputs-max-spec-bytes); "
-                "send a smaller one"
-            )
+        self.check_size(spec)
         with self._lock:
             got = self._cache.get(spec)
             if got is not None:
@@ -119,6 +121,46 @@ class Grammars:
         if isinstance(got, ValueError):
             raise ValueError(str(got))
         return got
+
+    def check_size(self, spec: GrammarSpec) -> None:
+        """ValueError if `spec` is over the size limit (checked before any compile)."""
+        limit = self.config.structured_outputs_max_spec_bytes
+        size = len(spec.spec.encode())
+        if size > limit:
+            raise ValueError(
+                f"the {_what(spec)} is {size} bytes, over the limit of {limit} "
+                "(--structured-outputs-max-spec-bytes); send a smaller one"
+            )
+
+    def compile_async(self, spec: GrammarSpec) -> Future[None]:
+        """Start `compile(spec)` on a worker thread and return at once: the future is done (with
+        None) once `compile(spec)` answers from the cache, with the grammar or its error; done
+        already on a hit. Calls for a spec being compiled share its compile. ValueError at once
+        for a spec over the size limit. `hold` the spec first if it must stay cached until used
+        (the cache may evict it otherwise)."""
+        self.check_size(spec)
+        with self._lock:
+            fut = self._compiling.get(spec)
+            if fut is not None:
+                return fut
+            fut = Future()
+            if spec in self._cache:
+                fut.set_result(None)
+                return fut
+            self._compiling[spec] = fut
+
+        def run() -> None:
+            try:
+                self.compile(spec)
+            except ValueError:
+                pass  # cached: the caller's `compile` raises it
+            finally:
+                with self._lock:
+                    del self._compiling[spec]
+                fut.set_result(None)
+
+        threading.Thread(target=run, name="grammar-compile-async", daemon=True).start()
+        return fut
 
     def _compile_bounded(self, spec: GrammarSpec) -> Any:
         """Compile on a daemon thread and wait at most the timeout; the compiled grammar, or the

@@ -1,7 +1,8 @@
 """The engine thread: the only thread that touches `EngineCore`. HTTP handlers (or, in an engine
 process, its pipe reader) send it commands through a thread-safe queue and receive events through
-their sinks (`server/events.py`); it never blocks on them. It warms the engine up before it says
-ready and stamps a heartbeat on every pass (`server/liveness.py`)."""
+their sinks (`server/events.py`); it never blocks on them, nor on a request's grammar compiling
+(the request waits for it, off the thread, while the others step). It warms the engine up before
+it says ready and stamps a heartbeat on every pass (`server/liveness.py`)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,9 @@ class EngineLoop:
         self._failure_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kvtier-engine", daemon=True)
         self._live: dict[str, _Live] = {}
+        # Submitted, waiting for their grammar to compile on a worker (`_submit`); admitted by
+        # the "compiled" command the compile's future posts
+        self._compiling: dict[str, Submission] = {}
         # Events made on the engine thread, handed to their outlets once per pass of the loop
         # (`_flush`): admissions' `Started` travel with the step's deltas, one message per step
         # through an engine process's pipe instead of one more per admitted request.
@@ -212,7 +216,10 @@ class EngineLoop:
                 callbacks, self._on_failure = self._on_failure, []
             for live in self._live.values():
                 live.sub.sink.put(Failed(engine_failed(exc)))
+            for sub in self._compiling.values():
+                sub.sink.put(Failed(engine_failed(exc)))
             self._live.clear()
+            self._compiling.clear()
             self._fail_pending(exc)
             for fn in callbacks:
                 fn(exc)
@@ -300,9 +307,14 @@ class EngineLoop:
 
     def _handle(self, engine: EngineCore, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
-        if kind == "submit":
+        if kind in ("submit", "compiled"):
+            if kind == "compiled" and self._compiling.pop(arg.req_id, None) is None:
+                return  # aborted while its grammar compiled
             try:
-                self._admit(engine, arg)
+                if kind == "submit":
+                    self._submit(engine, arg)
+                else:
+                    self._admit(engine, arg)
             except APIError as exc:  # counted by the HTTP layer, once per HTTP request
                 self._outbox.append((arg.sink, Failed(exc)))
             except Exception as exc:  # add_request raises before recording anything: carry on
@@ -310,6 +322,9 @@ class EngineLoop:
                 error = APIError(f"internal error: {exc}", 500, kind="server_error")
                 self._outbox.append((arg.sink, Failed(error)))
         elif kind == "abort":
+            if self._compiling.pop(arg, None) is not None:
+                engine.abort(arg)  # drops the grammar held for it; it was never admitted
+                return
             live = self._live.pop(arg, None)
             result = engine.abort(arg) if live is not None else None
             if live is not None and result is not None:
@@ -325,8 +340,9 @@ class EngineLoop:
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _admit(self, engine: EngineCore, sub: Submission) -> None:
-        n = len(sub.token_ids)
+    def _submit(self, engine: EngineCore, sub: Submission) -> None:
+        """Admit `sub`, or, while its grammar compiles on a worker, keep it aside until the
+        compile's "compiled" command: the engine thread goes on stepping the others."""
         if self._backlog(engine) >= self.max_waiting_requests:
             raise APIError(
                 f"the server is busy: {self.max_waiting_requests} requests already wait beyond "
@@ -337,18 +353,31 @@ class EngineLoop:
                 headers={"Retry-After": "1"},
             )
         try:
-            engine.add_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
+            ready = engine.prepare_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
         except ValueError as exc:
+            raise APIError(str(exc)) from None
+        if ready is None:
+            self._admit(engine, sub)
+            return
+        self._compiling[sub.req_id] = sub
+        ready.add_done_callback(lambda _: self._commands.put(("compiled", sub)))
+
+    def _admit(self, engine: EngineCore, sub: Submission) -> None:
+        n = len(sub.token_ids)
+        try:
+            engine.add_request(sub.req_id, sub.token_ids, sub.params, sub.priority)
+        except ValueError as exc:  # a grammar that did not compile among them
             raise APIError(str(exc)) from None
         self._live[sub.req_id] = _Live(sub, n)
         self.metrics.admitted(n)
         self._outbox.append((sub.sink, Started(n)))
 
-    @staticmethod
-    def _backlog(engine: EngineCore) -> int:
-        """Waiting requests beyond the free running slots (negative: room to start more now).
-        Slots only: a request held back by KV blocks still counts as able to run."""
-        return engine.num_unfinished_requests() - engine.args.scheduler.max_num_seqs
+    def _backlog(self, engine: EngineCore) -> int:
+        """Waiting requests (those whose grammar compiles among them) beyond the free running
+        slots (negative: room to start more now). Slots only: a request held back by KV blocks
+        still counts as able to run."""
+        waiting = engine.num_unfinished_requests() + len(self._compiling)
+        return waiting - engine.args.scheduler.max_num_seqs
 
     def _flush(self) -> None:
         events, self._outbox = self._outbox, []

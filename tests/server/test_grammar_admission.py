@@ -1,0 +1,141 @@
+"""A request whose grammar is compiling waits for it off the engine thread while the others
+step (architecture.md §Grammar): the compile here is a real llguidance compile held on an event
+the test controls, so what the engine thread does meanwhile is seen without any timing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+import kvtier.model.grammar as grammar_module
+from kvtier.engine.params import EngineArgs, SamplingParams
+from kvtier.sampling import GrammarSpec, StructuredOutputsParams
+from kvtier.server import EngineLoop
+from kvtier.server.events import Delta, Event, Failed, Sink, Started, Submission
+from tests.server.conftest import wait_until
+from tests.server.test_delivery import Recorder
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"enum": [1, 2]}},
+    "required": ["n", "ok"],
+}
+HANG_GUARD_S = 120.0  # only a hang guard: nothing below waits on the clock to pass
+
+
+class HeldCompiles:
+    """Wraps the real compile: a spec whose text holds `marker` enters, says so, and waits for
+    `release` before compiling."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._real = grammar_module._compile
+
+    def __call__(self, tokenizer: Any, spec: GrammarSpec) -> Any:
+        if self.marker in spec.spec:
+            self.entered.set()
+            assert self.release.wait(HANG_GUARD_S), "the test never released the compile"
+        return self._real(tokenizer, spec)
+
+
+@pytest.fixture
+def loop() -> Iterator[EngineLoop]:
+    # a compile timeout far past the hang guard: the held compile is never cut short
+    args = EngineArgs.from_kwargs(
+        None, max_model_len=512, torch_threads=1, structured_outputs_compile_timeout_s=3600.0
+    )
+    engine_loop = EngineLoop(args, 64)
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.stop()
+
+
+def _events(out: Recorder, key: str) -> list[Event]:
+    return [e for k, e in out.events() if k == key]
+
+
+def _finished(out: Recorder, key: str) -> bool:
+    return any(isinstance(e, Delta) and e.finish_reason is not None for e in _events(out, key))
+
+
+def _submit(loop: EngineLoop, out: Recorder, key: str, params: SamplingParams) -> None:
+    loop.submit(Submission(key, [5, 6, 7, 8, 9], params, Sink(out, key)))
+
+
+def test_other_requests_step_to_the_end_while_a_grammar_compiles(
+    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldCompiles('"maximum": 99')
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    out = Recorder()
+    so = StructuredOutputsParams(json=SCHEMA)
+    try:
+        _submit(loop, out, "g", SamplingParams(max_tokens=64, structured_outputs=so, seed=3))
+        assert held.entered.wait(HANG_GUARD_S)
+        _submit(loop, out, "free", SamplingParams(max_tokens=16, ignore_eos=True))
+        wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
+        # its grammar still compiling: not admitted, nothing sent
+        assert _events(out, "g") == []
+        assert loop.call(lambda engine: engine.num_unfinished_requests()) == 0
+    finally:
+        held.release.set()
+    wait_until(lambda: _finished(out, "g"), HANG_GUARD_S)
+    mine = _events(out, "g")
+    assert isinstance(mine[0], Started)
+    text = "".join(e.text for e in mine if isinstance(e, Delta))
+    assert mine[-1].finish_reason == "stop"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_spec_that_fails_to_compile_off_the_engine_thread_is_a_400(
+    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldCompiles("[unclosed")
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    out = Recorder()
+    bad = StructuredOutputsParams(regex="[unclosed")
+    try:
+        _submit(loop, out, "bad", SamplingParams(max_tokens=8, structured_outputs=bad))
+        assert held.entered.wait(HANG_GUARD_S)
+        _submit(loop, out, "free", SamplingParams(max_tokens=4, ignore_eos=True))
+        wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
+    finally:
+        held.release.set()
+    wait_until(lambda: bool(_events(out, "bad")), HANG_GUARD_S)
+    (refusal,) = _events(out, "bad")
+    assert isinstance(refusal, Failed) and refusal.error.status == 400
+    assert "regex" in str(refusal.error) and "does not compile" in str(refusal.error)
+    # remembered: the same spec again is refused at once, with no second compile
+    _submit(loop, out, "again", SamplingParams(max_tokens=8, structured_outputs=bad))
+    wait_until(lambda: bool(_events(out, "again")), HANG_GUARD_S)
+    (again,) = _events(out, "again")
+    assert isinstance(again, Failed) and again.error.status == 400
+
+
+def test_an_abort_while_the_grammar_compiles_drops_the_request_and_its_hold(
+    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = HeldCompiles('"maximum": 99')
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    out = Recorder()
+    so = StructuredOutputsParams(json=SCHEMA)
+    try:
+        _submit(loop, out, "g", SamplingParams(max_tokens=8, structured_outputs=so))
+        assert held.entered.wait(HANG_GUARD_S)
+        loop.abort("g")
+        assert loop.call(lambda engine: engine.grammars.num_held) == 0
+    finally:
+        held.release.set()
+    # the compile finishes into the cache; the dropped request is never admitted
+    wait_until(lambda: loop.call(lambda engine: engine.grammars.num_cached) == 1, HANG_GUARD_S)
+    _submit(loop, out, "free", SamplingParams(max_tokens=4, ignore_eos=True))
+    wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
+    assert _events(out, "g") == []
+    assert loop.call(lambda engine: engine.stats().is_idle)

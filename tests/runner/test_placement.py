@@ -83,7 +83,7 @@ def test_drafts_read_tokens_back_only_to_accept_and_propose(
 ) -> None:
     _, violations = audited_run(monkeypatch, gemma3, PARAMS["greedy"], num_speculative_tokens=2)
     assert violations  # the documented exception: drafts are proposed on the device's tokens
-    assert {v.where for v in violations} == {"kvtier.runner.runner.ModelRunner._accept_drafts"}
+    assert {v.where for v in violations} == {"kvtier.runner.sampling.StepSampler._accept_drafts"}
 
 
 def test_the_audit_catches_a_host_tensor_in_a_device_op_and_a_host_read() -> None:

@@ -1,4 +1,6 @@
-"""ModelRunner: one step = a forward op and a sampled-token copy on the compute stream.
+"""ModelRunner: one step = a forward op and a sampled-token copy on the compute stream. The op
+plans each request's share, runs the model and hands the last positions to its `StepSampler`
+(`sampling.py`: masks, penalties, the draw, draft acceptance, grammars advanced).
 
 The host prepares nothing the device computes: input ids, positions and slot mappings are built
 inside the forward op from the device-side state (`state.py`), so step k+1 reads step k's sampled
@@ -22,17 +24,16 @@ import torch
 from kvtier.config import MAX_ASYNC_DEPTH
 from kvtier.device import COMPUTE, AccessSet, Device, OpMeta, Work
 from kvtier.ids import EventId
-from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.attention import AttentionMetadata
-from kvtier.model.grammar import Grammars, apply_mask
+from kvtier.model.grammar import Grammars
 from kvtier.model.mamba2 import StateMetadata
-from kvtier.model.sampler import SamplingBatch, gather_logprobs, sample
+from kvtier.model.sampler import gather_logprobs
 from kvtier.model.served import ServedModel
 from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.logprobs import LogprobRows
-from kvtier.runner.state import DeviceRequest, DeviceState, host_index, on_device
+from kvtier.runner.sampling import Planned, StepSampler
+from kvtier.runner.state import DeviceState, host_index, on_device
 from kvtier.runner.transfers import TransferEngine
-from kvtier.sampling import DrawParams
 from kvtier.sched.ngram import NgramProposer
 from kvtier.sched.output import PromptLogprobs, RunnerOutput, SchedulerOutput
 
@@ -68,7 +69,6 @@ class StepHandle:
         return list(self.output.num_scheduled_tokens)
 
 
-NO_HISTORY = RowHistory(0, 0, 0)  # a row whose logits nothing adjusts reads no past tokens
 STATE_PAGES_KEPT = 1 << 16  # steps whose declared state pages `ModelRunner.state_pages` keeps
 
 
@@ -101,7 +101,6 @@ class ModelRunner:
         grammars: Grammars | None = None,
     ) -> None:
         self.model = model
-        self.grammars = grammars  # compiles a request's grammar; None: no structured outputs
         self.device = device
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
@@ -138,14 +137,21 @@ class ModelRunner:
         # per recent step: the state pages its forward declares (hazard attribution, §State)
         self._state_pages: dict[int, frozenset[int]] = {}
         self.eos_token_ids = tuple(eos_token_ids)
-        self.logprobs_mode = logprobs_mode  # as vLLM's: see model.sampler.LOGPROBS_MODES
         self.proposer = NgramProposer(max(1, num_speculative_tokens))
-        self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         width = 1 + num_speculative_tokens
         device.alloc_buffer(TOKEN_STATE, (1,), "int64")  # names what `state` holds
-        device.alloc_buffer(GENERATOR, (1,), "int64")  # names `generator`
+        device.alloc_buffer(GENERATOR, (1,), "int64")  # names `sampler.generator`
         device.alloc_buffer(GRAMMAR, (1,), "int64")  # names the requests' `grammar` matchers
         self.sampled = device.alloc_buffer(SAMPLED, (max_num_seqs, width), "int64")
+        self.sampler = StepSampler(
+            model,
+            self.state,
+            self.sampled,
+            self.torch_device,
+            seed=seed,
+            logprobs_mode=logprobs_mode,
+            grammars=grammars,
+        )
         self.ring = max_async_depth + 1
         self.host_out = [
             device.alloc_buffer(f"sampled_host_{i}", (max_num_seqs, width), "int64", tier="host")
@@ -300,10 +306,10 @@ class ModelRunner:
     def _forward(self, output: SchedulerOutput, slot: int) -> None:
         state = self.state
         state.apply_diffs(output, self.eos_token_ids)
-        self._start_matchers(output)
+        self.sampler.start_matchers(output)
         results = self._results[slot] = _StepResults()
         spec = output.scheduled_spec_decode_tokens
-        plan: list[_Planned] = []
+        plan: list[Planned] = []
         row_idx: list[int] = []  # token buffer (row, position) of every input token
         pos_idx: list[int] = []
         draft_rows: list[int] = []  # drafts are written to the buffer, then read like the rest
@@ -324,7 +330,7 @@ class ModelRunner:
                 draft_pos += range(start + num_real, start + n)
                 draft_ids += drafts
             samples = start + num_real >= st.num_tokens
-            plan.append(_Planned(req_id, st, start, num_real, drafts, samples))
+            plan.append(Planned(req_id, st, start, num_real, drafts, samples))
         self.sampled.fill_(-1)
         if not plan:
             return
@@ -351,44 +357,18 @@ class ModelRunner:
         positions = on_device(meta.query_positions(), self.torch_device)
         hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
         # on cuda the forward's kernels are queued: the masks are filled while they run
-        masks = self._fill_masks(plan)
+        masks = self.sampler.fill_masks(plan)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
-        sampled_rows = self._sample(plan, meta, hidden, results, masks)
+        drawn = self.sampler.sample(plan, meta, hidden, masks)
+        results.num_draft_tokens = drawn.num_draft_tokens
+        results.num_accepted_tokens = drawn.num_accepted_tokens
         if drafting:
             self._land_draft_states(plan, drafting)
         # queued copies to host memory; the host reads them once the step's event completed
-        results.sampled = None if sampled_rows is None else sampled_rows.to_host()
+        results.sampled = None if drawn.logprobs is None else drawn.logprobs.to_host()
         results.prompt = None if prompt_rows is None else prompt_rows.to_host()
 
-    def _start_matchers(self, output: SchedulerOutput) -> None:
-        """A matcher for every new request with a grammar, advanced over the outputs it resumes
-        with: after a preemption, a prefix hit or a load, its place in the grammar is rebuilt
-        from the tokens the host knows (architecture.md §Grammar)."""
-        for new in output.scheduled_new_reqs:
-            spec = new.draw.grammar
-            if spec is None or self.grammars is None:
-                continue
-            outputs = new.token_ids[new.num_prompt_tokens :]
-            self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
-
-    def _fill_masks(self, plan: list[_Planned]) -> tuple[torch.Tensor, list[int]] | None:
-        """The grammar masks of this step's sampled rows (row order as `_sample`'s) and the rows
-        they constrain, None when no request has a grammar; a drafting request's row j gets the
-        mask after its first j drafts (`Grammars.fill_masks`), its matcher left on real tokens."""
-        jobs = []
-        num_rows = 0
-        for p in plan:
-            if not p.samples:
-                continue
-            if p.state.grammar is not None:
-                jobs.append((p.state.grammar, num_rows, p.drafts))
-            num_rows += len(p.drafts) + 1
-        if not jobs or self.grammars is None:
-            return None
-        mask, rows = self.grammars.fill_masks(jobs, num_rows)
-        return (mask, rows) if rows else None  # every grammar ended: nothing to mask
-
-    def _land_draft_states(self, plan: list[_Planned], drafting: list[int]) -> None:
+    def _land_draft_states(self, plan: list[Planned], drafting: list[int]) -> None:
         """After the drafts are accepted: each state page of the device's new count holds the
         state after exactly that many tokens (architecture.md §Rollback)."""
         landings = []
@@ -404,7 +384,7 @@ class ModelRunner:
         return tuple(host_index(v, self.torch_device) for v in lists)
 
     def _prompt_logprob_rows(
-        self, plan: list[_Planned], meta: AttentionMetadata, hidden: torch.Tensor
+        self, plan: list[Planned], meta: AttentionMetadata, hidden: torch.Tensor
     ) -> LogprobRows | None:
         """Raw logprobs of the prompt tokens this step's chunks predict (the query at position
         q predicts the token at q + 1), for requests that asked; None if none did."""
@@ -426,165 +406,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, rows_t)  # [rows, vocab]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         return LogprobRows(*gather_logprobs(logprobs, wanted, max(s[3] for s in spans)), spans)
-
-    def _sample(
-        self,
-        plan: list[_Planned],
-        meta: AttentionMetadata,
-        hidden: torch.Tensor,
-        results: _StepResults,
-        masks: tuple[torch.Tensor, list[int]] | None = None,
-    ) -> LogprobRows | None:
-        """Sample every request whose step reaches its last known token (under its grammar's
-        mask), accept drafts, advance grammars and write the tokens to the sampled buffer (row i:
-        the step's i-th request) and the token buffer; returns the logprob rows of requests that
-        asked."""
-        index: list[int] = []  # hidden-state row of every sampled position
-        row_params: list[DrawParams] = []
-        positions: list[int] = []
-        histories: list[RowHistory] = []  # where each row's past lies in the token buffer
-        sampling: list[tuple[_Planned, int, int]] = []  # request, its first row, its output row
-        for i, (p, end) in enumerate(zip(plan, meta.query_start_loc[1:], strict=True)):
-            if not p.samples:  # a prefill chunk that does not reach the end of the prompt
-                p.state.position = p.start + p.num_real
-                continue
-            sampling.append((p, len(index), i))
-            for j in range(len(p.drafts) + 1):
-                index.append(end - len(p.drafts) - 1 + j)
-                row_params.append(p.state.params)
-                positions.append(p.start + p.num_real + j)
-                if p.state.params.adjusts_logits:  # drafts 0..j-1 are in the buffer before it
-                    histories.append(
-                        RowHistory(p.state.row, p.state.num_prompt_tokens, positions[-1])
-                    )
-                else:
-                    histories.append(NO_HISTORY)
-        if not index:
-            return None
-        logits = self.model.compute_logits(hidden, self._index(index)[0])  # [rows, vocab]
-        if masks is not None:  # before the sampler: raw logprobs see the mask too, as vLLM's
-            apply_mask(logits, on_device(masks[0], self.torch_device), masks[1])
-        batch = SamplingBatch.from_params(
-            row_params, positions, logits.shape[-1], device=self.torch_device
-        )
-        banned = _banned_before_min_tokens(sampling)
-        adjust = Adjustments.build(row_params, histories, logits.shape[-1], self.state.tokens)
-        mode = self.logprobs_mode  # the logits are the sampler's: a ban goes in place
-        out = sample(
-            logits,
-            batch,
-            self.generator,
-            banned=banned,
-            adjust=adjust,
-            logprobs_mode=mode,
-            consume=True,
-        )
-        if self.state.track_tokens:
-            counts = self._accept_drafts(sampling, out.token_ids, results)
-        else:  # one token per sampling request, left on the device
-            counts = [1] * len(sampling)
-            (out_rows,) = self._index([i for _, _, i in sampling])
-            self.sampled[:, 0].index_copy_(0, out_rows, out.token_ids)
-            self.state.scatter(
-                [p.state.row for p, _, _ in sampling],
-                [p.state.num_tokens for p, _, _ in sampling],
-                out.token_ids,
-            )
-            for p, _, _ in sampling:
-                p.state.num_tokens += 1
-                p.state.position = p.state.num_tokens - 1
-            if any(p.state.grammar for p, _, _ in sampling):  # the op's one read, without drafts
-                self._advance_grammars(sampling, out.token_ids)
-        spans = [  # rows of requests asking for logprobs
-            (p.req_id, first, n, p.state.params.logprobs, 0)
-            for (p, first, _), n in zip(sampling, counts, strict=True)
-            if p.state.params.logprobs is not None
-        ]
-        if not spans:
-            return None
-        assert out.sampled_logprobs is not None and out.top_logprobs is not None
-        assert out.top_token_ids is not None
-        return LogprobRows(out.sampled_logprobs, out.top_logprobs, out.top_token_ids, spans)
-
-    def _accept_drafts(
-        self,
-        sampling: list[tuple[_Planned, int, int]],
-        token_ids: torch.Tensor,
-        results: _StepResults,
-    ) -> list[int]:
-        """Accept each request's drafts while the target agrees, plus one token; returns how
-        many tokens each request gained. Reads the sampled tokens back to the host: the next
-        drafts are proposed on them (the one wait inside an op, only with drafts on)."""
-        tokens = token_ids.tolist()
-        counts: list[int] = []
-        new_rows: list[int] = []
-        new_ids: list[list[int]] = []
-        for p, first, i in sampling:
-            accepted = 0  # drafts are deterministic: accept while the target agrees
-            while accepted < len(p.drafts) and tokens[first + accepted] == p.drafts[accepted]:
-                accepted += 1
-            new = tokens[first : first + accepted + 1]
-            results.num_draft_tokens += len(p.drafts)
-            results.num_accepted_tokens += accepted
-            st = p.state
-            assert st.token_ids is not None
-            del st.token_ids[st.num_tokens :]
-            st.token_ids.extend(new)
-            st.num_tokens = len(st.token_ids)
-            st.position = st.num_tokens - 1
-            if st.grammar is not None:  # accepted tokens only: rejected drafts never reach it
-                st.grammar.accept_free(new)
-            counts.append(len(new))
-            new_rows.append(i)
-            new_ids.append(new + [-1] * (self.sampled.shape[1] - len(new)))
-        (out_rows,) = self._index(new_rows)
-        values = on_device(torch.tensor(new_ids, dtype=torch.int64), self.torch_device)
-        self.sampled.index_copy_(0, out_rows, values)
-        buf = [(p.state.row, p.state.num_tokens - n, n) for (p, _, _), n in zip(sampling, counts)]
-        rows = [r for r, _, n in buf for _ in range(n)]
-        pos = [q for _, q0, n in buf for q in range(q0, q0 + n)]
-        flat = [t for seq, (_, _, n) in zip(new_ids, buf, strict=True) for t in seq[:n]]
-        self.state.scatter(rows, pos, self._index(flat)[0])
-        return counts
-
-    @staticmethod
-    def _advance_grammars(sampling: list[tuple[_Planned, int, int]], tokens: torch.Tensor) -> None:
-        """Advance each grammar request's matcher by the token it drew (read back to the host:
-        on cuda the op waits for the sampler here, and the next step's mask needs it)."""
-        rows = [(p.state.grammar, first) for p, first, _ in sampling if p.state.grammar]
-        drawn = tokens.tolist()
-        for matcher, first in rows:
-            assert matcher is not None
-            matcher.accept_free([drawn[first]])
-
-
-@dataclass(slots=True)
-class _Planned:
-    """One request's share of a forward."""
-
-    req_id: str
-    state: DeviceRequest
-    start: int  # first query position (the device's, after any draft rollback)
-    num_real: int  # tokens known before the step (prompt chunk or the last sampled token)
-    drafts: list[int]
-    samples: bool  # the step reaches the end of the known tokens: sample after it
-
-
-def _banned_before_min_tokens(
-    sampling: list[tuple[_Planned, int, int]],
-) -> tuple[list[int], list[int]]:
-    """(rows, token ids): EOS and stop tokens cannot be sampled before `min_tokens` outputs."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for p, first, _ in sampling:
-        st = p.state
-        num_out = st.num_tokens - st.num_prompt_tokens
-        if not st.eos_ids or num_out >= st.min_tokens:
-            continue
-        for j in range(min(len(p.drafts) + 1, st.min_tokens - num_out)):
-            rows += [first + j] * len(st.eos_ids)
-            cols += st.eos_ids
-    return rows, cols
 
 
 def _new_ids(

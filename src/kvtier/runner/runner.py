@@ -355,11 +355,10 @@ class ModelRunner:
             state_meta = StateMetadata.build(starts, counts, state_tables, sizes, token_slots)
         ids = state.gather(row_idx, pos_idx)  # [num_tokens]
         positions = on_device(meta.query_positions(), self.torch_device)
+        masks = self.sampler.start_masks(plan)  # filled while the forward runs
         hidden = self.model.forward(ids, positions, self.caches, meta, state_meta)
-        # on cuda the forward's kernels are queued: the masks are filled while they run
-        masks = self.sampler.fill_masks(plan)
         prompt_rows = self._prompt_logprob_rows(plan, meta, hidden)
-        drawn = self.sampler.sample(plan, meta, hidden, masks)
+        drawn = self.sampler.sample(plan, meta, hidden, masks.result())
         results.num_draft_tokens = drawn.num_draft_tokens
         results.num_accepted_tokens = drawn.num_accepted_tokens
         if drafting:

@@ -8,6 +8,7 @@ to the sampled buffer and the device token buffer. It decides nothing about whic
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,7 @@ class StepSampler:
         self.logprobs_mode = logprobs_mode
         self.grammars = grammars
         self.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
+        self._mask_thread: ThreadPoolExecutor | None = None  # fills masks beside the forward
 
     def start_matchers(self, output: SchedulerOutput) -> None:
         """A matcher for every new request with a grammar, advanced over the outputs it resumes
@@ -85,6 +87,19 @@ class StepSampler:
                 continue
             outputs = new.token_ids[new.num_prompt_tokens :]
             self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
+
+    def start_masks(self, plan: list[Planned]) -> Future[Masks | None]:
+        """`fill_masks(plan)` on the sampler's mask thread, so the masks are filled while the
+        model's forward runs (on cpu the forward computes on the op's thread, on cuda it queues
+        kernels); llguidance fills them off the GIL. Nothing else touches the matchers until
+        `sample`, which takes the masks from the future. Done at once without a grammar."""
+        if not any(p.samples and p.state.grammar is not None for p in plan):
+            done: Future[Masks | None] = Future()
+            done.set_result(None)
+            return done
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._mask_thread.submit(self.fill_masks, plan)
 
     def fill_masks(self, plan: list[Planned]) -> Masks | None:
         """The grammar masks of this step's sampled rows (row order as `sample`'s) and the rows

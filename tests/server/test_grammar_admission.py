@@ -139,3 +139,58 @@ def test_an_abort_while_the_grammar_compiles_drops_the_request_and_its_hold(
     wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
     assert _events(out, "g") == []
     assert loop.call(lambda engine: engine.stats().is_idle)
+
+
+def test_an_engine_failure_answers_a_request_whose_grammar_compiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = HeldCompiles('"maximum": 99')
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    args = EngineArgs.from_kwargs(
+        None, max_model_len=512, torch_threads=1, structured_outputs_compile_timeout_s=3600.0
+    )
+    loop = EngineLoop(args, 64, fail_at_step=1)
+    loop.start()
+    out = Recorder()
+    so = StructuredOutputsParams(json=SCHEMA)
+    try:
+        _submit(loop, out, "g", SamplingParams(max_tokens=8, structured_outputs=so))
+        assert held.entered.wait(HANG_GUARD_S)
+        _submit(loop, out, "free", SamplingParams(max_tokens=4))  # its first step fails
+        wait_until(lambda: bool(_events(out, "g")), HANG_GUARD_S)
+    finally:
+        held.release.set()
+        loop.stop()
+    assert loop.error is not None
+    (failed,) = _events(out, "g")
+    assert isinstance(failed, Failed) and "engine failed" in str(failed.error)
+
+
+def test_requests_waiting_for_their_grammar_count_in_the_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    held = HeldCompiles('"maximum": 99')
+    monkeypatch.setattr(grammar_module, "_compile", held)
+    args = EngineArgs.from_kwargs(
+        None,
+        max_model_len=512,
+        max_num_seqs=1,
+        torch_threads=1,
+        structured_outputs_compile_timeout_s=3600.0,
+    )
+    loop = EngineLoop(args, 1)  # one request may wait beyond the one running slot
+    loop.start()
+    out = Recorder()
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    try:
+        for key in ("a", "b", "c"):  # a fills the slot, b waits, c is one too many
+            _submit(loop, out, key, params)
+        assert held.entered.wait(HANG_GUARD_S)
+        wait_until(lambda: bool(_events(out, "c")), HANG_GUARD_S)
+        (busy,) = _events(out, "c")
+        assert isinstance(busy, Failed) and busy.error.status == 429
+        held.release.set()
+        wait_until(lambda: _finished(out, "a") and _finished(out, "b"), HANG_GUARD_S)
+    finally:
+        held.release.set()
+        loop.stop()

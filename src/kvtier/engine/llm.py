@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,13 +97,13 @@ class LLM:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
             batch.append((f"gen-{self._counter + i}", text, tokens, p, prio))
         self._counter += len(batch)
-        added: list[str] = []
-        try:
+        try:  # the batch's grammars compile on workers at once; each add then hits the cache
+            compiling = [engine.prepare_request(r, t, p, prio) for r, _, t, p, prio in batch]
+            futures.wait([f for f in compiling if f is not None])
             for req_id, _, tokens, p, prio in batch:
                 engine.add_request(req_id, tokens, p, prio)
-                added.append(req_id)
         except BaseException:
-            self._discard(added)
+            self._discard([req_id for req_id, *_ in batch])  # added or only prepared
             raise
         bar = _progress(len(batch)) if use_tqdm else None
         done: dict[str, FinishedRequest] = {}
@@ -117,7 +118,7 @@ class LLM:
         return [_output(done[req_id], text) for req_id, text, _, _, _ in batch]
 
     def _discard(self, req_ids: list[str]) -> None:
-        """Abort requests this call queued (still waiting: they hold no blocks)."""
+        """Abort requests this call prepared or queued (still waiting: they hold no blocks)."""
         for req_id in req_ids:
             self.engine.abort(req_id)
 

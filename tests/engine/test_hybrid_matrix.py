@@ -85,12 +85,14 @@ def prompts() -> list[list[int]]:
 
 
 @functools.cache
-def alone(folder: Path) -> tuple[tuple[int, ...], ...]:
+def alone(folder: Path, kv_cache_dtype: str | None = None) -> tuple[tuple[int, ...], ...]:
     """Each prompt alone: synchronous, no prefix caching, on the cpu backend."""
     out = []
     for p in prompts():
         llm = LLM(
-            str(folder), **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False}
+            str(folder),
+            **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False},
+            kv_cache_dtype=kv_cache_dtype,
         )
         got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
         out.append(tuple(got[0].outputs[0].token_ids))
@@ -119,24 +121,29 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     if mode.startswith("tight-pool"):
         tight = TIGHT_DRAFT_BLOCKS if "num_speculative_tokens" in config else TIGHT_BLOCKS
         config = {**config, "num_device_blocks": tight[arch]}
-    host = "num_host_blocks" in config
-    if host:
+    if "num_host_blocks" in config:
         config = {**config, "num_device_blocks": HOST_BLOCKS[arch]}
-    folder = models[arch]
-    llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": device, **config})
+    check_mode(models[arch], config, device)
+
+
+def check_mode(
+    folder: Path, config: dict[str, Any], device: str, kv: str | None = None, hits: bool = True
+) -> None:
+    llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": device, **config}, kv_cache_dtype=kv)
     # later rounds restore the shared prefix from state snapshots (prefix caching on), from the
     # host tier too when it is on
+    host = "num_host_blocks" in config
     n = 3 if host else 2
-    assert rounds(llm, prompts(), GREEDY, n) == [list(alone(folder))] * n
+    assert rounds(llm, prompts(), GREEDY, n) == [list(alone(folder, kv))] * n
     check_clean(llm)
     stats = llm.engine.stats()
     if "num_device_blocks" in config and not host:
         assert stats.num_preemptions > 0
     if host:
         assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
-    if config.get("enable_prefix_caching", True):  # hits, of new or of preempted requests
-        hits = stats.prefix_cache
-        assert hits.num_hit_tokens + hits.num_preempted_hit_tokens > 0
+    if hits and config.get("enable_prefix_caching", True):  # of new or of preempted requests
+        cache = stats.prefix_cache
+        assert cache.num_hit_tokens + cache.num_preempted_hit_tokens > 0
     if "num_speculative_tokens" in config:  # some drafts rejected, some accepted
         assert 0 < llm.engine.num_accepted_tokens < llm.engine.num_draft_tokens
 
@@ -263,11 +270,38 @@ def test_draft_pages_come_out_of_the_memory_budget(models: dict[str, Path]) -> N
         LLM(str(models["falcon_h1"]), **{**kw, "max_num_seqs": 64}, num_speculative_tokens=3)
 
 
-def test_a_kv_dtype_other_than_the_models_is_refused(models: dict[str, Path]) -> None:
-    """States share the pages in the model's dtype: a different --kv-cache-dtype is a ValueError
-    naming the flag, before anything is allocated."""
-    with pytest.raises(ValueError, match="kv-cache-dtype"):
-        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="bfloat16")
+# 8-bit KV doubles a hybrid's block size (its attention page must still hold a state page)
+KV8_MODES: dict[str, dict[str, Any]] = {
+    "async3": MODES["async3"],
+    "no-prefix-cache-async3": MODES["no-prefix-cache-async3"],
+    "chunked-prefill": MODES["chunked-prefill"],
+    "host-eager": HOST,
+}
+KV8_HOST_BLOCKS = {"falcon_h1": 14, "granite_hybrid": 21, "falcon_h1_windowed": 20}
+
+
+@pytest.mark.parametrize(
+    ("mode", "kv"), [*((m, "fp8") for m in sorted(KV8_MODES)), ("chunked-prefill", "fp8_e5m2")]
+)
+@pytest.mark.parametrize("arch", [*ARCHS, "falcon_h1_windowed"])
+def test_8bit_kv_gives_each_prompt_its_tokens_alone(
+    arch: str, mode: str, kv: str, models: dict[str, Path]
+) -> None:
+    """Attention layers read and write fp8 codes while the Mamba states keep the model's dtype in
+    the same pages: every mode gives each prompt the tokens it gets alone with the same KV dtype,
+    under the sanitizer and NaN poison."""
+    config = KV8_MODES[mode]
+    host = "num_host_blocks" in config
+    if host:  # its blocks of twice the tokens: the prefixes come back from the host tier only
+        config = {**config, "num_device_blocks": KV8_HOST_BLOCKS[arch]}
+    check_mode(models[arch], config, "cpu", kv, hits=not host)
+
+
+def test_8bit_kv_and_drafts_on_a_hybrid_are_refused(models: dict[str, Path]) -> None:
+    """Draft states would be copied between 8-bit pool pages, which the runner does not do: a
+    ValueError naming both flags, before anything is allocated."""
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 with --num-speculative-tokens"):
+        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="fp8", num_speculative_tokens=2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,19 +13,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvtier.engine import EngineArgs, EngineCore, SamplingParams
+from kvtier.model import native
+from kvtier.model.layers import PACK_BF16
 from kvtier.model.loader import load_model
 from kvtier.model.paged import FP8
 from kvtier.model.served import load_served
 from kvtier.model.testing import FP8_KV_SCHEME, KV_SCALE_NAMES, write_kv_scaled_model
-from tests.model.paged import PagedKV
+from tests.model.paged import PagedKV, record_fused_runs
 
 E4M3 = torch.float8_e4m3fn
 TOKENS = list(range(10, 60))
 PROMPT = 20
-GROW = 256.0  # a power of two: the grown model's products are the original's, exactly shifted
+GROW = 256.0
+kernels = native.kernels()
+FUSED = (
+    kernels is not None and kernels.tile_linear and PACK_BF16
+)  # the one-call layer runs  # a power of two: the grown model's products are the original's, exactly shifted
 
 
-def logits_and_caches(folder: Path, kv_dtype: torch.dtype | None):
+def logits_and_caches(folder: Path, kv_dtype: torch.dtype | None, fused: bool = True):
     """Teacher-forced logits (a 20-token prefill, then one token a step) and the KV pool after."""
     model = load_model(folder, dtype="bfloat16")
     kv = PagedKV(model, num_blocks=64, block_size=4, kv_dtype=kv_dtype)
@@ -60,17 +67,24 @@ def calibrated(caches: list[torch.Tensor]) -> dict[int, tuple[float, float]]:
             for i, c in enumerate(caches)}  # fmt: skip
 
 
-def test_checkpoint_scales_reach_the_fp8_cache(tiny_model_dir, tmp_path):
-    source = tiny_model_dir("llama")
+@pytest.mark.parametrize("config", [{}, {"hidden_size": 256}], ids=["head16", "head64"])
+def test_checkpoint_scales_reach_the_fp8_cache(tiny_model_dir, tmp_path, monkeypatch, config):
+    """At head size 64 the one-call layer kernel (layer.c) runs where it is built: it takes the
+    checkpoint's scales as the Python layers do."""
+    runs = record_fused_runs(monkeypatch)
+    source = tiny_model_dir("llama", **config)
     big = grown(source, tmp_path / "big", GROW)
     plain, plain_caches = logits_and_caches(big, None)
     assert plain_caches[0][:, 0].abs().max() > 2 * FP8[E4M3]  # K beyond e4m3's range
     scales = calibrated(plain_caches)
-    assert len({s for pair in scales.values() for s in pair}) == 8  # each layer its own
+    assert len({s for pair in scales.values() for s in pair}) >= 6  # each layer its own
     big_scaled = write_kv_scaled_model(big, tmp_path / "big-scaled", scales)
     small = {i: (k / GROW, v / GROW) for i, (k, v) in scales.items()}
     small_scaled = write_kv_scaled_model(source, tmp_path / "small-scaled", small)
+    runs.clear()
     ours, caches = logits_and_caches(big_scaled, E4M3)
+    if config and FUSED:
+        assert runs and all(runs)
     same, same_caches = logits_and_caches(small_scaled, E4M3)
     # the same codes in the cache and the same logits as the original with its scales
     for a, b in zip(caches, same_caches, strict=True):
@@ -79,6 +93,27 @@ def test_checkpoint_scales_reach_the_fp8_cache(tiny_model_dir, tmp_path):
     unscaled, _ = logits_and_caches(big, E4M3)  # scale 1.0: K/V saturate at ±448
     err, err_unscaled = (ours - plain).abs().mean(), (unscaled - plain).abs().mean()
     assert err * 4 < err_unscaled, (err, err_unscaled)
+
+
+def test_the_engine_serves_a_checkpoints_scales(tiny_model_dir, tmp_path):
+    """Through the engine (its pool, native kernels): the grown model with its scales stores the
+    original's codes and samples its tokens."""
+    source = tiny_model_dir("llama")
+    big = grown(source, tmp_path / "big", GROW)
+    scales = calibrated(logits_and_caches(big, None)[1])
+    small = {i: (k / GROW, v / GROW) for i, (k, v) in scales.items()}
+    runs = {}
+    for name, folder in (
+        ("big", write_kv_scaled_model(big, tmp_path / "big-scaled", scales)),
+        ("small", write_kv_scaled_model(source, tmp_path / "small-scaled", small)),
+    ):
+        kw = {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "num_device_blocks": 32}
+        eng = EngineCore(EngineArgs.from_kwargs(str(folder), **kw, block_size=4, max_model_len=64))
+        eng.add_request("a", TOKENS[:PROMPT], SamplingParams(max_tokens=16, temperature=0))
+        runs[name] = (eng.drain()["a"].token_ids, [t.clone() for t in eng.device.kv("device")])
+    assert runs["big"][0] == runs["small"][0]
+    for a, b in zip(runs["big"][1], runs["small"][1], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("naming", list(KV_SCALE_NAMES))

@@ -18,8 +18,14 @@ from kvtier.model import native
 from kvtier.model.layers import PACK_BF16
 from kvtier.model.loader import load_model
 from kvtier.model.paged import FP8
+from kvtier.model.quant import Int8Linear
 from kvtier.model.served import load_served
-from kvtier.model.testing import FP8_KV_SCHEME, KV_SCALE_NAMES, write_kv_scaled_model
+from kvtier.model.testing import (
+    FP8_KV_SCHEME,
+    KV_SCALE_NAMES,
+    write_int8_model,
+    write_kv_scaled_model,
+)
 from tests.model.paged import PagedKV, record_fused_runs
 
 E4M3 = torch.float8_e4m3fn
@@ -194,3 +200,12 @@ def test_scales_of_a_layer_the_model_lacks_are_refused(tiny_model_dir, tmp_path)
         load_served(folder)
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+
+
+def test_int8_weights_and_kv_scales_load_together(tiny_model_dir, tmp_path):
+    """llm-compressor's W8A16 recipe with a kv_cache_scheme: int8 linears and the KV scales."""
+    int8 = write_int8_model(tiny_model_dir("llama"), tmp_path / "int8")
+    folder = write_kv_scaled_model(int8, tmp_path / "both", {1: (0.5, 0.25)})
+    served = load_served(folder)
+    assert served.kv_scales()[1] == (0.5, 0.25)
+    assert any(isinstance(m, Int8Linear) for m in served.module.modules())

@@ -16,7 +16,8 @@ from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferF
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.types import Transfer
-from tests.engine.workloads import check_clean, rounds
+from tests.engine import workloads
+from tests.engine.workloads import check_clean, check_mode_effects, rounds
 from tests.model.reference import hf_logits, hf_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -86,15 +87,9 @@ def prompts() -> list[list[int]]:
 
 @functools.cache
 def alone(folder: Path) -> tuple[tuple[int, ...], ...]:
-    """Each prompt alone: synchronous, no prefix caching, on the cpu backend."""
-    out = []
-    for p in prompts():
-        llm = LLM(
-            str(folder), **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False}
-        )
-        got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
-        out.append(tuple(got[0].outputs[0].token_ids))
-    return tuple(out)
+    """Each prompt alone, on the cpu backend."""
+    outs = workloads.alone(str(folder), SMALL, [(p, GREEDY) for p in prompts()])
+    return tuple(tuple(o.token_ids) for o in outs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -129,11 +124,8 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     n = 3 if host else 2
     assert rounds(llm, prompts(), GREEDY, n) == [list(alone(folder))] * n
     check_clean(llm)
+    check_mode_effects(llm, config)
     stats = llm.engine.stats()
-    if "num_device_blocks" in config and not host:
-        assert stats.num_preemptions > 0
-    if host:
-        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
     if config.get("enable_prefix_caching", True):  # hits, of new or of preempted requests
         hits = stats.prefix_cache
         assert hits.num_hit_tokens + hits.num_preempted_hit_tokens > 0

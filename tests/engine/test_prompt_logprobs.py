@@ -11,15 +11,9 @@ import pytest
 import torch
 
 from kvtier.engine import LLM, EngineArgs, EngineCore, FinishedRequest, SamplingParams
-from kvtier.model.testing import write_tiny_model
 
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 32}
 SIM = {"device": "sim", "sanitize": True, "poison": True, "check_integrity": True}
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-plp"), "gemma3", window=8)
 
 
 def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:

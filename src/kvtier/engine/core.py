@@ -283,7 +283,7 @@ class EngineCore:
         spec = so.grammar_spec()
         self.grammars.hold(spec)  # before the compile: held, it cannot be evicted once cached
         self._prepared[req_id] = spec
-        ready = self.grammars.compile_async(spec)
+        ready = self.grammars.compile_async(spec)  # its size was checked: it does not raise
         return None if ready.done() else ready
 
     def add_request(

@@ -184,7 +184,8 @@ class Grammars:
                 self._slots.release()
                 done.set()
 
-        self.num_compiles += 1
+        with self._lock:
+            self.num_compiles += 1
         threading.Thread(target=run, name="grammar-compile", daemon=True).start()
         if not done.wait(timeout):
             return ValueError(

@@ -1,10 +1,7 @@
-"""StepSampler: the sampling half of a forward op — from the hidden states of a step's last
-known positions to its next tokens. It owns the sampler's random state and the grammar
-matchers' masks; it masks the logits, applies penalties, bias and bans, draws, accepts drafts,
-advances matchers on the accepted tokens only (architecture.md §Grammar), and writes the tokens
-to the sampled buffer and the device token buffer. It decides nothing about which positions run
-(the runner's plan says) and runs only inside the forward op.
-"""
+"""StepSampler: the sampling half of a forward op, from the hidden states of a step's last known
+positions to its next tokens (grammar masks, penalties and bans, the draw, draft acceptance,
+matchers advanced on accepted tokens only: architecture.md §Grammar). It runs only inside the
+forward op and never decides which positions run: the runner's plan says."""
 
 from __future__ import annotations
 

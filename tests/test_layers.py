@@ -312,6 +312,29 @@ def test_config_holds_only_what_the_engine_uses() -> None:
     assert not found, "used only above the engine; move to that layer:\n" + "\n".join(found)
 
 
+def reachable(edges: list[Import], starts: set[str]) -> set[str]:
+    """Every module `starts` import, directly or through others (every kind of edge)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_engine_side_of_the_server_loads_no_request_body() -> None:
+    """The engine thread and process raise `APIError` (`server/errors.py`) but parse no body:
+    the pydantic models of `server/protocol.py` stay on the handlers' side."""
+    engine_side = {f"kvtier.server.{m}" for m in ("events", "engine_loop", "engine_process")}
+    assert "kvtier.server.protocol" not in reachable(EDGES, engine_side)
+    assert "kvtier.server.errors" in reachable(EDGES, engine_side)
+
+
 def test_type_checking_and_function_level_imports_are_edges() -> None:
     edges = {(e.source, e.target): e for e in EDGES}
     assert edges[("kvtier.sched.scheduler", "kvtier.config")].type_only

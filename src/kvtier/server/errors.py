@@ -1,7 +1,8 @@
 """What the server answers when a request cannot be served, and the strict JSON every answer is
 rendered with: `APIError` and its OpenAI-shaped body, pydantic's validation errors as one 400
 naming the field, text UTF-8 cannot carry refused by name. Knows no body model and no engine, so
-the engine's side of the server raises `APIError` without loading the bodies."""
+the engine's side of the server raises `APIError` without loading the bodies (a rule
+`tests/test_layers.py` keeps)."""
 
 from __future__ import annotations
 

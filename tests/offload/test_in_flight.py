@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.offload.fetch import FetchJob, FetchResult
-from kvtier.offload.in_flight import InFlightReads, Step
+from kvtier.offload.in_flight import InFlightReads, Next
 
 KEY = (0, b"first block")  # (group, block hash) a read starts at
 
@@ -47,7 +47,7 @@ def parts() -> Iterator[tuple[InFlightReads, Clock, threading.Event]]:
 
 
 def start(reads: InFlightReads, gate: threading.Event, req_id: str) -> FetchJob:
-    assert reads.begin(req_id, 20, (0, 0)) is Step.ASK
+    assert reads.begin(req_id, 20, (0, 0)) is Next.ASK
     j = job(req_id)
     reads.start(j, [KEY], lambda jb: held_read(gate, jb))
     return j
@@ -58,19 +58,19 @@ def test_a_waiter_asks_again_once_the_read_it_waits_on_lands(
 ) -> None:
     reads, _, gate = parts
     a = start(reads, gate, "a")
-    assert reads.begin("b", 20, (0, 0)) is Step.ASK
+    assert reads.begin("b", 20, (0, 0)) is Next.ASK
     assert reads.wait_on_other("b", [KEY])  # b's next block is the one a reads
     assert not reads.wait_on_other("a", [KEY])  # its own read is no other's
     assert reads.waiting() == {"a", "b"}
-    assert reads.begin("b", 20, (0, 0)) is Step.WAIT
+    assert reads.begin("b", 20, (0, 0)) is Next.WAIT
     assert reads.wait(0.01) is False
     gate.set()
     assert reads.wait(30) is True
     [(landed, result)] = reads.take_landed()
     assert landed is a and result is not None and result.boundary == 16
     assert reads.waiting() == set() and reads.take_landed() == []
-    assert reads.begin("a", 20, (0, 16)) is Step.DONE  # asked once for this length
-    assert reads.begin("b", 20, (0, 16)) is Step.ASK  # from the host's answer, now longer
+    assert reads.begin("a", 20, (0, 16)) is Next.DONE  # asked once for this length
+    assert reads.begin("b", 20, (0, 16)) is Next.ASK  # from the host's answer, now longer
     assert reads.take_result("a") is result and reads.take_result("a") is None
     assert reads.take_result("b") is None  # it read nothing itself
     assert reads.last_lookup("a") == (0, 16) and reads.last_lookup("c") is None
@@ -80,14 +80,14 @@ def test_a_read_that_raises_lands_as_none_and_frees_its_waiters(
     parts: tuple[InFlightReads, Clock, threading.Event],
 ) -> None:
     reads, _, _ = parts
-    assert reads.begin("a", 20, (0, 0)) is Step.ASK
+    assert reads.begin("a", 20, (0, 0)) is Next.ASK
     reads.start(job("a"), [KEY], failing_read)
-    assert reads.begin("b", 20, (0, 0)) is Step.ASK and reads.wait_on_other("b", [KEY])
+    assert reads.begin("b", 20, (0, 0)) is Next.ASK and reads.wait_on_other("b", [KEY])
     assert reads.wait(30) is True
     [(_, result)] = reads.take_landed()
     assert result is None
-    assert reads.begin("a", 20, (0, 0)) is Step.DONE and reads.take_result("a") is None
-    assert reads.begin("b", 20, (0, 0)) is Step.ASK
+    assert reads.begin("a", 20, (0, 0)) is Next.DONE and reads.take_result("a") is None
+    assert reads.begin("b", 20, (0, 0)) is Next.ASK
 
 
 def test_past_the_deadline_the_lookup_stops_and_the_orphaned_read_ends_no_wait(
@@ -96,13 +96,13 @@ def test_past_the_deadline_the_lookup_stops_and_the_orphaned_read_ends_no_wait(
     reads, clock, gate = parts
     start(reads, gate, "a")
     clock.now = 0.99
-    assert reads.begin("a", 20, (0, 0)) is Step.WAIT
+    assert reads.begin("a", 20, (0, 0)) is Next.WAIT
     clock.now = 1.0
     assert reads.wait(0.01) is True  # the awaited deadline passed
-    assert reads.begin("a", 20, (0, 0)) is Step.TIMED_OUT
-    assert reads.begin("a", 20, (0, 0)) is Step.DONE
+    assert reads.begin("a", 20, (0, 0)) is Next.TIMED_OUT
+    assert reads.begin("a", 20, (0, 0)) is Next.DONE
     assert reads.waiting() == set() and reads.wait(0.01) is False  # nobody waits on it
-    assert reads.begin("a", 24, (0, 0)) is Step.ASK  # a new length is a new lookup
+    assert reads.begin("a", 24, (0, 0)) is Next.ASK  # a new length is a new lookup
     reads.forget("a")
     assert reads.last_lookup("a") is None
     gate.set()

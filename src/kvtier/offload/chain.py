@@ -30,7 +30,7 @@ from kvtier.ids import BlockHash, BlockId, ReqId
 from kvtier.kv.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.kv.specs import FullAttention
 from kvtier.offload.fetch import FetchJob, FetchResult, LowerTier, run_fetch
-from kvtier.offload.in_flight import InFlightReads, Step
+from kvtier.offload.in_flight import InFlightReads, Next
 from kvtier.offload.store_records import Published
 from kvtier.offload.tier import HostTier
 from kvtier.offload.types import Key, Transfer
@@ -162,12 +162,12 @@ class TierChain:
             return answer
         rid = request.request_id
         end = num_hit_tokens + answer.num_tokens
-        step = self._reads.begin(rid, request.num_tokens, (num_hit_tokens, end))
-        if step is Step.WAIT:
+        todo = self._reads.begin(rid, request.num_tokens, (num_hit_tokens, end))
+        if todo is Next.WAIT:
             return TierLookup(0, wait_for_load=True)
-        if step is Step.TIMED_OUT:
+        if todo is Next.TIMED_OUT:
             self.metrics.num_fetch_timeouts += 1
-        if step is not Step.ASK:
+        if todo is not Next.ASK:
             return answer
         max_len = (request.num_tokens - 1) // self.align * self.align
         if max_len <= end:

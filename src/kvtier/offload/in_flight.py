@@ -22,7 +22,7 @@ from kvtier.offload.types import Key
 log = logging.getLogger("kvtier.offload")
 
 
-class Step(enum.Enum):
+class Next(enum.Enum):
     """What a request's lookup does next (`InFlightReads.begin`)."""
 
     WAIT = "wait"  # its read, or the one it waits on, is in flight before the deadline
@@ -74,7 +74,7 @@ class InFlightReads:
         self._by_key: dict[Key, _Read] = {}  # first key of each group at a read's start
         self._lookups: dict[ReqId, _Lookup] = {}
 
-    def begin(self, req_id: ReqId, num_tokens: int, last_lookup: tuple[int, int]) -> Step:
+    def begin(self, req_id: ReqId, num_tokens: int, last_lookup: tuple[int, int]) -> Next:
         """Note a lookup of `req_id` at `num_tokens` that saw (device hit, host end)
         `last_lookup`; what it does next. A new length starts a new lookup. TIMED_OUT ends the
         wait (the read stays in flight for whoever stages it; it ends no `wait`)."""
@@ -87,11 +87,11 @@ class InFlightReads:
             if pending is None:
                 continue
             if now < pending.deadline:
-                return Step.WAIT
+                return Next.WAIT
             st.read = st.waiting_on = None
             st.done = True
-            return Step.TIMED_OUT
-        return Step.DONE if st.done else Step.ASK
+            return Next.TIMED_OUT
+        return Next.DONE if st.done else Next.ASK
 
     def settle(self, req_id: ReqId) -> None:
         """The lookup of `req_id` (after ASK) asks nothing below the host for this length."""

@@ -78,3 +78,15 @@ def test_kv_aware_keeps_a_conversation_on_the_replica_it_started_on(tmp_path: Pa
 def test_bad_flags_name_the_flag(tmp_path: Path, flags: tuple[str, ...], needle: str) -> None:
     with pytest.raises(SystemExit, match=needle.replace("[", r"\[").replace("]", r"\]")):
         router.run(_args(tmp_path, *flags))
+
+
+def test_a_replica_that_exits_is_the_error_with_its_log_and_nothing_is_left(
+    tmp_path: Path,
+) -> None:
+    """A replica that cannot start ends the run with its exit and its log's tail (where
+    `kvtier serve` names the flag), and every process started before it is stopped."""
+    before = _children()
+    args = _args(tmp_path, "--policies", "round_robin", "--serve-arg=--no-such-flag")
+    with pytest.raises(SystemExit, match=r"(?s)replica0 exited \(2\).*--no-such-flag"):
+        router.run(args)
+    assert _children() <= before

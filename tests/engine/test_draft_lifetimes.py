@@ -13,17 +13,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
-from kvtier.model.testing import write_tiny_model
 
 # Found by a seeded search: two requests, budget 4 (so `b` sometimes gets one token: no drafts)
 A = [204, 75, 25, 74, 60, 277, 121, 74, 78, 19, 34, 72, 121, 277, 232, 272, 214, 107, 50, 63]
 A += [13, 209, 177, 104, 108, 172, 203, 189]
 B = [114, 216, 283, 33, 29, 95, 185, 71, 107, 78]
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-w8"), "gemma3", window=8)
 
 
 def engine(path: Path, **kw: object) -> EngineCore:

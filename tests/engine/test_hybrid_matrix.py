@@ -16,7 +16,8 @@ from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferF
 from kvtier.model.testing import write_tiny_model
 from kvtier.offload.loads import LoadPlanner
 from kvtier.offload.types import Transfer
-from tests.engine.workloads import check_clean, rounds
+from tests.engine import workloads
+from tests.engine.workloads import check_clean, check_mode_effects, mixed_prompts, rounds
 from tests.model.reference import hf_logits, hf_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -73,28 +74,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: model(arch, root) for arch in [*ARCHS, "falcon_h1_windowed"]}
 
 
-def prompts() -> list[list[int]]:
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],  # repetitive: n-gram drafts get accepted
-    ]
-
-
 @functools.cache
-def alone(folder: Path) -> tuple[tuple[int, ...], ...]:
-    """Each prompt alone: synchronous, no prefix caching, on the cpu backend."""
-    out = []
-    for p in prompts():
-        llm = LLM(
-            str(folder), **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False}
-        )
-        got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
-        out.append(tuple(got[0].outputs[0].token_ids))
-    return tuple(out)
+def alone(folder: Path, kv_cache_dtype: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """Each prompt alone, on the cpu backend."""
+    config = {**SMALL, "kv_cache_dtype": kv_cache_dtype}
+    outs = workloads.alone(str(folder), config, [(p, GREEDY) for p in mixed_prompts()])
+    return tuple(tuple(o.token_ids) for o in outs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -102,7 +87,7 @@ def test_the_reference_run_is_transformers_greedy(arch: str, models: dict[str, P
     """Each prompt alone through the engine gives `transformers`' greedy continuation (one full
     forward per token, no cache), so every mode below is checked against the model itself."""
     reference = hf_model(models[arch], torch.float32)
-    for prompt, got in zip(prompts(), alone(models[arch]), strict=True):
+    for prompt, got in zip(mixed_prompts(), alone(models[arch]), strict=True):
         tokens = list(prompt)
         for _ in range(GREEDY.max_tokens or 0):
             tokens.append(int(hf_logits(reference, tokens)[-1].argmax()))
@@ -119,24 +104,26 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     if mode.startswith("tight-pool"):
         tight = TIGHT_DRAFT_BLOCKS if "num_speculative_tokens" in config else TIGHT_BLOCKS
         config = {**config, "num_device_blocks": tight[arch]}
-    host = "num_host_blocks" in config
-    if host:
+    if "num_host_blocks" in config:
         config = {**config, "num_device_blocks": HOST_BLOCKS[arch]}
-    folder = models[arch]
-    llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": device, **config})
+    check_mode(models[arch], config, device)
+
+
+def check_mode(
+    folder: Path, config: dict[str, Any], device: str, kv: str | None = None, hits: bool = True
+) -> None:
+    llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": device, **config}, kv_cache_dtype=kv)
     # later rounds restore the shared prefix from state snapshots (prefix caching on), from the
     # host tier too when it is on
+    host = "num_host_blocks" in config
     n = 3 if host else 2
-    assert rounds(llm, prompts(), GREEDY, n) == [list(alone(folder))] * n
+    assert rounds(llm, mixed_prompts(), GREEDY, n) == [list(alone(folder, kv))] * n
     check_clean(llm)
+    check_mode_effects(llm, config)
     stats = llm.engine.stats()
-    if "num_device_blocks" in config and not host:
-        assert stats.num_preemptions > 0
-    if host:
-        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
-    if config.get("enable_prefix_caching", True):  # hits, of new or of preempted requests
-        hits = stats.prefix_cache
-        assert hits.num_hit_tokens + hits.num_preempted_hit_tokens > 0
+    if hits and config.get("enable_prefix_caching", True):  # of new or of preempted requests
+        cache = stats.prefix_cache
+        assert cache.num_hit_tokens + cache.num_preempted_hit_tokens > 0
     if "num_speculative_tokens" in config:  # some drafts rejected, some accepted
         assert 0 < llm.engine.num_accepted_tokens < llm.engine.num_draft_tokens
 
@@ -177,7 +164,7 @@ def test_the_host_tier_loads_each_state_snapshot_with_its_attention_blocks(
     config = {**SMALL, **CHECKED, **HOST, "num_device_blocks": HOST_BLOCKS[arch], "device": "sim"}
     llm = LLM(str(models[arch]), **config)
     llm.engine.set_transfer_faults(FAULTS[fault])
-    assert rounds(llm, prompts(), GREEDY, 3) == [list(alone(models[arch]))] * 3
+    assert rounds(llm, mixed_prompts(), GREEDY, 3) == [list(alone(models[arch]))] * 3
     check_clean(llm)
     state_groups = llm.engine.runner.state_groups
     assert loads and state_groups
@@ -193,7 +180,7 @@ def test_states_are_planned_in_the_run_dtype_not_the_configs(models: dict[str, P
     llm = LLM(str(models["falcon_h1"]), **SMALL, **CHECKED, device="sim", dtype="float64")
     mamba = llm.engine.model_config.mamba
     assert mamba is not None and llm.engine.plan.state_page_bytes == mamba.state_elems * 8
-    out = llm.generate({"prompt_token_ids": prompts()[0]}, GREEDY, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": mixed_prompts()[0]}, GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
     check_clean(llm)
 
@@ -209,7 +196,7 @@ def test_window_full_and_state_groups_together(mode: str, models: dict[str, Path
     llm = LLM(str(folder), **{**SMALL, **CHECKED, "device": "sim", **config})
     kinds = {type(spec).__name__ for spec in llm.engine.plan.specs}
     assert kinds == {"FullAttention", "SlidingWindow", "Mamba"}
-    assert rounds(llm, prompts(), GREEDY, 2) == [list(alone(folder))] * 2
+    assert rounds(llm, mixed_prompts(), GREEDY, 2) == [list(alone(folder))] * 2
     check_clean(llm)
 
 
@@ -227,10 +214,10 @@ def test_aborts_at_every_step_leave_the_others_tokens_alone(
     engine = EngineCore(EngineArgs.from_kwargs(str(folder), **kw, num_speculative_tokens=2))
     for abort_after in range(0, 12, 3):
         got: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts()):
+        for i, p in enumerate(mixed_prompts()):
             engine.add_request(f"r{abort_after}-{i}", p, GREEDY)
             got[f"r{abort_after}-{i}"] = []
-        victim = f"r{abort_after}-{abort_after % len(prompts())}"
+        victim = f"r{abort_after}-{abort_after % len(mixed_prompts())}"
         steps = 0
         while engine.has_unfinished_requests():
             if steps == abort_after:
@@ -263,11 +250,38 @@ def test_draft_pages_come_out_of_the_memory_budget(models: dict[str, Path]) -> N
         LLM(str(models["falcon_h1"]), **{**kw, "max_num_seqs": 64}, num_speculative_tokens=3)
 
 
-def test_a_kv_dtype_other_than_the_models_is_refused(models: dict[str, Path]) -> None:
-    """States share the pages in the model's dtype: a different --kv-cache-dtype is a ValueError
-    naming the flag, before anything is allocated."""
-    with pytest.raises(ValueError, match="kv-cache-dtype"):
-        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="bfloat16")
+# 8-bit KV doubles a hybrid's block size (its attention page must still hold a state page)
+KV8_MODES: dict[str, dict[str, Any]] = {
+    "async3": MODES["async3"],
+    "no-prefix-cache-async3": MODES["no-prefix-cache-async3"],
+    "chunked-prefill": MODES["chunked-prefill"],
+    "host-eager": HOST,
+}
+KV8_HOST_BLOCKS = {"falcon_h1": 14, "granite_hybrid": 21, "falcon_h1_windowed": 20}
+
+
+@pytest.mark.parametrize(
+    ("mode", "kv"), [*((m, "fp8") for m in sorted(KV8_MODES)), ("chunked-prefill", "fp8_e5m2")]
+)
+@pytest.mark.parametrize("arch", [*ARCHS, "falcon_h1_windowed"])
+def test_8bit_kv_gives_each_prompt_its_tokens_alone(
+    arch: str, mode: str, kv: str, models: dict[str, Path]
+) -> None:
+    """Attention layers read and write fp8 codes while the Mamba states keep the model's dtype in
+    the same pages: every mode gives each prompt the tokens it gets alone with the same KV dtype,
+    under the sanitizer and NaN poison."""
+    config = KV8_MODES[mode]
+    host = "num_host_blocks" in config
+    if host:  # its blocks of twice the tokens: the prefixes come back from the host tier only
+        config = {**config, "num_device_blocks": KV8_HOST_BLOCKS[arch]}
+    check_mode(models[arch], config, "cpu", kv, hits=not host)
+
+
+def test_8bit_kv_and_drafts_on_a_hybrid_are_refused(models: dict[str, Path]) -> None:
+    """Draft states would be copied between 8-bit pool pages, which the runner does not do: a
+    ValueError naming both flags, before anything is allocated."""
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 with --num-speculative-tokens"):
+        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="fp8", num_speculative_tokens=2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -282,7 +296,7 @@ def test_state_snapshots_come_back_from_the_disk_tier(
     disk = {"kv_disk_path": str(tmp_path), "kv_tier_timeout_s": 30.0}  # hits, not deadline races
     llm = LLM(str(folder), **SMALL, **CHECKED, **tiers, **disk, device="sim")
     try:
-        assert rounds(llm, prompts(), GREEDY, 3) == [list(alone(folder))] * 3
+        assert rounds(llm, mixed_prompts(), GREEDY, 3) == [list(alone(folder))] * 3
         check_clean(llm)
         got = llm.engine.stats().tier("disk")
         assert got is not None and got.metrics.num_promoted_blocks > 0

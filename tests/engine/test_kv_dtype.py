@@ -6,15 +6,17 @@ twice the budget."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.cli import main
 from kvtier.config import CacheConfig
 from kvtier.device.buffers import TORCH_DTYPES
 from kvtier.engine import EngineArgs, EngineCore, SamplingParams
-from kvtier.model.testing import write_tiny_model
+from kvtier.model.testing import write_kv_scaled_model, write_tiny_model
 
 ARGS = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 32}
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -68,12 +70,36 @@ def test_a_hybrids_plan_is_its_pool(falcon_h1: Path, kv_dtype: str | None) -> No
     assert_plan_is_allocated(eng, "bfloat16")
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
-def test_a_kv_dtype_other_than_a_hybrids_is_refused(falcon_h1: Path, kv_dtype: str) -> None:
-    """Mamba states share the pages in the model's dtype, so a hybrid keeps its KV there."""
-    kw = {**ARGS, "dtype": "bfloat16", "kv_cache_dtype": kv_dtype}
-    with pytest.raises(ValueError, match="--kv-cache-dtype"):
-        EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, num_device_blocks=16))
+@pytest.mark.parametrize(("kv_dtype", "stored"), [("fp8", "float8_e4m3fn"), ("float32", "float32")])
+def test_a_hybrids_kv_dtype_holds_its_states_in_the_models_dtype(
+    falcon_h1: Path, kv_dtype: str, stored: str
+) -> None:
+    """The pool is the KV dtype's (an 8-bit one: half the bytes a block, twice the tokens); the
+    Mamba states keep the model's bfloat16 in the same pages' bytes."""
+    kw = {**ARGS, "dtype": "bfloat16", "num_host_blocks": 8, "num_device_blocks": 16}
+    eng = EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, kv_cache_dtype=kv_dtype))
+    base = EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw))
+    assert_plan_is_allocated(eng, stored)
+    assert eng.plan.page_bytes == base.plan.page_bytes  # an attention page holds a state page
+    ratio = {"fp8": 2, "float32": 0.5}[kv_dtype]
+    assert eng.plan.block_size == ratio * base.plan.block_size
+    caches = eng.model.bind(eng.device.kv("device"), eng.plan.block_size)
+    assert {c.dtype for c in caches.attention.values()} == {TORCH_DTYPES[stored]}
+    assert {s.ssm.dtype for s in caches.state.values()} == {torch.bfloat16}
+    eng.add_request("a", list(range(5, 30)), GREEDY)
+    assert len(eng.drain()["a"].token_ids) == 4
+
+
+def test_poison_is_nan_in_every_view_of_an_8bit_hybrid_page(falcon_h1: Path) -> None:
+    """A recycled page read as fp8 K/V or as the bfloat16 state it may hold is NaN (a NaN fp8
+    code, 0x7F, would be a large finite bfloat16 pair)."""
+    kw = {**ARGS, "dtype": "bfloat16", "num_device_blocks": 16, "poison": True}
+    eng = EngineCore(EngineArgs.from_kwargs(str(falcon_h1), **kw, kv_cache_dtype="fp8"))
+    eng.device.poison_blocks("device", [3])
+    caches = eng.model.bind(eng.device.kv("device"), eng.plan.block_size)
+    assert all(c[3].float().isnan().all() for c in caches.attention.values())
+    for state in caches.state.values():
+        assert state.conv[3].isnan().all() and state.ssm[3].isnan().all()
 
 
 def test_bfloat16_kv_halves_a_float32_models_pool_and_keeps_its_greedy_tokens(
@@ -115,3 +141,22 @@ def test_plan_sizes_fp8_at_half_of_bfloat16(capsys: pytest.CaptureFixture[str]) 
 def test_an_engine_refuses_int8_before_loading_anything(llama: Path) -> None:
     with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
         EngineArgs.from_kwargs(str(llama), kv_cache_dtype="int8")
+
+
+def test_fp8_without_checkpoint_scales_warns_as_vllm_does(
+    llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """e4m3 with scales 1.0 is a warning naming the flag (vLLM's); e5m2's range needs none, and a
+    checkpoint's scales silence it."""
+    scaled = write_kv_scaled_model(llama, tmp_path / "scaled", {0: (0.02, 0.01)})
+    for folder, kv, warns in (
+        (llama, "fp8", True),
+        (llama, "fp8_e5m2", False),
+        (scaled, "fp8", False),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+            EngineCore(EngineArgs.from_kwargs(str(folder), **ARGS, kv_cache_dtype=kv))
+        said = [r.getMessage() for r in caplog.records if "scales 1.0" in r.getMessage()]
+        assert bool(said) == warns, (folder, kv, said)
+        assert all(f"--kv-cache-dtype {kv}" in m for m in said)

@@ -17,11 +17,6 @@ SMALL = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 64}
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3", window=8)
-
-
-@pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvtier.engine import LLM, EngineArgs, EngineCore, SamplingParams, TransferFaults
-from kvtier.model.testing import write_tiny_model
-from tests.engine.workloads import Watchdog, check_clean, mixed_prompts, rounds
+from tests.engine import workloads
+from tests.engine.workloads import Watchdog, check_clean, check_mode_effects, mixed_prompts, rounds
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 64}
@@ -50,22 +50,11 @@ FAULTS = {  # the host tier with failing or slow copies
 DEVICES = ["cpu", "sim"]
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-matrix"), "gemma3", window=8)
-
-
 @functools.cache
 def alone(model: Path) -> tuple[tuple[int, ...], ...]:
-    """Each prompt alone: synchronous, no prefix caching, on the cpu backend."""
-    out = []
-    for p in mixed_prompts():
-        llm = LLM(
-            str(model), **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False}
-        )
-        got = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)
-        out.append(tuple(got[0].outputs[0].token_ids))
-    return tuple(out)
+    """Each prompt alone, on the cpu backend."""
+    outs = workloads.alone(str(model), SMALL, [(p, GREEDY) for p in mixed_prompts()])
+    return tuple(tuple(o.token_ids) for o in outs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,13 +67,9 @@ def test_every_mode_gives_each_prompt_its_tokens_alone(
     n = 3 if "num_host_blocks" in config else 1  # later rounds load prefixes back from the host
     assert rounds(llm, mixed_prompts(), GREEDY, n) == [list(alone(gemma3))] * n
     check_clean(llm)
-    stats = llm.engine.stats()
-    if "num_device_blocks" in config and "num_host_blocks" not in config:
-        assert stats.num_preemptions > 0
-    if "num_host_blocks" in config:
-        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
-    if "num_speculative_tokens" in config:
-        assert stats.num_accepted_tokens > 0
+    check_mode_effects(llm, config)
+    if "num_speculative_tokens" in config:  # the repetitive prompt's drafts are accepted
+        assert llm.engine.stats().num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

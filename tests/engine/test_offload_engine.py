@@ -32,11 +32,6 @@ BASE = {
 SIM_CHECKED = {k: BASE[k] for k in ("device", "sanitize", "poison", "check_integrity")}
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-offload"), "gemma3", window=8)
-
-
 def prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(20, 40))] for _ in range(8)]

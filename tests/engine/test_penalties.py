@@ -14,7 +14,6 @@ import torch
 
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.prompts import bad_words_token_ids
-from kvtier.model.testing import write_tiny_model
 from kvtier.sampling import DrawParams
 from tests.engine.test_matrix import CHECKED, SMALL, TIGHT
 from tests.engine.workloads import Watchdog, check_clean, mixed_prompts
@@ -48,11 +47,6 @@ MODES: dict[str, dict[str, Any]] = {
 def with_common(params: SamplingParams) -> SamplingParams:
     fields = {k: v for k, v in vars(params).items() if not k.startswith("_")}
     return SamplingParams(**(fields | COMMON))
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-penalties"), "gemma3", window=8)
 
 
 def run(llm: LLM, params: list[SamplingParams]) -> list[tuple[int, ...]]:

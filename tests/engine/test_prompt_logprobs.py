@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from kvtier.engine import LLM, EngineArgs, EngineCore, FinishedRequest, SamplingParams
-from kvtier.model.testing import write_tiny_model
+from tests.engine.workloads import mixed_prompts
 
 SMALL = {"max_model_len": 64, "block_size": 4, "max_num_batched_tokens": 32}
 SIM = {"device": "sim", "sanitize": True, "poison": True, "check_integrity": True}
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-plp"), "gemma3", window=8)
 
 
 def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
@@ -104,22 +99,11 @@ def test_chunked_prefill_gives_the_same_prompt_logprobs(gemma3: Path) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def shared_prompts() -> list[list[int]]:
-    """Prompts sharing a prefix: in the tight pool below, the one asking is preempted."""
-    shared = [(7 * i) % 300 + 3 for i in range(20)]
-    return [
-        [*shared, 11, 12, 13],
-        [*shared, 21, 22],
-        list(range(40, 45)),
-        [(5 * i) % 251 + 3 for i in range(37)],
-        [*shared[:9], 5, 5, 5, 5, 5, 5, 5, 5],
-    ]
-
-
 def run_engine(path: Path, **config: object) -> dict[str, FinishedRequest]:
     engine = EngineCore(EngineArgs.from_kwargs(str(path), **{**SMALL, **SIM, **config}))
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(shared_prompts()):
+    # prompts sharing a prefix: in the tight pool below, the one asking (3) is preempted
+    for i, prompt in enumerate(mixed_prompts()):
         engine.add_request(f"r{i}", prompt, asking(2, max_tokens=24) if i == 3 else plain)
     done = engine.drain()
     assert engine.stats().num_hazards == 0

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 
 from kvtier.engine import LLM, SamplingParams, StructuredOutputsParams
-from kvtier.model.testing import write_tiny_model
-from tests.engine.workloads import check_clean, mixed_prompts, rounds
+from tests.engine import workloads
+from tests.engine.workloads import check_clean, check_mode_effects, mixed_prompts, rounds
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": {
@@ -155,39 +155,26 @@ def run(llm: LLM, n_rounds: int = 1) -> list[list[tuple[int, ...]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("gemma3-grammar"), "gemma3", window=8)
-
-
 @functools.cache
 def alone(model: str | None) -> tuple[tuple[int, ...], ...]:
-    """Each request alone: synchronous, no prefix caching (valid outputs checked too)."""
-    out = []
-    for name, prompt, params in workload():
-        llm = LLM(model, **{**SMALL, "async_scheduling": False, "enable_prefix_caching": False})
-        got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    """Each request alone (valid outputs checked too)."""
+    requests = workload()
+    outs = workloads.alone(model, SMALL, [(prompt, params) for _, prompt, params in requests])
+    for (name, _, _), got in zip(requests, outs, strict=True):
         check_output(name, got.text, got.finish_reason)
-        out.append(tuple(got.token_ids))
-    return tuple(out)
+    return tuple(tuple(o.token_ids) for o in outs)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_every_mode_gives_valid_outputs_equal_to_alone_on_a_tiny_model(
-    mode: str, tiny: Path
+    mode: str, gemma3: Path
 ) -> None:
     config = MODES[mode]
-    llm = LLM(str(tiny), **{**SMALL, **CHECKED, **config})
+    llm = LLM(str(gemma3), **{**SMALL, **CHECKED, **config})
     n = 2 if "num_host_blocks" in config else 1  # the second round loads prefixes from the host
-    assert run(llm, n) == [list(alone(str(tiny)))] * n
+    assert run(llm, n) == [list(alone(str(gemma3)))] * n
     check_clean(llm)
-    stats = llm.engine.stats()
-    if "num_device_blocks" in config and "num_host_blocks" not in config:
-        assert stats.num_preemptions > 0
-    if "num_host_blocks" in config:
-        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
-    if "num_speculative_tokens" in config:
-        assert stats.num_draft_tokens > 0
+    check_mode_effects(llm, config)
 
 
 EMBEDDED_MODES = {  # its pool must hold one max-length request: a larger tight pool
@@ -206,10 +193,10 @@ def test_the_embedded_model_gives_valid_outputs_equal_to_alone(mode: str) -> Non
         assert llm.engine.stats().num_preemptions > 0
 
 
-def test_greedy_grammar_requests_beside_free_ones_leave_the_free_ones_alone(tiny: Path) -> None:
+def test_greedy_grammar_requests_beside_free_ones_leave_the_free_ones_alone(gemma3: Path) -> None:
     """A grammar request in the batch changes no other request's tokens (the mask is per row)."""
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = LLM(str(tiny), **{**SMALL, **CHECKED, "async_depth": 3, "num_speculative_tokens": 2})
+    llm = LLM(str(gemma3), **{**SMALL, **CHECKED, "async_depth": 3, "num_speculative_tokens": 2})
     expected = rounds(llm, mixed_prompts(), free, 1)
     engine = llm.engine
     for i, (_, prompt, params) in enumerate(workload()):
@@ -222,17 +209,17 @@ def test_greedy_grammar_requests_beside_free_ones_leave_the_free_ones_alone(tiny
         check_output(name, engine.tokenizer.decode(done[f"g{i}"].token_ids), "stop")
 
 
-def test_max_tokens_cuts_a_grammar_request_with_finish_reason_length(tiny: Path) -> None:
+def test_max_tokens_cuts_a_grammar_request_with_finish_reason_length(gemma3: Path) -> None:
     schema = SCHEMAS["nested"]
-    llm = LLM(str(tiny), **SMALL)
+    llm = LLM(str(gemma3), **SMALL)
     params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json=schema))
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert out.text.startswith("{")
 
 
-def test_json_object_gives_an_object(tiny: Path) -> None:
-    llm = LLM(str(tiny), **SMALL)
+def test_json_object_gives_an_object(gemma3: Path) -> None:
+    llm = LLM(str(gemma3), **SMALL)
     so = StructuredOutputsParams(json_object=True)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=so)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
@@ -253,9 +240,9 @@ def test_json_object_gives_an_object(tiny: Path) -> None:
     ],
 )
 def test_a_spec_that_cannot_compile_is_a_value_error_and_queues_nothing(
-    so: StructuredOutputsParams, words: str, tiny: Path
+    so: StructuredOutputsParams, words: str, gemma3: Path
 ) -> None:
-    llm = LLM(str(tiny), **SMALL)
+    llm = LLM(str(gemma3), **SMALL)
     params = SamplingParams(max_tokens=4, structured_outputs=so)
     with pytest.raises(ValueError, match=re.escape(words)):
         llm.engine.add_request("bad", [5, 6, 7], params)

@@ -1,10 +1,21 @@
 """Workloads shared by the engine tests: the mixed prompts (a shared prefix for prefix hits and
 host-tier reloads, a short and a long prompt, a repetitive one on which n-gram drafts get
-accepted), rounds of a batch, and the end-of-run check."""
+accepted), rounds of a batch, each request alone (the reference of every equivalence matrix), and
+the end-of-run checks."""
 
 from __future__ import annotations
 
-from kvtier.engine import LLM, EngineCore, FinishedRequest, SamplingParams, StepOutput
+from collections.abc import Iterable
+from typing import Any
+
+from kvtier.engine import (
+    LLM,
+    CompletionOutput,
+    EngineCore,
+    FinishedRequest,
+    SamplingParams,
+    StepOutput,
+)
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -32,6 +43,32 @@ def rounds(
         done = dog.drain()
         out.append([tuple(done[f"round{r}-{i}"].token_ids) for i in range(len(prompts))])
     return out
+
+
+def alone(
+    model: str | None, config: dict[str, Any], requests: Iterable[tuple[list[int], SamplingParams]]
+) -> list[CompletionOutput]:
+    """Each request alone, in an engine of its own with `config`, synchronous and without prefix
+    caching: the outputs every scheduling mode is held to."""
+    out = []
+    for prompt, params in requests:
+        llm = LLM(model, **{**config, "async_scheduling": False, "enable_prefix_caching": False})
+        got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        out.append(got[0].outputs[0])
+    return out
+
+
+def check_mode_effects(llm: LLM, config: dict[str, Any]) -> None:
+    """The mode `config` did what it is in a matrix for: a tight pool without a host tier
+    preempted, the host tier loaded blocks back, n-gram drafting proposed drafts."""
+    stats = llm.engine.stats()
+    host = "num_host_blocks" in config
+    if "num_device_blocks" in config and not host:
+        assert stats.num_preemptions > 0
+    if host:
+        assert stats.host_metrics is not None and stats.host_metrics.num_loaded_blocks > 0
+    if "num_speculative_tokens" in config:
+        assert stats.num_draft_tokens > 0
 
 
 def check_clean(llm: LLM) -> None:

@@ -23,6 +23,7 @@ class HybridKV:
     num_blocks: int
     block_size: int
     poison: bool = True
+    kv_dtype: torch.dtype | None = None  # the attention caches' (None: the model's); fp8: 8-bit
     kv_caches: dict[int, torch.Tensor] = field(init=False)
     state_caches: dict[int, MambaCache] = field(init=False)
     free: list[int] = field(init=False)
@@ -30,7 +31,9 @@ class HybridKV:
     num_computed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
+        self.kv_caches = self.model.allocate_kv_caches(
+            self.num_blocks, self.block_size, self.kv_dtype
+        )
         self.state_caches = self.model.allocate_state_caches(self.num_blocks)
         self.free = list(range(self.num_blocks - 1, 0, -1))  # block 0 is the null block
         for b in self.free:

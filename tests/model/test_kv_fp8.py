@@ -16,10 +16,12 @@ import torch
 from kvtier.model import native
 from kvtier.model.attention import LayerKind
 from kvtier.model.fused_layer import FusedLayers
+from kvtier.model.hybrid_loader import load_hybrid
 from kvtier.model.layers import PACK_BF16
 from kvtier.model.loader import load_model
 from kvtier.model.paged import FP8, paged_attention, plan_group, stored
 from kvtier.model.testing import ARCHITECTURES
+from tests.model.hybrid_paged import HybridKV
 from tests.model.paged import PagedKV, record_fused_runs
 from tests.model.reference import hf_logits, hf_model
 from tests.model.test_attention_paths import (
@@ -160,6 +162,36 @@ def test_fp8_kv_costs_a_bounded_logit_error_against_bfloat16_kv(tiny_model_dir, 
         ratio, agreement = QUALITY[fmt]
         err = (logits[fmt] - truth).abs().mean()
         assert base_err < err <= ratio * base_err, (fmt, err, base_err)  # a cost, bounded
+        agree = (logits[fmt].argmax(-1) == logits[None].argmax(-1)).float().mean()
+        assert agree >= agreement, (fmt, agree)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"), [("falcon_h1", {}), ("granite_hybrid", {"num_experts": 0})]
+)
+def test_a_hybrids_fp8_kv_costs_a_bounded_logit_error_against_bfloat16_kv(
+    tiny_model_dir, arch, config
+):
+    """The hybrids' attention layers over an fp8 cache (their Mamba states in bfloat16), held to
+    the decoders' bounds (HF's float64 experts do not run, hence the dense Granite)."""
+    folder = tiny_model_dir(arch, **config)
+    tokens = prompt(seed=2) + list(range(40, 72))
+    truth = hf_logits(hf_model(folder, torch.float64), tokens)
+    model = load_hybrid(folder, dtype="bfloat16")
+    logits = {}
+    for fmt in (None, *FORMATS):
+        kv = HybridKV(model, num_blocks=64, block_size=4, kv_dtype=fmt)
+        logits[fmt] = torch.cat(
+            [kv.step([("s", tokens[:PROMPT_LEN])])[0]]
+            + [kv.step([("s", [t])])[0] for t in tokens[PROMPT_LEN:]]
+        ).double()
+        assert {c.dtype for c in kv.kv_caches.values()} == {fmt or torch.bfloat16}
+        assert kv.state_caches[next(iter(kv.state_caches))].ssm.dtype == torch.bfloat16
+    base_err = (logits[None] - truth).abs().mean()
+    for fmt in FORMATS:
+        ratio, agreement = QUALITY[fmt]
+        err = (logits[fmt] - truth).abs().mean()
+        assert base_err < err <= ratio * base_err, (fmt, err, base_err)
         agree = (logits[fmt].argmax(-1) == logits[None].argmax(-1)).float().mean()
         assert agree >= agreement, (fmt, agree)
 

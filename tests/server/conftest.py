@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,8 @@ from fastapi import FastAPI
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.bench.procs import Proc, healthy, spawn, stop, wait_for
+from kvtier.bench.procs import free_port as free_port  # the server tests' ports
 from kvtier.engine.params import EngineArgs
 from kvtier.server import EngineLoop, build_app
 from kvtier.server.cli import make_server
@@ -115,14 +119,6 @@ def stop_server(handle: ServerHandle) -> None:
     handle.engine.stop()
 
 
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 def serve_command(port: int, max_model_len: int, num_device_blocks: int) -> list[str]:
     """`kvtier serve` of the embedded model on `port`, one torch thread."""
     return [
@@ -130,6 +126,19 @@ def serve_command(port: int, max_model_len: int, num_device_blocks: int) -> list
         "--max-model-len", str(max_model_len), "--num-device-blocks", str(num_device_blocks),
         "--torch-threads", "1",
     ]  # fmt: skip
+
+
+@contextmanager
+def serving(cmd: list[str], port: int, log: Path, timeout_s: float = 120) -> Iterator[Proc]:
+    """`cmd` (a `kvtier serve` on `port`, e.g. `serve_command`'s) started in a session of its own
+    with its output in `log`, yielded once it answers /health (failing with the log as soon as
+    it exits), stopped with its children after."""
+    proc = spawn(cmd, log, port)
+    try:
+        wait_for([proc], healthy, timeout_s)
+        yield proc
+    finally:
+        stop([proc])
 
 
 def _health(port: int) -> int:

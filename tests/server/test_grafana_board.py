@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import _health, free_port, wait_until
+from tests.server.conftest import free_port, serving, wait_until
 
 BOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvtier-vllm.json"
 NAME = "board-model"  # a served name other than the default: model_name must follow it
@@ -189,22 +189,17 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "--served-model-name", NAME, "--max-model-len", "256", "--num-device-blocks", "64",
         "--num-host-blocks", "64", "--kv-disk-path", str(tmp / "disk"), "--torch-threads", "1",
     ]  # fmt: skip
-    log = (tmp / "serve.log").open("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     prom: Prometheus | None = None
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
-        assert proc.poll() is None, Path(log.name).read_text()
-        if shutil.which("prometheus"):
-            prom = start_prometheus(tmp, port)
-        n = send_traffic(port)
-        yield Setup(port, n, prom)
-    finally:
-        if prom is not None:
-            prom.proc.terminate()
-            prom.proc.wait(30)
-        proc.terminate()
-        proc.wait(60)
+    with serving(cmd, port, tmp / "serve.log"):
+        try:
+            if shutil.which("prometheus"):
+                prom = start_prometheus(tmp, port)
+            n = send_traffic(port)
+            yield Setup(port, n, prom)
+        finally:
+            if prom is not None:
+                prom.proc.terminate()
+                prom.proc.wait(30)
 
 
 def test_every_query_of_the_board_has_series(setup: Setup) -> None:

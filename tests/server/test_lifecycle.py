@@ -20,6 +20,7 @@ from tests.server.conftest import (
     _health,
     free_port,
     serve_command,
+    serving,
     wait_until,
 )
 
@@ -160,12 +161,8 @@ def test_serve_cli_lists_the_vllm_style_flags() -> None:
 
 def test_kvtier_serve_starts_logs_the_kv_layout_and_answers(tmp_path: Path) -> None:
     port = free_port()
-    log = (tmp_path / "serve.log").open("w+")
-    cmd = serve_command(port, 256, 64)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 60)
-        assert proc.poll() is None, Path(log.name).read_text()
+    log = tmp_path / "serve.log"
+    with serving(serve_command(port, 256, 64), port, log, 60):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         body = {"model": MODEL, "prompt": "The with statement", "max_tokens": 4}
         conn.request(
@@ -174,10 +171,7 @@ def test_kvtier_serve_starts_logs_the_kv_layout_and_answers(tmp_path: Path) -> N
         reply = json.loads(conn.getresponse().read())
         conn.close()
         assert reply["usage"]["completion_tokens"] == 4
-    finally:
-        proc.terminate()
-        proc.wait(20)
-    text = Path(log.name).read_text()
+    text = log.read_text()
     assert "KV layout: 3 groups [FullAttention layers [2, 5]; SlidingWindow(window=64)" in text
     assert "device 64 blocks × 8192 B" in text
 

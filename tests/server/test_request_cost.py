@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,13 @@ from kvtier.engine.prompts import CHUNK_CHARS
 from kvtier.server.errors import APIError
 from kvtier.server.prompts import check_response_size
 from kvtier.server.protocol import MAX_RESPONSE_TOKENS
-from tests.server.conftest import MODEL, ServerHandle, _health, free_port, serve_command, wait_until
+from tests.server.conftest import (
+    MODEL,
+    ServerHandle,
+    free_port,
+    serve_command,
+    serving,
+)
 
 HUGE_PROMPT = "word " * 760_000  # 3.8 MB: under the 4 MiB body cap
 # the 205-byte request that used to return 127 MB
@@ -154,15 +159,12 @@ RSS_BOUND = 256 << 20
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc RSS")
 def test_kvtier_serve_rss_stays_bounded_under_amplification(tmp_path: Path) -> None:
     port = free_port()
-    log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen(serve_command(port, 2048, 512), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
-        assert proc.poll() is None, Path(log.name).read_text()
+    with serving(serve_command(port, 2048, 512), port, tmp_path / "serve.log") as served:
+        pid = served.proc.pid
         # warm the paths a first request builds (thread pool, imports), then measure
         assert _post(port, {"prompt": "The with", "max_tokens": 2})[0] == 200
         assert _post(port, {"prompt": "word " * 3000, "max_tokens": 2})[0] == 400
-        before = _peak_rss(proc.pid)
+        before = _peak_rss(pid)
         with ThreadPoolExecutor(4) as pool:
             body = {"model": MODEL, "prompt": HUGE_PROMPT, "max_tokens": 16}
             replies = list(pool.map(lambda _: _post(port, body), range(4)))
@@ -170,13 +172,6 @@ def test_kvtier_serve_rss_stays_bounded_under_amplification(tmp_path: Path) -> N
         assert all(p["error"]["code"] == "context_length_exceeded" for _, p in replies)
         status, payload = _post(port, AMPLIFIED)
         assert status == 400 and payload["error"]["code"] == "response_too_large", payload
-        growth = _peak_rss(proc.pid) - before
+        growth = _peak_rss(pid) - before
         print(f"peak RSS growth of the HTTP process: {growth >> 20} MiB (bound {RSS_BOUND >> 20})")
         assert growth < RSS_BOUND, f"HTTP process peak RSS grew {growth >> 20} MiB"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)

@@ -22,20 +22,10 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.procs import Proc, free_port, spawn, stop
 from tests.server.conftest import MODEL, wait_until
-from tests.server.procs import (
-    Proc,
-    _start,
-    binary,
-    metric,
-    request,
-    router_ready,
-    spawn,
-    start_vllm_router,
-    stop,
-    wait_ready,
-)
-from tests.stores.servers import RedisServer, free_port
+from tests.server.procs import _start, binary, metric, request, start_vllm_router, wait_ready
+from tests.stores.servers import RedisServer
 
 SERVE = ["serve", "--max-model-len", "1024", "--num-device-blocks", "512", "--torch-threads", "1"]
 TIERED = ["--num-host-blocks", "64", "--kv-tier-timeout-s", "5"]
@@ -122,7 +112,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         affine = _router("kv_aware", replicas, folder / "affine.log", *timeout, *sources)
         routers.append(affine)
         for router in routers:
-            wait_until(lambda router=router: router_ready(router.proc), 120)  # type: ignore[misc]
+            wait_ready([router.proc], 120)
             wait_until(lambda router=router: all(router.health(r) == 1 for r in replicas), 60)  # type: ignore[misc]
         yield Setup(redis, replicas, *routers)
     finally:
@@ -320,7 +310,7 @@ def test_sglang_router_fronts_the_replicas_with_its_own_bodies(
     cmd += ["--prometheus-port", str(free_port()), "--health-check-interval-secs", "1"]
     router = spawn(cmd, tmp_path / "sglang.log", port)
     try:
-        wait_until(lambda: router_ready(router), 120)
+        wait_ready([router], 120)
         cmpl = {"model": MODEL, "prompt": "The while statement", "max_tokens": 12}
         cmpl |= {"temperature": 0}
         talk = chat("Which recipe retries a call?") | {"max_tokens": 12}

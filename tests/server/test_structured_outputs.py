@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,14 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import (
-    MODEL,
-    ServerHandle,
-    _health,
-    free_port,
-    serve_command,
-    wait_until,
-)
+from tests.server.conftest import MODEL, ServerHandle, free_port, serve_command, serving
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -166,11 +158,7 @@ class Pet(BaseModel):
 
 def test_openai_parse_with_a_pydantic_model_against_kvtier_serve(tmp_path: Path) -> None:
     port = free_port()
-    log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen(serve_command(port, 512, 256), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 300)
-        assert proc.poll() is None, Path(log.name).read_text()
+    with serving(serve_command(port, 512, 256), port, tmp_path / "serve.log", 300):
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
@@ -192,6 +180,3 @@ def test_openai_parse_with_a_pydantic_model_against_kvtier_serve(tmp_path: Path)
                 extra_body={"guided_regex": "a(b"},
             )
         assert "regex" in str(bad.value)
-    finally:
-        proc.terminate()
-        proc.wait(30)

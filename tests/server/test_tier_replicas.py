@@ -7,16 +7,15 @@ answer with the same tokens), and a server restarted on the same
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvtier.bench.procs import stop
 from tests.server.conftest import MODEL, wait_until
-from tests.server.procs import Proc, _ready, _start, metric, request
+from tests.server.procs import _start, metric, request, wait_ready
 from tests.stores.servers import RedisServer
 
 PROMPT = (
@@ -41,17 +40,6 @@ def cached(resp: dict[str, Any]) -> int:
     return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def stop(procs: list[Proc]) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
@@ -65,8 +53,7 @@ def test_replica_b_finds_what_replica_a_served_in_redis(
     flags = [*SERVE, *TIERED, "--kv-remote-url", redis_server.url]
     replicas = [_start(flags, tmp_path / f"replica{i}.log") for i in range(2)]
     try:
-        for p in replicas:
-            wait_until(lambda p=p: _ready(p), 120)  # type: ignore[misc]
+        wait_ready(replicas, 120)
         a, b = replicas
         first = complete(a.port)
         assert cached(first) == 0
@@ -102,7 +89,7 @@ def test_a_restarted_server_finds_an_old_prefix_on_disk(tmp_path: Path) -> None:
     for i in range(2):
         proc = _start(flags, tmp_path / f"serve{i}.log")
         try:
-            wait_until(lambda p=proc: _ready(p), 120)  # type: ignore[misc]
+            wait_ready([proc], 120)
             resp = complete(proc.port)
             texts.append(resp["choices"][0]["text"])
             hits.append(cached(resp))

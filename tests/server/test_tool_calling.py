@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from openai import OpenAI
 from kvtier.model.testing import write_tiny_model
 from kvtier.server.tool_parsers import PARSERS
 from kvtier.server.tools import ToolPlan, calls_schema
-from tests.server.conftest import ServerHandle, _health, free_port, wait_until
+from tests.server.conftest import ServerHandle, free_port, serving
 
 HERMES_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -101,20 +100,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """`kvtier serve` of the tiny Hermes-templated model with auto tool choice; its port."""
     folder = hermes_model(tmp_path_factory.mktemp("hermes"))
     port = free_port()
-    log = (folder / "serve.log").open("w+")
     cmd = [
         sys.executable, "-m", "kvtier.cli", "serve", str(folder), "--port", str(port),
         "--served-model-name", NAME, "--max-model-len", "1024", "--num-device-blocks", "800",
         "--torch-threads", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
-        assert proc.poll() is None, Path(log.name).read_text()
+    with serving(cmd, port, folder / "serve.log"):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def client(port: int) -> OpenAI:

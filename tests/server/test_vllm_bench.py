@@ -21,7 +21,7 @@ from benchmarks.peers.venv import (
     venv_python,
 )
 from kvtier.engine.params import DEFAULT_MODEL
-from tests.server.conftest import MODEL, _health, free_port, serve_command, wait_until
+from tests.server.conftest import MODEL, free_port, serve_command, serving
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 8
@@ -53,16 +53,10 @@ def vllm() -> list[str]:
 @pytest.fixture(scope="module")
 def kvtier_port(tmp_path_factory: pytest.TempPathFactory, vllm: list[str]) -> Iterator[int]:
     port = free_port()
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w+")
-    proc = subprocess.Popen(serve_command(port, 256, 128), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
-        assert proc.poll() is None, Path(log.name).read_text()
+    with serving(
+        serve_command(port, 256, 128), port, tmp_path_factory.mktemp("serve") / "serve.log"
+    ):
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
 
 
 def sharegpt_file(path: Path) -> Path:

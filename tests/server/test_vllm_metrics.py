@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.vllm_metrics import MetricNames, RequestRecord, one_two_five_buckets
-from tests.server.conftest import _health, free_port, serve_command, wait_until
+from tests.server.conftest import free_port, serve_command, serving
 from tests.server.test_grafana_board import scrape
 
 LABELS = {"model_name": "m", "engine": "0"}
@@ -89,15 +89,8 @@ def test_a_bad_prefix_is_refused_naming_the_flag(prefix: str) -> None:
 def test_serve_exports_vllms_families_under_the_chosen_prefix(tmp_path: Path) -> None:
     port = free_port()
     cmd = [*serve_command(port, 128, 32), "--metrics-prefix", "kvtier_vllm"]
-    log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 120)
-        assert proc.poll() is None, Path(log.name).read_text()
+    with serving(cmd, port, tmp_path / "serve.log"):
         names = {name: labels for name, labels in scrape(port)}
-    finally:
-        proc.terminate()
-        proc.wait(60)
     want = {"model_name": "kvtier-default", "engine": "0"}
     assert names["kvtier_vllm:num_requests_running"] == want
     assert names["kvtier_vllm:kv_cache_usage_perc"] == want

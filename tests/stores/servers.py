@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.bench.procs import free_port, redis_command
+
 
 def redis_binary(name: str = "redis-server") -> str:
     """The path of `name`; fails the test (never skips) when it is not installed."""
@@ -36,12 +38,6 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_cluster_port() -> int:
@@ -79,8 +75,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.folder.mkdir(parents=True, exist_ok=True)
-        cmd = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
-        cmd += ["--save", "", "--appendonly", "no", "--dir", str(self.folder), *self.extra]
+        cmd = [*redis_command(redis_binary(), self.port, self.folder), *self.extra]
         log = (self.folder / f"redis-{self.port}.log").open("ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         wait_until(self._answers)

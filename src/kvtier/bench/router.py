@@ -21,23 +21,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench import save_json
+from kvtier.bench.procs import (
+    Proc,
+    ProcessFailed,
+    free_port,
+    healthy,
+    http_get,
+    listening,
+    redis_command,
+    spawn,
+    stop,
+    vllm_router_command,
+    wait_for,
+)
 from kvtier.bench.serve import add_workload_arguments, check_workload, sampling_extra
 
 POLICIES = ("round_robin", "consistent_hash", "cache_aware", "kv_aware")
@@ -93,94 +99,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class _Proc:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> None:
-        if self.proc.poll() is not None:
-            tail = self.log.read_text(errors="replace")[-2000:]
-            raise SystemExit(f"{self.name} exited ({self.proc.returncode}); {self.log}:\n{tail}")
-
-
-def _spawn(name: str, cmd: list[str], port: int, folder: Path) -> _Proc:
-    log = folder / f"{name}.log"
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-    return _Proc(name, port, proc, log)
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except OSError:
-        return 0, ""
-
-
-def _wait_healthy(p: _Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _get(f"{p.url}/health")[0] != 200:
-        p.alive()
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{p.name} not healthy after {timeout:.0f} s; see {p.log}")
-        time.sleep(0.5)
-
-
-def _wait_listening(p: _Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        p.alive()
-        try:
-            socket.create_connection(("127.0.0.1", p.port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"{p.name} not listening after {timeout:.0f} s; see {p.log}"
-                ) from None
-            time.sleep(0.2)
-
-
 def served_name(model: str) -> str:
     """The name every replica serves the model as (the router's model identity too)."""
     return "kvtier-default" if model == "kvtier-default" else Path(model).name
 
 
-def _stop(procs: list[_Proc]) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.proc.pid, signal.SIGKILL)
-            p.proc.wait(10)
-
-
-def _tier_counters(p: _Proc) -> dict[str, float]:
+def _tier_counters(p: Proc) -> dict[str, float]:
     """`tier:hits` and `tier:queries` token counts, and `served` (finished requests), from a
     replica's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, text = _get(f"{p.url}/metrics")
+    status, text = http_get(f"{p.url}/metrics")
     if status != 200:
         raise SystemExit(f"{p.name}: GET /metrics answered {status}")
     out: dict[str, float] = {}
@@ -200,7 +129,7 @@ def _decision_outcomes(metrics_port: int) -> dict[str, float]:
     that count none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, text = _get(f"http://127.0.0.1:{metrics_port}/metrics")
+    status, text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
     if status != 200:
         raise SystemExit(f"router: GET /metrics answered {status}")
     out: dict[str, float] = {}
@@ -214,16 +143,16 @@ def _decision_outcomes(metrics_port: int) -> dict[str, float]:
 @contextmanager
 def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator[Any]:
     """Redis, the replicas and vllm-router with `policy`, all healthy; stopped on exit."""
-    procs: list[_Proc] = []
+    procs: list[Proc] = []
     try:
-        port = _free_port()
-        redis = [args.redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        redis += ["--appendonly", "no", "--dir", str(folder)]
-        procs.append(_spawn("redis", redis, port, folder))
-        _wait_listening(procs[0], args.startup_timeout)
+        port = free_port()
+        procs.append(
+            spawn(redis_command(args.redis_server, port, folder), folder / "redis.log", port)
+        )
+        wait_for(procs, listening, args.startup_timeout)
         replicas, sources = [], []
         for i in range(args.num_replicas):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "kvtier.cli", "serve"]
             cmd += [] if args.model == "kvtier-default" else [args.model]
             cmd += ["--served-model-name", served_name(args.model)]
@@ -232,7 +161,7 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
             cmd += ["--num-host-blocks", str(args.num_host_blocks)]
             cmd += ["--kv-remote-url", f"redis://127.0.0.1:{procs[0].port}/0", *args.serve_arg]
             if policy == "kv_aware":
-                pub, replay = _free_port(), _free_port()
+                pub, replay = free_port(), free_port()
                 events = {"enable_kv_cache_events": True, "publisher": "zmq"}
                 # as vLLM's publisher, a wildcard host binds (any other host connects); the
                 # router's subscriber connects to 127.0.0.1
@@ -240,15 +169,12 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
                 events |= {"replay_endpoint": f"tcp://127.0.0.1:{replay}"}
                 cmd += ["--kv-events-config", json.dumps(events)]
                 sources.append((f"http://127.0.0.1:{port}", pub, replay))
-            replicas.append(_spawn(f"replica{i}", cmd, port, folder))
+            replicas.append(spawn(cmd, folder / f"replica{i}.log", port))
         procs += replicas
-        for p in replicas:
-            _wait_healthy(p, args.startup_timeout)
-        port, metrics_port = _free_port(), _free_port()
-        cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-        cmd += ["--worker-urls", *[p.url for p in replicas]]
-        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-        cmd += ["--request-timeout-secs", str(int(args.timeout) + 60)]
+        wait_for(replicas, healthy, args.startup_timeout)
+        port, metrics_port = free_port(), free_port()
+        cmd = vllm_router_command(args.vllm_router, port, metrics_port, [p.url for p in replicas])
+        cmd += ["--policy", policy, "--request-timeout-secs", str(int(args.timeout) + 60)]
         for url, pub, replay in sources:
             cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{pub}"]
             cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
@@ -256,12 +182,14 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
             cmd += ["--kv-event-block-size", "16", "--kv-event-model", served_name(args.model)]
             if args.kv_aware_session_ttl:
                 cmd += ["--kv-aware-session-affinity-ttl-secs", str(args.kv_aware_session_ttl)]
-        router = _spawn("router", cmd, port, folder)
+        router = spawn(cmd, folder / "router.log", port)
         procs.append(router)
-        _wait_healthy(router, args.startup_timeout)
+        wait_for([router], healthy, args.startup_timeout)
         yield replicas, router, metrics_port
+    except ProcessFailed as exc:  # a process's own words, as the command's error
+        raise SystemExit(str(exc)) from None
     finally:
-        _stop(list(reversed(procs)))
+        stop(reversed(procs), timeout=30)
 
 
 def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[str, Any]:

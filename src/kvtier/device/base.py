@@ -250,10 +250,10 @@ class Device(ABC):
         tensors, ids = self.kv(tier), list(block_ids)
         runs = _runs(ids, ids)
 
-        def poison() -> None:
-            for t in tensors:
+        def poison() -> None:  # all-ones bytes: NaN in every float format, so in fp8 K/V
+            for t in tensors:  # and in the bfloat16 states a hybrid's 8-bit pages hold alike
                 for b0, _, n in runs:
-                    t[b0 : b0 + n].fill_(float("nan"))
+                    t[b0 : b0 + n].view(torch.uint8).fill_(0xFF)
 
         access = AccessSet(writes=((tier, tuple(ids)),))
         meta = meta or OpMeta("poison")

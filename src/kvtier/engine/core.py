@@ -8,12 +8,13 @@ when it hands out its `FinishedRequest`."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
 import torch
 
-from kvtier.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvtier.config import FP8_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
@@ -40,6 +41,7 @@ from kvtier.sched.output import SchedulerOutput, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
+log = logging.getLogger("kvtier.engine")
 DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
 # How long one step waits for a disk or remote read when no request can run without one.
 TIER_POLL_S = 0.01
@@ -178,14 +180,24 @@ class EngineCore:
         # The pool is allocated in the dtype the plan sizes (architecture.md §Pages): resolve
         # auto here, once, and build the device layout from the same value.
         cache = replace(cache, kv_cache_dtype=cache.kv_dtype(dtype_name))
-        if cfg.mamba is not None and cache.kv_cache_dtype != dtype_name:
+        eight_bit = cache.kv_cache_dtype in FP8_KV_DTYPES.values()
+        if cfg.mamba is not None and eight_bit and args.num_speculative_tokens:
             raise ValueError(
-                f"kv_cache_dtype (--kv-cache-dtype) {cache.kv_cache_dtype} differs from the "
-                f"hybrid model's dtype {dtype_name}: its Mamba states share the KV pages in the "
-                "model's dtype; leave --kv-cache-dtype unset"
+                f"--kv-cache-dtype {args.cache.kv_cache_dtype} with --num-speculative-tokens on "
+                "a hybrid model: its draft states are copied between 8-bit pool pages, which "
+                "this runner does not do yet; drop one of the two"
             )
-        if cfg.mamba is not None:  # states are kept in the run's dtype, not the folder's
+        if cfg.mamba is not None:  # states: the run's dtype in the pages' bytes, whatever K/V's
             cfg = replace(cfg, dtype=dtype_name)
+        unscaled = all(s == (1.0, 1.0) for s in self.model.kv_scales())
+        if cache.kv_cache_dtype == FP8_KV_DTYPES["fp8"] and unscaled:  # as vLLM: e4m3 only
+            log.warning(
+                "--kv-cache-dtype %s with k/v scales 1.0: %s carries no k_scale/v_scale "
+                "tensors (an fp8-calibrated compressed-tensors or ModelOpt checkpoint does), "
+                "so K/V beyond ±448 saturate",
+                args.cache.kv_cache_dtype,
+                args.model_path,
+            )
         sched = args.scheduler
         if sched.max_model_len is None:
             sched = replace(sched, max_model_len=cfg.max_position_embeddings)

@@ -219,18 +219,21 @@ class HybridLM(nn.Module):
         return {i: pool[self.slots[(i, True)]] for i in self.state_group}
 
     def state_views(self, slot: torch.Tensor) -> MambaCache:
-        """A Mamba layer's view of one flat pool slot [num_blocks, page elements] of the model's
-        dtype: each page starts with the conv state [conv_dim, K − 1], then the SSM state
-        [heads, head_dim, N] (architecture.md §Pages); rows stride one page, nothing is copied."""
+        """A Mamba layer's view of one flat pool slot [num_blocks, page elements]: each page's
+        bytes, as the model's dtype whatever the KV dtype (an 8-bit KV pool's pages hold bfloat16
+        states), start with the conv state [conv_dim, K − 1], then the SSM state [heads,
+        head_dim, N] (architecture.md §Pages); rows stride one page, nothing is copied."""
         s = self.config.mamba
         assert s is not None
         dtype = self.model.embed_tokens.weight.dtype
-        if slot.dtype != dtype or slot.dim() != 2:
+        size = torch.empty((), dtype=dtype).element_size()
+        page_bytes = slot.shape[-1] * slot.element_size() if slot.dim() == 2 else 0
+        if slot.dim() != 2 or slot.stride(1) != 1 or page_bytes % size:
             raise ValueError(
-                f"a Mamba layer's pool slot must be [num_blocks, page elements] of {dtype} (the "
-                f"model's dtype), got {tuple(slot.shape)} of {slot.dtype}; use the model's dtype "
-                "for the KV cache"
+                f"a Mamba layer's pool slot must be [num_blocks, page elements] with rows of a "
+                f"whole number of {dtype} elements, got {tuple(slot.shape)} of {slot.dtype}"
             )
+        slot = slot.view(dtype)  # the same bytes: [num_blocks, page_bytes / size]
         c, n = s.conv_state_elems, s.ssm_state_elems
         if slot.shape[1] < c + n:
             raise ValueError(f"a page of {slot.shape[1]} elements cannot hold a state of {c + n}")

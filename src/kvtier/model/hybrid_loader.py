@@ -13,6 +13,7 @@ from kvtier.config import ModelConfig
 from kvtier.model.hf_config import load_model_config
 from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_arch import HybridSpec, hybrid_spec
+from kvtier.model.kv_scales import apply_kv_scales, check_kv_cache_scheme, take_kv_scales
 from kvtier.model.loader import empty_weights, model_folder, read_safetensors, resolve_dtype
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "mamba.mup_vector")  # recomputed from config.json
@@ -39,7 +40,10 @@ def load_hybrid(path: str | Path, dtype: str | torch.dtype | None = None) -> Hyb
     torch_dtype = resolve_dtype(dtype, folder, checkpoint=config.dtype)
     with empty_weights():
         model = HybridLM(config, spec)
-    state = hybrid_state(read_safetensors(folder), config, spec)
+    raw = read_safetensors(folder)
+    check_kv_cache_scheme(config.hf_config, folder)
+    kv_scales = take_kv_scales(raw, config.num_layers, folder)
+    state = hybrid_state(raw, config, spec)
     state = {k: v.to(torch_dtype) for k, v in state.items()}
     expected = set(model.state_dict())
     if spec.attention.tie_word_embeddings:
@@ -55,6 +59,7 @@ def load_hybrid(path: str | Path, dtype: str | torch.dtype | None = None) -> Hyb
     model.load_state_dict(state, strict=False, assign=True)
     if spec.attention.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    apply_kv_scales(model.model.layers, kv_scales, folder)  # of K after the key multiplier
     return model.eval().requires_grad_(False)
 
 

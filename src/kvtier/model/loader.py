@@ -18,6 +18,7 @@ from torch import nn
 from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.hf_config import load_model_config
+from kvtier.model.kv_scales import apply_kv_scales, check_kv_cache_scheme, take_kv_scales
 from kvtier.model.quant import QUANTIZATIONS, Int8Linear, int8_config, int8_tensors, quantize_int8
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
@@ -134,6 +135,8 @@ def load_model(
     with empty_weights():
         model = CausalLM(config, spec, native=native)
     raw = read_safetensors(folder)
+    check_kv_cache_scheme(config.hf_config, folder)
+    kv_scales = take_kv_scales(raw, config.num_layers, folder)
     int8 = _fused_int8(int8_tensors(raw, folder), config.num_layers, folder)
     state = _fused_state(raw, config.num_layers, torch_dtype, folder)
     if method == "int8":  # every linear the checkpoint holds in float, quantized as it loads
@@ -160,6 +163,7 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    apply_kv_scales(model.model.layers, kv_scales, folder)  # an fp8 cache's; a float one ignores
     return model.eval().requires_grad_(False)
 
 
@@ -175,6 +179,9 @@ def resolve_quantization(quantization: str | None, folder: Path) -> str | None:
         )
     config = json.loads((folder / "config.json").read_text())
     found = "compressed-tensors" if int8_config(config, folder) is not None else None
+    kv_only = (config.get("quantization_config") or {}).get("kv_cache_scheme") is not None
+    if quantization == "compressed-tensors" and found is None and kv_only:
+        return None  # its KV scales load whatever --quantization says; no weight is int8
     if quantization == "compressed-tensors" and found is None:
         raise ValueError(
             f"--quantization compressed-tensors: {folder}/config.json has no compressed-tensors "

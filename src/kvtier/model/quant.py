@@ -89,8 +89,8 @@ class Int8Linear(nn.Module):
 
 def int8_config(config: Mapping[str, Any], source: object) -> dict[str, Any] | None:
     """A config.json's `quantization_config` if it is compressed-tensors int8 weight-only (the
-    scheme and format kvtier runs); None without one; a ValueError naming what is not
-    supported otherwise."""
+    scheme and format kvtier runs); None without one, or with only a `kv_cache_scheme` (KV
+    scales, model/kv_scales.py); a ValueError naming what is not supported otherwise."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -120,6 +120,8 @@ def int8_config(config: Mapping[str, Any], source: object) -> dict[str, Any] | N
                 "(W8A8); kvtier runs weight-only int8 (W8A16): use a W8A16 checkpoint"
             )
     if not groups:
+        if qc.get("kv_cache_scheme") is not None:  # KV scales only: the weights are as they are
+            return None
         raise ValueError(f"{source}: quantization_config has no config_groups")
     return dict(qc)
 

@@ -23,7 +23,7 @@ from kvtier.model.hybrid import HybridLM
 from kvtier.model.hybrid_loader import load_hybrid
 from kvtier.model.loader import load_model, model_folder, resolve_quantization
 from kvtier.model.mamba2 import MambaCache, StateMetadata
-from kvtier.model.transformer import CausalLM
+from kvtier.model.transformer import Attention, CausalLM
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ class ServedModel(ABC):
     ) -> torch.Tensor:
         """input_ids, positions [num_tokens] → final hidden states [num_tokens, hidden]; writes
         this forward's K/V and states into the pool through `caches`."""
+
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """Each attention layer's (k_scale, v_scale), which an 8-bit KV cache applies: the
+        checkpoint's where it has them (model/kv_scales.py), 1.0 otherwise."""
+        return [(m.k_scale, m.v_scale) for m in self.module.modules() if isinstance(m, Attention)]
 
     def compute_logits(
         self, hidden_states: torch.Tensor, token_indices: torch.Tensor | None = None

@@ -259,6 +259,52 @@ def write_int8_model(
     return out
 
 
+# How each tool names a layer's KV scale tensors, after "model.layers.{i}.self_attn."
+KV_SCALE_NAMES = {
+    "compressed-tensors": ("k_scale", "v_scale"),  # llm-compressor's kv_cache_scheme
+    "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
+    "output-scale": ("k_proj.output_scale", "v_proj.output_scale"),  # older llm-compressor
+    "kv-scale": ("kv_scale",),  # the legacy single scale (k's is written)
+}
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                 "dynamic": False, "group_size": None, "block_structure": None,
+                 "actorder": None, "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+
+
+def write_kv_scaled_model(
+    source: str | Path,
+    folder: str | Path,
+    scales: dict[int, tuple[float, float]],
+    naming: str = "compressed-tensors",
+    scheme: dict[str, Any] | None = FP8_KV_SCHEME,
+) -> Path:
+    """Copy the model folder `source` into `folder` with per-layer KV scales (layer → (k_scale,
+    v_scale)) as float32 scalars under `naming`'s tensor names (KV_SCALE_NAMES), and `scheme` as
+    config.json's compressed-tensors `kv_cache_scheme` (None: no quantization_config added), as
+    llm-compressor writes a model whose KV cache it calibrated for fp8."""
+    from safetensors.torch import load_file
+
+    src, out = Path(source), Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(str(shard))
+    for layer, pair in scales.items():
+        for name, value in zip(KV_SCALE_NAMES[naming], pair, strict=False):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(value)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if scheme is not None:
+        qc = config.setdefault("quantization_config", {"quant_method": "compressed-tensors"})
+        qc.setdefault("config_groups", {})
+        qc["kv_cache_scheme"] = scheme
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def tiny_hybrid_config(
     arch: str,
     *,

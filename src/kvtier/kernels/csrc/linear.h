@@ -1,5 +1,5 @@
 /* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
- * run the column groups; docs/architecture.md §Kernels): a call's job and its items, and the
+ * run the column groups, the AVX-512 ones over linear_blocks.h; docs/architecture.md §Kernels): a call's job and its items, and the
  * float32 linear's job (linear_f32_avx512.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
 #define KVTIER_LINEAR_H
@@ -28,6 +28,11 @@ static inline void item_span(const Job *a, int64_t item, int64_t *g, int64_t *r0
 /* k block kb of x's row `row`: its 32 bf16, from x or the zero-padded tail */
 static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
     return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;
+}
+
+/* the bytes from one row of x_block's rows to the next (an AMX tile load's stride) */
+static inline int64_t x_block_stride(const Job *a, int64_t kb, int64_t full) {
+    return kb < full ? a->x_stride * 2 : 64;
 }
 
 /* Rows of float32 accumulators [rows][16] (+ bias) rounded into out's columns n0.. (the two

@@ -41,10 +41,7 @@ void linear_amx_groups(const void *ctx, int64_t i0, int64_t i1) {
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kb = 0; kb < kbs; kb++) {
-                if (kb < full)
-                    _tile_loadd(4, a->x + m0 * a->x_stride + kb * 32, a->x_stride * 2);
-                else
-                    _tile_loadd(4, a->tail + m0 * 32, 64);
+                _tile_loadd(4, x_block(a, m0, kb, full), x_block_stride(a, kb, full));
                 const uint16_t *b = w + kb * 512;
                 if (m0 == 0 && kb + AMX_AHEAD < kbs)
                     for (int t = 0; t < tiles; t++)

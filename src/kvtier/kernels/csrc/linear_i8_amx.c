@@ -47,19 +47,15 @@ void linear_i8_amx_groups(const void *ctx, int64_t i0, int64_t i1) {
                 _mm512_store_si512(wide + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
             _tile_loadd(5, wide, 64);
+            const int64_t stride = x_block_stride(a, kb, full);
             /* tile numbers are immediates: a block apiece; the last block's x goes to tile 6,
              * configured for its rows */
-#define I8_AMX_X(T, m0)                                                                       \
-    if (kb < full)                                                                            \
-        _tile_loadd(T, a->x + (m0) * a->x_stride + kb * 32, a->x_stride * 2);                 \
-    else                                                                                      \
-        _tile_loadd(T, a->tail + (m0) * 32, 64);
 #define I8_AMX_BLOCK(B)                                                                       \
     if (blocks == (B) + 1) {                                                                  \
-        I8_AMX_X(6, r0 + (B) * 16)                                                            \
+        _tile_loadd(6, x_block(a, r0 + (B) * 16, kb, full), stride);                          \
         _tile_dpbf16ps(B, 6, 5);                                                              \
     } else if (blocks > (B) + 1) {                                                            \
-        I8_AMX_X(4, r0 + (B) * 16)                                                            \
+        _tile_loadd(4, x_block(a, r0 + (B) * 16, kb, full), stride);                          \
         _tile_dpbf16ps(B, 4, 5);                                                              \
     }
             I8_AMX_BLOCK(0)
@@ -67,7 +63,6 @@ void linear_i8_amx_groups(const void *ctx, int64_t i0, int64_t i1) {
             I8_AMX_BLOCK(2)
             I8_AMX_BLOCK(3)
 #undef I8_AMX_BLOCK
-#undef I8_AMX_X
         }
         const int64_t n0 = nb * 16;
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;

@@ -13,7 +13,7 @@
 #include "linear.h"
 
 #if defined(KVTIER_AVX512VNNI)
-#include <immintrin.h>
+#include "linear_blocks.h"
 
 void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
     const int64_t kbs = (a->k + 31) / 32;
@@ -46,21 +46,19 @@ void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
         }
 }
 
-/* rows [m0, m0 + R) by T column tiles: per k block, R × T int32 sums, then into float32 */
-static inline __attribute__((always_inline)) void i8_block(const Job *a, const int8_t *w,
-                                                            int64_t m0, int64_t nb0, const char *pf,
-                                                            int64_t pf_lines, const int R,
-                                                            const int T) {
-    const int64_t kbs = (a->k + 31) / 32;
+/* b's rows by T column tiles (R = b->rows): per k block, R × T int32 sums, then into float32 */
+static inline __attribute__((always_inline)) void i8_block(const Job *a, const Block *b,
+                                                            const int R, const int T) {
+    const int64_t kbs = (a->k + 31) / 32, m0 = b->m0;
+    const int8_t *w = (const int8_t *)b->w;
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
-        for (int64_t l = kb * pf_lines / kbs; l < (kb + 1) * pf_lines / kbs; l++)
-            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-        const int8_t *b = w + kb * 512;
+        block_prefetch(b, kb, kbs);
+        const int8_t *wk = w + kb * 512;
         __m512i sum[4][4];
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++)
@@ -75,7 +73,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const i
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++)
                 wt[t] = _mm512_cvtepi8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(b + t * kbs * 512 + r * 32)));
+                    _mm256_loadu_si256((const __m256i *)(wk + t * kbs * 512 + r * 32)));
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const __m512i xb = _mm512_set1_epi32(xp[i][r]);
@@ -93,7 +91,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const i
     }
     float out[4][4 * 16] __attribute__((aligned(64)));
     for (int t = 0; t < T; t++) {
-        const int64_t n0 = (nb0 + t) * 16;
+        const int64_t n0 = (b->nb0 + t) * 16;
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
         const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), a->scales + n0);
         for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, _mm512_mul_ps(acc[i][t], s));
@@ -101,43 +99,20 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const i
     }
 }
 
-#define I8_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
-#define I8_CASE(R, T)                                     \
-    case (R) * 8 + (T):                                   \
-        i8_block(a, w, m0, nb0, pf, pf_lines, (R), (T));  \
-        break;
-#define I8_CASES2(R) I8_CASE(R, 1) I8_CASE(R, 2)
-#define I8_CASES(R) I8_CASES2(R) I8_CASE(R, 3) I8_CASE(R, 4)
+#define I8_CASES2(R) BLOCK_CASE(i8_block, R, 1) BLOCK_CASE(i8_block, R, 2)
+#define I8_CASES(R) I8_CASES2(R) BLOCK_CASE(i8_block, R, 3) BLOCK_CASE(i8_block, R, 4)
 
-/* items [i0, i1) as the bfloat16 path runs them (linear_avx512bf16.c), on int8 tiles: blocks of
+static void i8_run(const Job *a, const Block *b) {
+    switch (BLOCK_KEY(b->rows, b->tiles)) {
+        I8_CASES(1) I8_CASES(2) I8_CASES2(3) I8_CASES2(4)
+    }
+}
+
+/* items [i0, i1) as the bfloat16 path runs them (linear_blocks), on int8 tiles: blocks of
  * a->rows rows (up to 2 rows by 4 tiles, or up to 4 by 2: int32 sums and float32 accumulators
  * both in registers) */
 void linear_i8_avx512_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
-    const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
-    const int64_t T = a->tiles, R = a->rows;
-    for (int64_t item = i0; item < i1; item++) {
-        int64_t g, r0, r1;
-        item_span(a, item, &g, &r0, &r1);
-        const int64_t nb0 = g * T, blocks = (r1 - r0 + R - 1) / R;
-        const int tiles = nbs - nb0 < T ? (int)(nbs - nb0) : (int)T;
-        const int8_t *w = a->packed8 + nb0 * kbs * 512;
-        const int64_t next_tiles =
-            item + 1 < i1 && g + 1 < a->groups ? (nbs - nb0 - T < T ? nbs - nb0 - T : T) : 0;
-        const int64_t next_bytes = next_tiles * kbs * 512;
-        const int prefetch = blocks > 1 && next_bytes > 0 && next_bytes <= I8_PREFETCH_MAX;
-        const int64_t share = prefetch ? (next_bytes / 64 + blocks - 1) / blocks : 0;
-        for (int64_t m0 = r0; m0 < r1; m0 += R) {
-            const int rows = r1 - m0 < R ? (int)(r1 - m0) : (int)R;
-            const int64_t j = (m0 - r0) / R, first = j * share;
-            const char *pf = (const char *)(w + tiles * kbs * 512) + first * 64;
-            int64_t pf_lines = 0;
-            if (prefetch && first < next_bytes / 64)
-                pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;
-            switch (rows * 8 + tiles) {
-                I8_CASES(1) I8_CASES(2) I8_CASES2(3) I8_CASES2(4)
-            }
-        }
-    }
+    linear_blocks(a, i0, i1, a->packed8, 1, i8_run);
 }
 #endif

@@ -1,0 +1,140 @@
+"""The processes `kvtier bench router` starts — a redis-server, `kvtier serve` replicas, vllm-router
+in front of them — and the scale-out tests start as well (tests/server/procs.py): each on a free
+loopback port with its output in a log file, in a session of its own, so that a whole replica (its
+HTTP and engine processes) is signalled, stopped or killed at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ProcessFailed(RuntimeError):
+    """A process exited, or did not come up in time; the message ends with its log's tail."""
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A started process: the port it listens on and the log its output goes to (named after
+    the process: `replica0.log` is "replica0")."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def name(self) -> str:
+        return self.log.stem
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def check_alive(self) -> None:
+        """ProcessFailed with the log's tail where the process has exited."""
+        if self.proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise ProcessFailed(f"{self.name} exited ({self.proc.returncode}); {self.log}:\n{tail}")
+
+    def signal_all(self, sig: int) -> None:
+        """`sig` to the process and its children (a replica's HTTP and engine processes)."""
+        os.killpg(self.proc.pid, sig)
+
+
+def spawn(cmd: list[str], log: Path, port: int) -> Proc:
+    """`cmd` started in a session of its own, its output (stdout and stderr) into `log`."""
+    with log.open("wb") as out:  # the child holds its own descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Proc(port, proc, log)
+
+
+def http_get(url: str, timeout: float = 10) -> tuple[int, str]:
+    """The status and body of GET `url`; status 0 where nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except OSError:
+        return 0, ""
+
+
+def healthy(p: Proc) -> bool:
+    """GET /health answers 200 (a replica with its engine up; a router once a worker is up);
+    ProcessFailed where the process has exited."""
+    p.check_alive()
+    return http_get(f"{p.url}/health", timeout=5)[0] == 200
+
+
+def listening(p: Proc) -> bool:
+    """The port takes a connection (redis-server); ProcessFailed where the process has exited."""
+    p.check_alive()
+    try:
+        socket.create_connection(("127.0.0.1", p.port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_for(procs: Iterable[Proc], ready: Callable[[Proc], bool], timeout: float) -> None:
+    """Until `ready` holds for each process (`healthy`, `listening`); ProcessFailed after
+    `timeout` seconds a process, or as soon as one exits."""
+    for p in procs:
+        deadline = time.monotonic() + timeout
+        while not ready(p):
+            if time.monotonic() > deadline:
+                raise ProcessFailed(
+                    f"{p.name} not {ready.__name__} after {timeout:.0f} s; see {p.log}"
+                )
+            time.sleep(0.2)
+
+
+def stop(procs: Iterable[Proc], timeout: float = 20) -> None:
+    """SIGTERM to each (SIGCONT first: a stopped process cannot act on it), then SIGKILL to the
+    session of any still running after `timeout` seconds, and of any child its parent left."""
+    procs = list(procs)
+    for p in procs:
+        if p.proc.poll() is None:
+            _signal_group(p, signal.SIGCONT)
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.proc.wait(timeout)
+        _signal_group(p, signal.SIGKILL)
+
+
+def _signal_group(p: Proc, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        p.signal_all(sig)
+
+
+def redis_command(binary: str, port: int, folder: Path) -> list[str]:
+    """redis-server on 127.0.0.1:`port`, without persistence, its working files in `folder`."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", "--dir", str(folder)]  # fmt: skip
+
+
+def vllm_router_command(binary: str, port: int, metrics_port: int, workers: list[str]) -> list[str]:
+    """vllm-router on 127.0.0.1:`port` in front of `workers` (URLs), its Prometheus metrics on
+    127.0.0.1:`metrics_port`; a policy and other flags go after."""
+    cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers]
+    return [*cmd, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]

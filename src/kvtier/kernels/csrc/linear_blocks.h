@@ -1,0 +1,78 @@
+/* The item loop the two AVX-512 tile linears share (linear_avx512bf16.c: bfloat16 weights,
+ * linear_i8_avx512.c: int8 weights; docs/kernels.md): both walk a call's items as register blocks
+ * of a->rows rows by a->tiles column tiles and plan the same prefetch of the next column group;
+ * only a block's arithmetic differs, which each file writes once as its BlockFn. Included by
+ * those two files, which are compiled with AVX-512. */
+#ifndef KVTIER_LINEAR_BLOCKS_H
+#define KVTIER_LINEAR_BLOCKS_H
+
+#include <immintrin.h>
+
+#include "linear.h"
+
+/* One register block: rows [m0, m0 + rows) by `tiles` 16-column tiles from tile nb0, whose
+ * packed weights start at `w`; and its share of the next column group's weights to prefetch into
+ * L2, pf_lines 64-byte lines from `pf` (block_prefetch). */
+typedef struct {
+    const void *w;
+    const char *pf;
+    int64_t m0, nb0, pf_lines;
+    int rows, tiles;
+} Block;
+
+/* A path's block: its switch on BLOCK_KEY(rows, tiles) picks a body unrolled for that shape */
+typedef void (*BlockFn)(const Job *a, const Block *b);
+
+#define BLOCK_KEY(rows, tiles) ((rows) * 8 + (tiles))
+/* a case of a BlockFn's switch: `body` (an always-inline function of a, b and the shape) for R
+ * rows by T tiles */
+#define BLOCK_CASE(body, R, T)     \
+    case BLOCK_KEY(R, T):          \
+        body(a, b, (R), (T));      \
+        break;
+
+#define BLOCK_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
+
+/* The block's prefetch share for k block kb of kbs: spread evenly over its k blocks */
+static inline __attribute__((always_inline)) void block_prefetch(const Block *b, int64_t kb,
+                                                                 int64_t kbs) {
+    for (int64_t l = kb * b->pf_lines / kbs; l < (kb + 1) * b->pf_lines / kbs; l++)
+        _mm_prefetch(b->pf + l * 64, _MM_HINT_T1);
+}
+
+/* Items [i0, i1) of a call (item_span) on tiles packed `elem` bytes an element from `packed`:
+ * output column groups of a->tiles tiles, every row block of a->rows rows, each run by `run`. The
+ * first row block streams the group's weights from memory; the others read them from L2 and are
+ * bound by arithmetic. Every block prefetches a share of the next group's weights into L2, which
+ * its first block then finds there: memory and arithmetic overlap instead of taking turns (a
+ * batch of 7-64 rows on weights that do not fit the cache). The first block takes a share too:
+ * its demand misses and the prefetches share the memory queue. */
+static inline __attribute__((always_inline)) void linear_blocks(const Job *a, int64_t i0,
+                                                                int64_t i1, const void *packed,
+                                                                int64_t elem, BlockFn run) {
+    const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
+    const int64_t tile = kbs * 512 * elem; /* a column tile's bytes, every k block */
+    const int64_t T = a->tiles, R = a->rows;
+    for (int64_t item = i0; item < i1; item++) {
+        int64_t g, r0, r1;
+        item_span(a, item, &g, &r0, &r1);
+        const int64_t nb0 = g * T, blocks = (r1 - r0 + R - 1) / R;
+        const int tiles = nbs - nb0 < T ? (int)(nbs - nb0) : (int)T;
+        const char *w = (const char *)packed + nb0 * tile;
+        const int64_t next_tiles =
+            item + 1 < i1 && g + 1 < a->groups ? (nbs - nb0 - T < T ? nbs - nb0 - T : T) : 0;
+        const int64_t next_bytes = next_tiles * tile;
+        const int prefetch = blocks > 1 && next_bytes > 0 && next_bytes <= BLOCK_PREFETCH_MAX;
+        const int64_t share = prefetch ? (next_bytes / 64 + blocks - 1) / blocks : 0;
+        for (int64_t m0 = r0; m0 < r1; m0 += R) {
+            const int64_t j = (m0 - r0) / R, first = j * share;
+            Block b = {.w = w, .pf = w + tiles * tile + first * 64, .m0 = m0, .nb0 = nb0,
+                       .rows = r1 - m0 < R ? (int)(r1 - m0) : (int)R, .tiles = tiles};
+            if (prefetch && first < next_bytes / 64)
+                b.pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;
+            run(a, &b);
+        }
+    }
+}
+
+#endif

@@ -255,6 +255,7 @@ KV8_MODES: dict[str, dict[str, Any]] = {
     "async3": MODES["async3"],
     "no-prefix-cache-async3": MODES["no-prefix-cache-async3"],
     "chunked-prefill": MODES["chunked-prefill"],
+    "ngram-drafts-async3": MODES["ngram-drafts-async3"],
     "host-eager": HOST,
 }
 KV8_HOST_BLOCKS = {"falcon_h1": 14, "granite_hybrid": 21, "falcon_h1_windowed": 20}
@@ -275,13 +276,6 @@ def test_8bit_kv_gives_each_prompt_its_tokens_alone(
     if host:  # its blocks of twice the tokens: the prefixes come back from the host tier only
         config = {**config, "num_device_blocks": KV8_HOST_BLOCKS[arch]}
     check_mode(models[arch], config, "cpu", kv, hits=not host)
-
-
-def test_8bit_kv_and_drafts_on_a_hybrid_are_refused(models: dict[str, Path]) -> None:
-    """Draft states would be copied between 8-bit pool pages, which the runner does not do: a
-    ValueError naming both flags, before anything is allocated."""
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 with --num-speculative-tokens"):
-        LLM(str(models["falcon_h1"]), **SMALL, kv_cache_dtype="fp8", num_speculative_tokens=2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -180,13 +180,6 @@ class EngineCore:
         # The pool is allocated in the dtype the plan sizes (architecture.md §Pages): resolve
         # auto here, once, and build the device layout from the same value.
         cache = replace(cache, kv_cache_dtype=cache.kv_dtype(dtype_name))
-        eight_bit = cache.kv_cache_dtype in FP8_KV_DTYPES.values()
-        if cfg.mamba is not None and eight_bit and args.num_speculative_tokens:
-            raise ValueError(
-                f"--kv-cache-dtype {args.cache.kv_cache_dtype} with --num-speculative-tokens on "
-                "a hybrid model: its draft states are copied between 8-bit pool pages, which "
-                "this runner does not do yet; drop one of the two"
-            )
         if cfg.mamba is not None:  # states: the run's dtype in the pages' bytes, whatever K/V's
             cfg = replace(cfg, dtype=dtype_name)
         unscaled = all(s == (1.0, 1.0) for s in self.model.kv_scales())

@@ -108,4 +108,7 @@ class DraftStates:
             return
         src_t, dst_t = host_index(src, device), host_index(dst, device)
         for slot in pool:  # a block id's page in every layer slot belongs to its group
-            slot.index_copy_(0, dst_t, slot.index_select(0, src_t))
+            # as bytes: a page holds a state in the run's dtype whatever K/V's (8-bit pools
+            # included, whose float8 dtypes torch's cpu index_copy_ does not take)
+            pages = slot.view(torch.uint8)
+            pages.index_copy_(0, dst_t, pages.index_select(0, src_t))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import build_parser
-from kvtier.config import CacheConfig, SchedulerConfig, ServerConfig, flag_help
+from kvtier.config import CacheConfig, SchedulerConfig, flag_help
 from kvtier.model.hf_config import load_model_config
+from kvtier.server.config import ServerConfig
 
 
 def write(tmp_path: Path, cfg: dict[str, object]) -> Path:

@@ -49,20 +49,24 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return inside
 
 
+def _from_prefix(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute name `from X import …` in `module` (at `path`) reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _targets(module: str, path: Path, node: ast.AST, modules: dict[str, Path]) -> list[str]:
     top = module.split(".")[0]
     names: list[str] = []
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names if a.name != top]
     elif isinstance(node, ast.ImportFrom):
-        if node.level:
-            base = module.split(".")
-            if path.name != "__init__.py":
-                base = base[:-1]
-            base = base[: len(base) - (node.level - 1)]
-            prefix = ".".join(base + ([node.module] if node.module else []))
-        else:
-            prefix = node.module or ""
+        prefix = _from_prefix(module, path, node)
         for alias in node.names:
             if prefix == top and alias.name == "__version__":
                 continue
@@ -225,6 +229,37 @@ def imports_of_outside(package: Path, outside: tuple[str, ...] = OUTSIDE) -> lis
     return found
 
 
+def names_only_upper_layers_use(
+    package: Path, owner: str, layers: dict[str, int], ceiling: int
+) -> list[str]:
+    """Public top-level names of module `owner` that `owner` itself never uses and that no module
+    of a layer at or below `ceiling` imports: settings that belong to the upper layer using them.
+    Only `from owner import NAME` counts as a use outside `owner`."""
+    modules = module_paths(package)
+    tree = ast.parse(modules[owner].read_text())
+    defined: dict[str, int] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.FunctionDef | ast.ClassDef):
+            defined[stmt.name] = stmt.lineno
+        elif isinstance(stmt, ast.Assign | ast.AnnAssign):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            defined.update((t.id, stmt.lineno) for t in targets if isinstance(t, ast.Name))
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    for module, path in modules.items():
+        layer = layer_name(module)
+        if layer is None or layers[layer] > ceiling:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and _from_prefix(module, path, node) == owner:
+                used.update(alias.name for alias in node.names)
+    where = module_file(owner, package)
+    return [
+        f"{where}:{line}: {name}"
+        for name, line in sorted(defined.items(), key=lambda item: item[1])
+        if not name.startswith("_") and name not in used
+    ]
+
+
 MODULES, EDGES = collect_imports(PACKAGE)
 LAYERS = layer_order(DOC.read_text())
 
@@ -268,6 +303,36 @@ def test_no_import_cycles() -> None:
 def test_the_package_never_imports_the_lab_or_the_tests() -> None:
     found = imports_of_outside(PACKAGE)
     assert not found, "the wheel carries neither benchmarks/ nor tests/:\n" + "\n".join(found)
+
+
+def test_config_holds_only_what_the_engine_uses() -> None:
+    """`kvtier.config` is the engine's settings: what only the server, a benchmark or the CLI uses
+    lives in that layer (the server's flags in `server/config.py`)."""
+    found = names_only_upper_layers_use(PACKAGE, "kvtier.config", LAYERS, LAYERS["engine"])
+    assert not found, "used only above the engine; move to that layer:\n" + "\n".join(found)
+
+
+def reachable(edges: list[Import], starts: set[str]) -> set[str]:
+    """Every module `starts` import, directly or through others (every kind of edge)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_engine_side_of_the_server_loads_no_request_body() -> None:
+    """The engine thread and process raise `APIError` (`server/errors.py`) but parse no body:
+    the pydantic models of `server/protocol.py` stay on the handlers' side."""
+    engine_side = {f"kvtier.server.{m}" for m in ("events", "engine_loop", "engine_process")}
+    assert "kvtier.server.protocol" not in reachable(EDGES, engine_side)
+    assert "kvtier.server.errors" in reachable(EDGES, engine_side)
 
 
 def test_type_checking_and_function_level_imports_are_edges() -> None:
@@ -322,6 +387,30 @@ def test_the_check_finds_the_package_importing_the_lab(tmp_path: Path) -> None:
     assert imports_of_outside(pkg) == [
         "src/kvtier/bench/a.py:2: kvtier.bench.a imports benchmarks.compare",
         "src/kvtier/bench/b.py:2: kvtier.bench.b imports tests.sched.oracle",
+    ]
+
+
+def test_the_check_finds_a_setting_only_an_upper_layer_uses(tmp_path: Path) -> None:
+    pkg = tmp_path / "src" / TOP
+    files = {
+        "__init__.py": "",
+        "config.py": (
+            "LOW = 1\nOWN = 2\nUSED = OWN\n\n\ndef server_only():\n    pass\n\n\n"
+            "class UpperOnly:\n    pass\n\n\n_PRIVATE = 3\n"
+        ),
+        "low/__init__.py": "",
+        "low/a.py": "def f():\n    from kvtier.config import LOW\n",
+        "high/__init__.py": "",
+        "high/b.py": "from kvtier.config import LOW, UpperOnly, server_only\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    layers = {"config": 0, "low": 1, "high": 2}
+    assert names_only_upper_layers_use(pkg, "kvtier.config", layers, ceiling=1) == [
+        "src/kvtier/config.py:3: USED",
+        "src/kvtier/config.py:6: server_only",
+        "src/kvtier/config.py:10: UpperOnly",
     ]
 
 

@@ -42,6 +42,7 @@ def test_engine_failure_answers_requests_in_flight_and_stops_the_server() -> Non
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert resp.readline() == b"\n"  # the rest starts at an event boundary
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(handle.post, "/v1/completions", LONG)
             wait_until(lambda: handle.engine.call(lambda e: e.stats().num_requests) == 2)

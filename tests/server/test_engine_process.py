@@ -55,6 +55,7 @@ def _stream(handle: ServerHandle, body: dict[str, Any]) -> http.client.HTTPRespo
     )  # fmt: skip
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    assert resp.readline() == b"\n"  # the rest starts at an event, whatever came before the end
     return resp
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from kvtier.server.errors import dumps
 from kvtier.server.events import TokenLogprob
 from kvtier.server.logprobs import chat_logprobs, completion_logprobs
-from kvtier.server.protocol import dumps
 from tests.server.conftest import MODEL, ServerHandle
 
 COMPLETION = {"model": MODEL, "prompt": "The for", "max_tokens": 4}

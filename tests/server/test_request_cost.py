@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from kvtier.engine.prompts import CHUNK_CHARS
+from kvtier.server.errors import APIError
 from kvtier.server.prompts import check_response_size
-from kvtier.server.protocol import MAX_RESPONSE_TOKENS, APIError
+from kvtier.server.protocol import MAX_RESPONSE_TOKENS
 from tests.server.conftest import (
     MODEL,
     ServerHandle,

@@ -424,7 +424,13 @@ def test_a_replica_killed_mid_run(setup: Setup) -> None:
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     stream = conn.getresponse()
     assert stream.status == 200 and stream.readline().startswith(b"data: ")
-    (victim,) = [r for r in setup.replicas if metric(r.port, "vllm:num_requests_running") >= 1]
+
+    def running() -> list[Proc]:
+        return [r for r in setup.replicas if metric(r.port, "vllm:num_requests_running") >= 1]
+
+    # the gauge is set after the step's tokens are sent, so the first line can come before it
+    wait_until(lambda: bool(running()), 120)
+    (victim,) = running()
     threads, results = _concurrently(setup.rr.port, "/v1/completions", bodies)
     wait_until(lambda: in_flight(victim) >= 3, 120)
     victim.signal_all(signal.SIGKILL)

@@ -4,26 +4,25 @@
 The host tier stays the only tier that copies to and from the device; the tiers below it (`fetch.py`
 `LowerTier`: a `DiskStore`, a `RedisStore`) reach the device through host blocks:
 - lookup: the host extends the device hit; if a lower tier may extend it further, an I/O thread
-  asks the stores (`fetch.run_fetch`) while the request waits (`wait_for_load`, its host hit
-  pinned); once the answer is in, its blocks are written into host blocks (a declared host op of
-  `HostBlockBytes`), published in the host cache, and the request's next lookup is an ordinary
-  host hit, loaded on the load stream like any other. Past the deadline the request runs with what
+  asks the stores (`fetch.run_fetch`, kept in flight by `in_flight.py`) while the request waits
+  (`wait_for_load`, its host hit pinned); once the answer is in, its blocks are written into host
+  blocks (a declared host op of `HostBlockBytes`), published in the host cache, and the request's
+  next lookup is an ordinary host hit, loaded on the load stream like any other. Past the deadline the request runs with what
   the host has; a miss, a corrupt block or a dead store is a shorter hit, recomputed.
 - stores: every block an eager host store publishes is read (a declared host op) and queued to
   every lower tier (`BlockStore.put` never blocks; back-pressure drops); a block promoted from the
   remote tier is queued to the disk tier too.
-Owns the fetch jobs, the per-request lookup state and the lower tiers' metrics; changes no request.
+Decides what a lookup asks below the host and what a landed read becomes; owns the lower tiers'
+metrics and KV events; changes no request.
 Torch-free: bytes of host blocks go through the `HostBlockBytes` protocol the runner implements.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -31,14 +30,13 @@ from kvtier.ids import BlockHash, BlockId, ReqId
 from kvtier.kv.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.kv.specs import FullAttention
 from kvtier.offload.fetch import FetchJob, FetchResult, LowerTier, run_fetch
+from kvtier.offload.in_flight import InFlightReads, Next
 from kvtier.offload.store_records import Published
 from kvtier.offload.tier import HostTier
 from kvtier.offload.types import Key, Transfer
 from kvtier.sched.connector import LoadFailure, TierLookup
 from kvtier.sched.request import Request
 from kvtier.stores import SEGMENT_BLOCKS, StoreKey, StoreLayout, StoreStats
-
-log = logging.getLogger("kvtier.offload")
 
 _Block = tuple[StoreKey, BlockHash | None, Sequence[int] | None]  # key, parent, tokens (events)
 
@@ -99,26 +97,6 @@ class TierStats:
     store: StoreStats
 
 
-@dataclass(slots=True)
-class _Fetch:
-    job: FetchJob
-    future: Future[FetchResult]
-    deadline: float
-
-
-@dataclass(slots=True)
-class _ReqState:
-    """One waiting request's lookup below the host, for its current length."""
-
-    num_tokens: int
-    fetch: _Fetch | None = None  # its own job in flight
-    waiting_on: _Fetch | None = None  # another request's job it waits for
-    done: bool = False  # asked once already (or nothing to ask): no new job
-    result: FetchResult | None = None  # its job's answer, for the metrics at admission
-    last_lookup: tuple[int, int] = (0, 0)  # (device hit, host end) of its last lookup
-    counted: bool = False  # its admission was counted in the metrics
-
-
 class TierChain:
     """The host tier and the tiers below it, as one `KVTier`.
 
@@ -148,17 +126,11 @@ class TierChain:
         self.lowers = list(lowers)
         self.io = io
         self.layouts = list(layouts)
-        self.timeout_s = timeout_s
-        self.max_fetches = max_fetches
-        self.clock = clock
         self.specs = host.specs
         self.align = host.coordinator.alignment
         self.metrics = ChainMetrics()
         self.tier_metrics = {t.name: LowerTierMetrics() for t in self.lowers}
-        self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvtier-tier-fetch")
-        self._fetches: list[_Fetch] = []  # in flight or done, not yet staged
-        self._fetching: dict[Key, _Fetch] = {}  # first key of each group at a job's start
-        self._reqs: dict[ReqId, _ReqState] = {}
+        self._reads = InFlightReads(timeout_s, max_fetches, num_io_threads, clock)
         # the group whose positions attribute tokens to tiers: the first full-attention group
         self._ref_group = next(
             (g for g, s in enumerate(self.specs) if isinstance(s, FullAttention)), 0
@@ -173,6 +145,11 @@ class TierChain:
             for t in self.lowers:
                 t.store.watch_removals(functools.partial(self._removed, t.name))
 
+    @property
+    def timeout_s(self) -> float:
+        """The longest a lookup waits for the tiers below the host."""
+        return self._reads.timeout_s
+
     # ---- lookup --------------------------------------------------------------------------------
 
     def lookup(self, request: Request, num_hit_tokens: int) -> TierLookup:
@@ -184,44 +161,30 @@ class TierChain:
         if answer.wait_for_load or not self.lowers:
             return answer
         rid = request.request_id
-        st = self._reqs.get(rid)
-        if st is None or st.num_tokens != request.num_tokens:
-            st = self._reqs[rid] = _ReqState(request.num_tokens)
         end = num_hit_tokens + answer.num_tokens
-        st.last_lookup = (num_hit_tokens, end)
-        now = self.clock()
-        for pending in (st.fetch, st.waiting_on):
-            if pending is None:
-                continue
-            if now < pending.deadline:
-                return TierLookup(0, wait_for_load=True)
+        todo = self._reads.begin(rid, request.num_tokens, (num_hit_tokens, end))
+        if todo is Next.WAIT:
+            return TierLookup(0, wait_for_load=True)
+        if todo is Next.TIMED_OUT:
             self.metrics.num_fetch_timeouts += 1
-            st.fetch = st.waiting_on = None
-            st.done = True
-            return answer
-        if st.done:
+        if todo is not Next.ASK:
             return answer
         max_len = (request.num_tokens - 1) // self.align * self.align
         if max_len <= end:
-            st.done = True
+            self._reads.settle(rid)
             return answer
-        other = self._fetching_other(request, end)
-        if other is not None:
-            st.waiting_on = other
+        keys = self._start_keys(request, end)
+        if self._reads.wait_on_other(rid, keys):
             return TierLookup(0, wait_for_load=True)
-        if len(self._fetches) >= self.max_fetches:
+        if self._reads.full:
             self.metrics.num_fetch_skipped += 1
-            st.done = True
+            self._reads.settle(rid)
             return answer
         job = self._job(request, num_hit_tokens, end, max_len)
         if job is None:
-            st.done = True
+            self._reads.settle(rid)
             return answer
-        fut = self._pool.submit(run_fetch, job, self.specs, self.align, self.lowers)
-        st.fetch = _Fetch(job, fut, now + self.timeout_s)
-        self._fetches.append(st.fetch)
-        for key in self._start_keys(request, end):
-            self._fetching[key] = st.fetch
+        self._reads.start(job, keys, run_fetch, self.specs, self.align, self.lowers)
         self.metrics.num_fetches += 1
         return TierLookup(0, wait_for_load=True)
 
@@ -233,14 +196,6 @@ class TierChain:
             if p < len(views[g]):
                 keys.append((g, views[g][p]))
         return keys
-
-    def _fetching_other(self, request: Request, end: int) -> _Fetch | None:
-        """Another request's job in flight that reads this request's next block."""
-        for key in self._start_keys(request, end):
-            fetch = self._fetching.get(key)
-            if fetch is not None and fetch.job.req_id != request.request_id:
-                return fetch
-        return None
 
     def _job(self, request: Request, device_hit: int, end: int, max_len: int) -> FetchJob | None:
         """The lookup below the host for `request` beyond `end`, or None when no lower tier can
@@ -285,12 +240,12 @@ class TierChain:
         tokens of the blocks it promoted that this admission loads from the host first (its
         last lookup's external tokens; whichever request's read staged them)."""
         self.host.record_lookup(request)
-        st = self._reqs.get(request.request_id)
-        if st is None:
+        last = self._reads.last_lookup(request.request_id)
+        if last is None:
             return
-        if st.result is not None and not st.counted:
-            st.counted = True
-            res, prev = st.result, st.result.start
+        res = self._reads.take_result(request.request_id)
+        if res is not None:
+            prev = res.start
             for i, tier in enumerate(self.lowers):
                 if not res.asked[i]:
                     continue
@@ -300,7 +255,7 @@ class TierChain:
                 prev = max(prev, res.reach[i])
         g = self._ref_group
         bs = self.specs[g].block_size
-        start, end = st.last_lookup
+        start, end = last
         view = self.host.coordinator.group_hashes(request.block_hashes)[g]
         for p in range(start // bs, min(end // bs, len(view))):
             origin = self.host.take_origin((g, view[p]))
@@ -315,32 +270,14 @@ class TierChain:
     # ---- staging -------------------------------------------------------------------------------
 
     def _stage_done(self) -> None:
-        """Write the blocks of every finished job into host blocks and publish them there."""
-        still: list[_Fetch] = []
-        for fetch in self._fetches:
-            if not fetch.future.done():
-                still.append(fetch)
-                continue
-            for key, owner in list(self._fetching.items()):
-                if owner is fetch:
-                    del self._fetching[key]
-            try:
-                result = fetch.future.result()
-            except Exception:
-                log.exception("a lookup below the host failed; the request recomputes")
+        """Write the blocks of every landed read into host blocks and publish them there."""
+        for job, result in self._reads.take_landed():
+            if result is None:
                 self.metrics.num_fetch_errors += 1
-                result = None
-            if result is not None:
-                self.metrics.fetch_seconds += result.seconds
-                self.metrics.num_fetch_errors += bool(result.errors)
-                self._stage(fetch.job, result)
-            st = self._reqs.get(fetch.job.req_id)
-            if st is not None and st.fetch is fetch:
-                st.fetch, st.done, st.result = None, True, result
-            for other in self._reqs.values():
-                if other.waiting_on is fetch:
-                    other.waiting_on = None
-        self._fetches = still
+                continue
+            self.metrics.fetch_seconds += result.seconds
+            self.metrics.num_fetch_errors += bool(result.errors)
+            self._stage(job, result)
 
     def _stage(self, job: FetchJob, result: FetchResult) -> None:
         todo = [
@@ -461,7 +398,7 @@ class TierChain:
 
     def finish_request(self, request: Request) -> list[Transfer]:
         """Forget the request's lookup (a job in flight still stages its blocks for others)."""
-        self._reqs.pop(request.request_id, None)  # a job in flight stays in `_fetches`
+        self._reads.forget(request.request_id)  # a read in flight still lands and is staged
         return self.host.finish_request(request)
 
     def preempt_request(self, request: Request) -> list[Transfer]:
@@ -495,26 +432,14 @@ class TierChain:
 
     def waiting_on_io(self) -> set[ReqId]:
         """Requests whose lookup waits for a read below the host (reads only)."""
-        return {rid for rid, st in self._reqs.items() if st.fetch or st.waiting_on}
+        return self._reads.waiting()
 
     def wait_for_io(self, max_wait_s: float) -> bool:
-        """Block up to `max_wait_s` until a read some request waits on finishes or its deadline
+        """Block up to `max_wait_s` until a read some request waits on lands or its deadline
         passes (for an engine with nothing else to do: cheaper than stepping empty forwards).
-        True when one has (the next lookup makes progress), False when all still wait. Reads no
-        request waits on any more (aborted, or its lookup timed out) end no wait: past their
-        deadline they would end every wait at once, a busy spin (architecture.md §Progress);
-        they are staged whenever a later step finds them landed. Mutates nothing."""
-        awaited = {
-            id(f): f for st in self._reqs.values() for f in (st.fetch, st.waiting_on) if f
-        }.values()
-        if not awaited:
-            return False
-        if any(f.future.done() for f in awaited):
-            return True
-        deadline = min(f.deadline for f in awaited)
-        timeout = min(max_wait_s, max(0.0, deadline - self.clock()))
-        wait([f.future for f in awaited], timeout, FIRST_COMPLETED)
-        return any(f.future.done() for f in awaited) or self.clock() >= deadline
+        True when one has (the next lookup makes progress), False when all still wait; reads
+        nobody waits on end no wait (`InFlightReads.wait`). Mutates nothing."""
+        return self._reads.wait(max_wait_s)
 
     # ---- lifecycle and stats ---------------------------------------------------------------------
 
@@ -531,6 +456,6 @@ class TierChain:
 
     def close(self) -> None:
         """Stop the fetch threads, finish queued writes and close the stores (idempotent)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._reads.close()
         for t in self.lowers:
             t.store.close()

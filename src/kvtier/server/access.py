@@ -13,7 +13,7 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvtier.config import ServerConfig
+from kvtier.server.config import ServerConfig
 
 # The environment a key may come from when --api-key is not given: kvtier's own name first, then
 # vLLM's, so a deployment written for `vllm serve` keeps its key.

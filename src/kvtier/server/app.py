@@ -13,11 +13,11 @@ from starlette.exceptions import HTTPException
 
 from kvtier.server.body_limit import BodyLimit
 from kvtier.server.completions import completion_routes, render_routes
+from kvtier.server.errors import APIError, JSONBody, validation_error
 from kvtier.server.events import EngineClient
 from kvtier.server.generation import ClientDisconnected
 from kvtier.server.health import health_routes
 from kvtier.server.info import info_routes
-from kvtier.server.protocol import APIError, JSONBody, validation_error
 from kvtier.server.tools import ToolConfig
 
 log = logging.getLogger("kvtier.server")

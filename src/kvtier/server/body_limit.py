@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.server.protocol import APIError
+from kvtier.server.errors import APIError
 
 
 class BodyLimit:

@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvtier.cli_args import add_dataclass_args, configure_logging, dataclass_from_args
-from kvtier.config import ServerConfig
 from kvtier.engine.cli import add_engine_arguments, engine_args
+from kvtier.server.config import ServerConfig
 
 if TYPE_CHECKING:
     import uvicorn

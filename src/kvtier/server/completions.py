@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvtier.engine.params import SamplingParams
+from kvtier.server.errors import APIError, JSONBody, check_text
 from kvtier.server.events import Delta, EngineClient, TokenLogprob
 from kvtier.server.generation import Generation, collect, stream
 from kvtier.server.info import check_model
@@ -28,13 +29,7 @@ from kvtier.server.prompts import (
     encode,
     resolve_max_tokens,
 )
-from kvtier.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    JSONBody,
-    check_text,
-)
+from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.tools import ToolConfig, constrain, plan_tools, template_tools
 
 

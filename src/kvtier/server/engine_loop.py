@@ -23,6 +23,7 @@ from kvtier.engine.params import EngineArgs
 from kvtier.engine.requests import FinishedRequest, StepOutput
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sched.output import TokenLogprobs
+from kvtier.server.errors import APIError
 from kvtier.server.events import (
     Delta,
     Event,
@@ -37,7 +38,6 @@ from kvtier.server.events import (
 )
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason, warm_up
 from kvtier.server.metrics import EngineMetrics
-from kvtier.server.protocol import APIError
 from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames, RequestRecord
 
 if TYPE_CHECKING:  # KV events need the kv-events extra: imported when configured

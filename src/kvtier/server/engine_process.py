@@ -32,9 +32,9 @@ from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.server.engine_loop import EngineLoop
+from kvtier.server.errors import APIError
 from kvtier.server.events import Delta, Event, Failed, Sink, Submission, engine_failed, put_all
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason
-from kvtier.server.protocol import APIError
 from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames
 
 if TYPE_CHECKING:

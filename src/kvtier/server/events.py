@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtier.engine.params import EngineArgs, SamplingParams
-from kvtier.server.protocol import APIError
+from kvtier.server.errors import APIError
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore

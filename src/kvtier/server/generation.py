@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kvtier.engine.params import SamplingParams
+from kvtier.server.errors import APIError, dumps
 from kvtier.server.events import (
     Delta,
     EngineClient,
@@ -24,7 +25,6 @@ from kvtier.server.events import (
     Submission,
     TokenLogprob,
 )
-from kvtier.server.protocol import APIError, dumps
 
 
 class Generation:

@@ -7,8 +7,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvtier.server.errors import APIError
 from kvtier.server.events import EngineClient
-from kvtier.server.protocol import APIError
 
 
 def health_routes(engine: EngineClient) -> APIRouter:

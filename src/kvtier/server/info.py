@@ -11,17 +11,10 @@ from typing import Any
 from fastapi import APIRouter
 
 import kvtier
+from kvtier.server.errors import APIError, JSONBody, check_text
 from kvtier.server.events import EngineClient
 from kvtier.server.prompts import ChatOptions, Prompt, encode
-from kvtier.server.protocol import (
-    APIError,
-    DetokenizeRequest,
-    JSONBody,
-    TokenizeRequest,
-    check_extras,
-    check_text,
-    message_dicts,
-)
+from kvtier.server.protocol import DetokenizeRequest, TokenizeRequest, check_extras, message_dicts
 
 
 def check_model(name: str | None, served_model_name: str) -> None:

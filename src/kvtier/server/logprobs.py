@@ -4,10 +4,18 @@ request, as vLLM's `token_id:<id>`. Pure functions of the engine's `TokenLogprob
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvtier.server.events import TokenLogprob
-from kvtier.server.protocol import finite_logprob
+
+# vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """`value` if finite, else MIN_LOGPROB (JSON has no -Infinity; NaN never is a logprob)."""
+    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 def _finite(logprob: float | None) -> float | None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from kvtier.engine.prompts import ChatOptions, Prompt, PromptTokens, PromptTooLong, encode_prompt
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.server.protocol import MAX_RESPONSE_TOKENS, APIError
+from kvtier.server.errors import APIError
+from kvtier.server.protocol import MAX_RESPONSE_TOKENS
 
 __all__ = [
     "ChatOptions",

@@ -11,7 +11,8 @@ from typing import Any
 
 from kvtier.engine.params import SamplingParams
 from kvtier.sampling import StructuredOutputsParams
-from kvtier.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from kvtier.server.errors import APIError
+from kvtier.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvtier.server.tool_parsers import (
     PARSERS,
     NamedCallParser,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.config import check_metrics_prefix
+from kvtier.server.config import check_metrics_prefix
 
 # vLLM's bucket bounds (vllm/v1/metrics/loggers.py, as its 0.29 server exposes them): data, kept
 # equal so that a histogram_quantile over a fleet of vLLM and kvtier servers stays meaningful.

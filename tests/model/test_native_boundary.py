@@ -60,6 +60,16 @@ def _linear(**change: object) -> None:
     kernels.linear_f32(args["x"], args["packed"], args["n"], args["bias"])  # type: ignore[arg-type]
 
 
+def _bitmask(**change: torch.Tensor) -> None:
+    args = {
+        "logits": torch.zeros(2, 64),
+        "mask": torch.zeros(2, 2, dtype=torch.int32),
+        "rows": torch.tensor([0, 1]),
+    }
+    args.update(change)
+    _k().apply_bitmask(args["logits"], args["mask"], args["rows"])
+
+
 CASES: dict[str, tuple[Callable[[], object], str]] = {
     "attention q strided heads": (
         lambda: _attention(q=torch.zeros(1, 64, 4, dtype=BF16).transpose(1, 2)),
@@ -135,6 +145,28 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
     "linear wrong packed size": (lambda: _linear(n=64), "pack_linear"),
     "linear x of another k": (lambda: _linear(x=torch.randn(3, 32)), "packed has"),
     "linear bias size": (lambda: _linear(bias=torch.zeros(47)), "bias"),
+    "bitmask logits float16": (
+        lambda: _bitmask(logits=torch.zeros(2, 64, dtype=torch.float16)),
+        "logits must be float32 or bfloat16",
+    ),
+    "bitmask logits strided": (
+        lambda: _bitmask(logits=torch.zeros(64, 2).t()),
+        "logits must be",
+    ),
+    "bitmask mask int64": (
+        lambda: _bitmask(mask=torch.zeros(2, 2, dtype=torch.int64)),
+        "mask must be",
+    ),
+    "bitmask mask rows": (
+        lambda: _bitmask(mask=torch.zeros(3, 2, dtype=torch.int32)),
+        r"mask must be \[2, words\]",
+    ),
+    "bitmask row out of range": (lambda: _bitmask(rows=torch.tensor([0, 2])), r"\[0, 2\)"),
+    "bitmask row negative": (lambda: _bitmask(rows=torch.tensor([-1])), r"\[0, 2\)"),
+    "bitmask rows int32": (
+        lambda: _bitmask(rows=torch.tensor([0], dtype=torch.int32)),
+        "rows must be",
+    ),
     "top_k per row": (
         lambda: native.top_k_top_p_(torch.randn(3, 100), torch.tensor([1, 2]), None),
         "top_k",
@@ -158,6 +190,11 @@ try:
     kernels.rms_norm(torch.randn(4, 16, 2)[..., 0], torch.ones(16), 1e-6, False)
 except ValueError as exc:
     print("raised:", exc)
+try:
+    kernels.apply_bitmask(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32),
+                          torch.tensor([2]))
+except ValueError as exc:
+    print("raised:", exc)
 """
 
 
@@ -168,3 +205,4 @@ def test_the_checks_hold_under_python_dash_o() -> None:
                          text=True, timeout=300, check=False)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "raised: x's last dim must be contiguous" in res.stdout, res.stdout
+    assert "raised: rows must be in [0, 2)" in res.stdout, res.stdout

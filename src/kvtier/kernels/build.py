@@ -36,6 +36,7 @@ SOURCES: dict[str, tuple[str, ...]] = {  # every object of the library and its o
     "fused.c": NO_CONTRACT,
     "fused_avx512.c": NO_CONTRACT,
     "fused_avx512bf16.c": NO_CONTRACT,
+    "mask.c": (),
     "linear.c": (),
     "linear_amx.c": (),
     "linear_avx512bf16.c": (),

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvtier.config import StructuredOutputsConfig
+from kvtier.model import native
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.sampling import GrammarSpec
 
@@ -282,12 +283,22 @@ class Matcher:
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of `rows` whose bit in `mask` (on logits' device, one
-    row per logits row) is 0."""
+    row per logits row) is 0, and those past the mask's 32 * words tokens. The native kernel
+    where it serves them (host CPU); torch ops unpacking the bits elsewhere."""
+    if not native.apply_bitmask_(logits, mask, rows):
+        _unpack_and_mask(logits, mask, rows)
+
+
+def _unpack_and_mask(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    """`apply_mask` in torch ops (any device), unpacking the bits into a [rows, words, 32]
+    tensor."""
     vocab = logits.shape[-1]
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
     bits = (mask.index_select(0, index.to(mask.device))[:, :, None] >> shifts) & 1
     allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
+    if allowed.shape[1] < vocab:  # tokens past the mask's words: refused
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, sub)
 

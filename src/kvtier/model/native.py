@@ -203,6 +203,32 @@ class Kernels:
         )  # fmt: skip
         return out
 
+    def apply_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Set to -inf, in place, every logit of the rows `rows` (int64 [n], each in range)
+        of logits [num_rows, vocab] (float32 or bfloat16, rows contiguous) whose bit in the
+        same row of `mask` (int32 [num_rows, words], contiguous; bit j of word w: token
+        32 w + j, llguidance's bitmask) is 0, and every token past 32 * words."""
+        _host("logits", logits)
+        _require(logits.dim() == 2 and logits.stride(1) == 1,
+                 f"logits must be [rows, vocab] with contiguous rows, got shape "
+                 f"{tuple(logits.shape)} strides {tuple(logits.stride())}")  # fmt: skip
+        _host("mask", mask, torch.int32)
+        _contiguous("mask", mask)
+        _require(mask.dim() == 2 and mask.shape[0] == logits.shape[0],
+                 f"mask must be [{logits.shape[0]}, words] (a row per logits row), got shape "
+                 f"{tuple(mask.shape)}")  # fmt: skip
+        _host("rows", rows, torch.int64)
+        _contiguous("rows", rows)
+        _require(rows.dim() == 1, f"rows must be 1-D, got shape {tuple(rows.shape)}")
+        if rows.numel():
+            low, high = int(rows.min()), int(rows.max())
+            _require(low >= 0 and high < logits.shape[0],
+                     f"rows must be in [0, {logits.shape[0]}), got {low} to {high}")  # fmt: skip
+        self.lib.kvtier_apply_bitmask(
+            logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(), mask.shape[1],
+            rows.data_ptr(), rows.numel(), DTYPES[logits.dtype], threads(),
+        )  # fmt: skip
+
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight [n, k] in the linear kernel's layout: bfloat16 in tiles (needs
         `tile_linear`), float32 in 16-column vectors (needs `f32_linear`)."""
@@ -391,6 +417,18 @@ def top_k_top_p_(
     if status != 0:
         raise MemoryError(f"top-k/top-p filter: no scratch for {x.shape[1]} tokens a row")
     return x
+
+
+def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> bool:
+    """`Kernels.apply_bitmask` where the kernels serve logits and mask (host CPU, float32 or
+    bfloat16 rows contiguous, mask int32 contiguous): True once done; False, touching nothing,
+    elsewhere (the caller unpacks the bits with torch)."""
+    kernels = kernels_for(logits) if logits.dim() == 2 and logits.stride(-1) == 1 else None
+    if kernels is None or mask.device != CPU or mask.dtype != torch.int32:
+        return False
+    index = torch.tensor(rows, dtype=torch.int64)
+    kernels.apply_bitmask(logits, mask.contiguous(), index)
+    return True
 
 
 def kernels_for(x: torch.Tensor) -> Kernels | None:

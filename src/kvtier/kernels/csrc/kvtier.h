@@ -93,6 +93,15 @@ KVTIER_API void kvtier_argmax(const void *x, int64_t rows, int64_t n, int64_t st
 KVTIER_API int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t stride,
                                   const int64_t *top_k, const float *top_p, int threads);
 
+/* ---- the structured outputs' token mask (mask.c) ------------------------------------------- */
+
+/* logits [*, vocab] (rows stride elements apart, dtype 0 float32 or 1 bfloat16), in place: in
+ * each row rows[i] (num_rows of them), a token whose bit in mask row rows[i] (words int32 a row,
+ * bit j of word w: token 32 w + j) is 0 becomes -inf, as does a token past 32 * words */
+KVTIER_API void kvtier_apply_bitmask(void *logits, int64_t stride, int64_t vocab,
+                                     const int32_t *mask, int64_t words, const int64_t *rows,
+                                     int64_t num_rows, int dtype, int threads);
+
 /* ---- linear layers (linear*.c) ------------------------------------------------------------ */
 
 /* 1: bfloat16 tiles on AMX (granted by the OS), 2: on AVX512-BF16, 0: neither */

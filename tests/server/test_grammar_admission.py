@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -45,16 +45,39 @@ class HeldCompiles:
         return self._real(tokenizer, spec)
 
 
+def started_loop(max_waiting: int = 64, fail_at_step: int | None = None, **kw: Any) -> EngineLoop:
+    """An engine loop on the embedded model; a compile timeout far past the hang guard, so the
+    held compile is never cut short."""
+    args = EngineArgs.from_kwargs(
+        None, max_model_len=512, torch_threads=1, structured_outputs_compile_timeout_s=3600.0, **kw
+    )
+    engine_loop = EngineLoop(args, max_waiting, fail_at_step=fail_at_step)
+    engine_loop.start()
+    return engine_loop
+
+
 @pytest.fixture
 def loop() -> Iterator[EngineLoop]:
-    # a compile timeout far past the hang guard: the held compile is never cut short
-    args = EngineArgs.from_kwargs(
-        None, max_model_len=512, torch_threads=1, structured_outputs_compile_timeout_s=3600.0
-    )
-    engine_loop = EngineLoop(args, 64)
-    engine_loop.start()
+    engine_loop = started_loop()
     yield engine_loop
     engine_loop.stop()
+
+
+@pytest.fixture
+def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], HeldCompiles]]:
+    """`hold(marker)`: compiles of specs holding `marker` wait for the test's release (released
+    at the end in any case, so no compile thread outlives the test waiting)."""
+    made: list[HeldCompiles] = []
+
+    def make(marker: str) -> HeldCompiles:
+        held = HeldCompiles(marker)
+        monkeypatch.setattr(grammar_module, "_compile", held)
+        made.append(held)
+        return held
+
+    yield make
+    for held in made:
+        held.release.set()
 
 
 def _events(out: Recorder, key: str) -> list[Event]:
@@ -69,16 +92,24 @@ def _submit(loop: EngineLoop, out: Recorder, key: str, params: SamplingParams) -
     loop.submit(Submission(key, [5, 6, 7, 8, 9], params, Sink(out, key)))
 
 
-def test_other_requests_step_to_the_end_while_a_grammar_compiles(
-    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+def _submit_held(
+    loop: EngineLoop, out: Recorder, held: HeldCompiles, key: str, params: SamplingParams
 ) -> None:
-    held = HeldCompiles('"maximum": 99')
-    monkeypatch.setattr(grammar_module, "_compile", held)
+    """Submit `key` and wait until its grammar's compile is held."""
+    _submit(loop, out, key, params)
+    assert held.entered.wait(HANG_GUARD_S)
+
+
+def test_other_requests_step_to_the_end_while_a_grammar_compiles(
+    loop: EngineLoop, hold: Callable[[str], HeldCompiles]
+) -> None:
+    held = hold('"maximum": 99')
     out = Recorder()
     so = StructuredOutputsParams(json=SCHEMA)
     try:
-        _submit(loop, out, "g", SamplingParams(max_tokens=64, structured_outputs=so, seed=3))
-        assert held.entered.wait(HANG_GUARD_S)
+        _submit_held(
+            loop, out, held, "g", SamplingParams(max_tokens=64, structured_outputs=so, seed=3)
+        )
         _submit(loop, out, "free", SamplingParams(max_tokens=16, ignore_eos=True))
         wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
         # its grammar still compiling: not admitted, nothing sent
@@ -95,15 +126,13 @@ def test_other_requests_step_to_the_end_while_a_grammar_compiles(
 
 
 def test_a_spec_that_fails_to_compile_off_the_engine_thread_is_a_400(
-    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+    loop: EngineLoop, hold: Callable[[str], HeldCompiles]
 ) -> None:
-    held = HeldCompiles("[unclosed")
-    monkeypatch.setattr(grammar_module, "_compile", held)
+    held = hold("[unclosed")
     out = Recorder()
     bad = StructuredOutputsParams(regex="[unclosed")
     try:
-        _submit(loop, out, "bad", SamplingParams(max_tokens=8, structured_outputs=bad))
-        assert held.entered.wait(HANG_GUARD_S)
+        _submit_held(loop, out, held, "bad", SamplingParams(max_tokens=8, structured_outputs=bad))
         _submit(loop, out, "free", SamplingParams(max_tokens=4, ignore_eos=True))
         wait_until(lambda: _finished(out, "free"), HANG_GUARD_S)
     finally:
@@ -120,15 +149,13 @@ def test_a_spec_that_fails_to_compile_off_the_engine_thread_is_a_400(
 
 
 def test_an_abort_while_the_grammar_compiles_drops_the_request_and_its_hold(
-    loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+    loop: EngineLoop, hold: Callable[[str], HeldCompiles]
 ) -> None:
-    held = HeldCompiles('"maximum": 99')
-    monkeypatch.setattr(grammar_module, "_compile", held)
+    held = hold('"maximum": 99')
     out = Recorder()
     so = StructuredOutputsParams(json=SCHEMA)
     try:
-        _submit(loop, out, "g", SamplingParams(max_tokens=8, structured_outputs=so))
-        assert held.entered.wait(HANG_GUARD_S)
+        _submit_held(loop, out, held, "g", SamplingParams(max_tokens=8, structured_outputs=so))
         loop.abort("g")
         assert loop.call(lambda engine: engine.grammars.num_held) == 0
     finally:
@@ -142,20 +169,14 @@ def test_an_abort_while_the_grammar_compiles_drops_the_request_and_its_hold(
 
 
 def test_an_engine_failure_answers_a_request_whose_grammar_compiles(
-    monkeypatch: pytest.MonkeyPatch,
+    hold: Callable[[str], HeldCompiles],
 ) -> None:
-    held = HeldCompiles('"maximum": 99')
-    monkeypatch.setattr(grammar_module, "_compile", held)
-    args = EngineArgs.from_kwargs(
-        None, max_model_len=512, torch_threads=1, structured_outputs_compile_timeout_s=3600.0
-    )
-    loop = EngineLoop(args, 64, fail_at_step=1)
-    loop.start()
+    held = hold('"maximum": 99')
+    loop = started_loop(fail_at_step=1)
     out = Recorder()
     so = StructuredOutputsParams(json=SCHEMA)
     try:
-        _submit(loop, out, "g", SamplingParams(max_tokens=8, structured_outputs=so))
-        assert held.entered.wait(HANG_GUARD_S)
+        _submit_held(loop, out, held, "g", SamplingParams(max_tokens=8, structured_outputs=so))
         _submit(loop, out, "free", SamplingParams(max_tokens=4))  # its first step fails
         wait_until(lambda: bool(_events(out, "g")), HANG_GUARD_S)
     finally:
@@ -167,19 +188,10 @@ def test_an_engine_failure_answers_a_request_whose_grammar_compiles(
 
 
 def test_requests_waiting_for_their_grammar_count_in_the_backlog(
-    monkeypatch: pytest.MonkeyPatch,
+    hold: Callable[[str], HeldCompiles],
 ) -> None:
-    held = HeldCompiles('"maximum": 99')
-    monkeypatch.setattr(grammar_module, "_compile", held)
-    args = EngineArgs.from_kwargs(
-        None,
-        max_model_len=512,
-        max_num_seqs=1,
-        torch_threads=1,
-        structured_outputs_compile_timeout_s=3600.0,
-    )
-    loop = EngineLoop(args, 1)  # one request may wait beyond the one running slot
-    loop.start()
+    held = hold('"maximum": 99')
+    loop = started_loop(1, max_num_seqs=1)  # one request may wait beyond the one running slot
     out = Recorder()
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     try:

@@ -203,20 +203,12 @@ def write_int8_model(
     asked and untied) quantized to int8 in compressed-tensors' layout, as llm-compressor writes a
     W8A16 channel-wise scheme: `fmt` "int-quantized" (`weight` int8) or "pack-quantized"
     (`weight_packed` int32 + `weight_shape`), `weight_scale` [n, 1] in the checkpoint's dtype."""
-    from safetensors.torch import load_file
-
     from kvtier.model.quant import CT_FORMATS, pack_int8, quantize_int8
 
     if fmt not in CT_FORMATS:
         raise ValueError(f"fmt must be one of {CT_FORMATS}, got {fmt!r}")
     src, out = Path(source), Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        tensors |= load_file(str(shard))
+    tensors = _copy_but_weights(src, out)
     weights: dict[str, torch.Tensor] = {}
     for key, w in tensors.items():
         module = key.removesuffix(".weight")
@@ -282,16 +274,8 @@ def write_kv_scaled_model(
     v_scale)) as float32 scalars under `naming`'s tensor names (KV_SCALE_NAMES), and `scheme` as
     config.json's compressed-tensors `kv_cache_scheme` (None: no quantization_config added), as
     llm-compressor writes a model whose KV cache it calibrated for fp8."""
-    from safetensors.torch import load_file
-
     src, out = Path(source), Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        tensors |= load_file(str(shard))
+    tensors = _copy_but_weights(src, out)
     for layer, pair in scales.items():
         for name, value in zip(KV_SCALE_NAMES[naming], pair, strict=False):
             tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(value)
@@ -433,3 +417,18 @@ def random_hybrid_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch
             w[moe + "input_linear.weight"] = rand(experts, 2 * inter, h, std=1.0 / math.sqrt(h))
             w[moe + "output_linear.weight"] = rand(experts, h, inter, std=1.0 / math.sqrt(inter))
     return w
+
+
+def _copy_but_weights(src: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Copy model folder `src`'s files but its weights and config.json into `out` (created);
+    return its weights, every shard's tensors by name, for the caller to rewrite."""
+    from safetensors.torch import load_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(str(shard))
+    return tensors

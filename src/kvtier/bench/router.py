@@ -104,39 +104,41 @@ def served_name(model: str) -> str:
     return "kvtier-default" if model == "kvtier-default" else Path(model).name
 
 
+def _samples(url: str, who: str) -> list[Any]:
+    """Every sample of the Prometheus text at `url` (SystemExit naming `who` unless it answers)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = http_get(url)
+    if status != 200:
+        raise SystemExit(f"{who}: GET /metrics answered {status}")
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+TIER_COUNTERS = {
+    "kvtier:prefix_cache_hits_total": "hits",
+    "kvtier:prefix_cache_queries_total": "queries",
+}
+
+
 def _tier_counters(p: Proc) -> dict[str, float]:
     """`tier:hits` and `tier:queries` token counts, and `served` (finished requests), from a
     replica's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, text = http_get(f"{p.url}/metrics")
-    if status != 200:
-        raise SystemExit(f"{p.name}: GET /metrics answered {status}")
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            kind = {"kvtier:prefix_cache_hits_total": "hits"}.get(s.name)
-            kind = kind or {"kvtier:prefix_cache_queries_total": "queries"}.get(s.name)
-            if kind:
-                out[f"{s.labels['tier']}:{kind}"] = s.value
-            elif s.name == "vllm:request_success_total":
-                out["served"] = out.get("served", 0.0) + s.value
+    for s in _samples(f"{p.url}/metrics", p.name):
+        if s.name in TIER_COUNTERS:
+            out[f"{s.labels['tier']}:{TIER_COUNTERS[s.name]}"] = s.value
+        elif s.name == "vllm:request_success_total":
+            out["served"] = out.get("served", 0.0) + s.value
     return out
 
 
 def _decision_outcomes(metrics_port: int) -> dict[str, float]:
     """The router's prefix-aware decisions by outcome, from its /metrics (empty for the policies
     that count none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
-    if status != 200:
-        raise SystemExit(f"router: GET /metrics answered {status}")
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "vllm_router_prefix_routing_decisions_total":
-                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    for s in _samples(f"http://127.0.0.1:{metrics_port}/metrics", "router"):
+        if s.name == "vllm_router_prefix_routing_decisions_total":
+            out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
     return out
 
 

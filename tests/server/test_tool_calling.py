@@ -131,25 +131,22 @@ def rendered(port: int, messages: list[dict[str, Any]], tools: list[Any] | None)
     return text
 
 
+def after_call(name: str, arguments: str, result: str) -> list[Any]:
+    """QUESTION, the assistant's call `call_1` of `name` with `arguments` (JSON text), and the
+    tool's `result`: a conversation that goes on after a tool ran."""
+    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+    ]
+
+
 def test_tools_reach_the_template_and_a_tool_result_continues(served: int) -> None:
     text = rendered(served, QUESTION, [WEATHER_TOOL])
     assert "<tools>" in text and json.dumps(WEATHER_TOOL, ensure_ascii=False) in text
     assert "<tools>" not in rendered(served, QUESTION, None)
-    history: list[Any] = [
-        *QUESTION,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
-    ]
+    history = after_call("get_weather", '{"city": "Paris"}', '{"temp_c": 21}')
     text = rendered(served, history, [WEATHER_TOOL])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
     assert '<tool_response id="call_1">\n{"temp_c": 21}\n</tool_response>' in text
@@ -330,21 +327,7 @@ def test_a_named_function_is_called_with_valid_arguments_and_the_chat_continues(
     calls = _calls_whole_and_streamed(served, tools=[WEATHER_TOOL, UNIT_TOOL], tool_choice=named)
     assert [name for name, _ in calls] == ["set_unit"]
     jsonschema.validate(calls[0][1], UNIT_TOOL["function"]["parameters"])  # type: ignore[index]
-    history: list[Any] = [
-        *QUESTION,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "set_unit", "arguments": json.dumps(calls[0][1])},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
-    ]
+    history = after_call("set_unit", json.dumps(calls[0][1]), "ok")
     reply = client(served).chat.completions.create(
         model=NAME, messages=history, tools=[UNIT_TOOL], max_completion_tokens=8, temperature=0
     )

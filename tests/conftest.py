@@ -8,9 +8,13 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from tests.stores.servers import RedisServer
 
 settings.register_profile(
     "ci",
@@ -58,3 +62,13 @@ def one_torch_thread() -> Iterator[None]:
     native = sys.modules.get("kvtier.model.native")
     if native is not None:  # an engine sets its kernels' threads too (engine/threads.py)
         native.set_threads(None)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own, stopped at its end."""
+    from tests.stores.servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

@@ -7,7 +7,6 @@ keys carry the dtype), and every tier holds half the bytes per block of the bflo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ BF16 = {"dtype": "bfloat16"}
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama-kv8"), "llama")
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def rounds(llm: LLM, n: int = 3) -> list[list[Any]]:

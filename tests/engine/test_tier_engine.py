@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +44,6 @@ WINDOWED = {"num_device_blocks": 80, "num_host_blocks": 24}  # gemma3 needs 65 d
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama-tiers"), "llama")
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 HUNG_S = 3600.0  # longer than any test: a read of a SIGSTOPped Redis ends only by SIGCONT

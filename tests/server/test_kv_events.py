@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,13 +297,6 @@ def test_a_step_of_more_events_than_a_consumer_takes_is_split_into_batches():
 # ---- a server's tiers ----------------------------------------------------------------------------
 
 BS = 16
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def _post(handle: ServerHandle, path: str, body: dict[str, Any]) -> tuple[int, Any]:

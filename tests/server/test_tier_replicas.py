@@ -7,11 +7,8 @@ answer with the same tokens), and a server restarted on the same
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvtier.bench.procs import stop
 from tests.server.conftest import MODEL, wait_until
@@ -38,13 +35,6 @@ def complete(port: int, prompt: str = PROMPT) -> dict[str, Any]:
 
 def cached(resp: dict[str, Any]) -> int:
     return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def test_replica_b_finds_what_replica_a_served_in_redis(

@@ -11,23 +11,21 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import replace
 
 import torch
 
-from kvtier.config import FP8_KV_DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.prompts import bad_words_token_ids
 from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
+from kvtier.engine.sizing import plan_engine
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.engine.tiers import build_chain
 from kvtier.ids import ReqId
 from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
-from kvtier.kv.plan import KVPlan, plan_kv
 from kvtier.model import IncrementalDetokenizer, load_tokenizer
 from kvtier.model.grammar import Grammars
 from kvtier.model.hf_config import load_model_config
@@ -44,7 +42,6 @@ from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
 log = logging.getLogger("kvtier.engine")
-DEFAULT_KV_BYTES = 1 << 30  # device KV budget when neither blocks nor bytes are given (as vLLM CPU)
 # How long one step waits for a disk or remote read when no request can run without one.
 TIER_POLL_S = 0.01
 
@@ -66,7 +63,8 @@ class EngineCore:
         torch.manual_seed(args.seed)
         self.model = load_served(path, dtype, args.quantization)  # a decoder or a Mamba2 hybrid
         dtype_name = str(dtype).removeprefix("torch.")
-        self.plan = self._plan(dtype_name)
+        # the arguments with their defaults resolved: the budget, max_model_len, the KV dtype
+        self.args, self.plan = plan_engine(args, self.model_config, self.model, dtype_name)
         kv_dtype = self.args.cache.kv_dtype(dtype_name)  # what the plan sized the blocks in
         sched_cfg = args.scheduler
         num_blocks = self.plan.tiers[0].num_blocks
@@ -177,60 +175,6 @@ class EngineCore:
         self.last_step = (0, 0)
         self.num_accepted_tokens = 0
         self.queue: BatchQueue[StepHandle] = BatchQueue(self.scheduler, self._launch)
-
-    def _plan(self, dtype_name: str) -> KVPlan:
-        args, cfg = self.args, self.model_config
-        cache = args.cache
-        # The pool is allocated in the dtype the plan sizes (architecture.md §Pages): resolve
-        # auto here, once, and build the device layout from the same value.
-        cache = replace(cache, kv_cache_dtype=cache.kv_dtype(dtype_name))
-        if cfg.mamba is not None:  # states: the run's dtype in the pages' bytes, whatever K/V's
-            cfg = replace(cfg, dtype=dtype_name)
-        unscaled = all(s == (1.0, 1.0) for s in self.model.kv_scales())
-        if cache.kv_cache_dtype == FP8_KV_DTYPES["fp8"] and unscaled:  # as vLLM: e4m3 only
-            log.warning(
-                "--kv-cache-dtype %s with k/v scales 1.0: %s carries no k_scale/v_scale "
-                "tensors (an fp8-calibrated compressed-tensors or ModelOpt checkpoint does), "
-                "so K/V beyond ±448 saturate",
-                args.cache.kv_cache_dtype,
-                args.model_path,
-            )
-        sched = args.scheduler
-        if sched.max_model_len is None:
-            sched = replace(sched, max_model_len=cfg.max_position_embeddings)
-        if cache.num_device_blocks is None and cache.kv_cache_memory_bytes is None:
-            # No budget given: 1 GiB, but never more blocks than max_num_seqs max-length
-            # requests can use (small models would otherwise carry millions of idle blocks).
-            default = self._without_draft_pages(cfg, cache, sched, DEFAULT_KV_BYTES)
-            plan = plan_kv(cfg, default, sched)
-            wanted = plan.blocks_for_requests(sched.max_num_seqs, plan.max_model_len)
-            cache = replace(cache, num_device_blocks=min(plan.tiers[0].num_blocks, wanted + 1))
-        elif cache.num_device_blocks is None and cache.kv_cache_memory_bytes is not None:
-            cache = self._without_draft_pages(cfg, cache, sched, cache.kv_cache_memory_bytes)
-        plan = plan_kv(cfg, cache, sched)
-        self.args = replace(args, cache=cache, scheduler=sched)
-        return plan
-
-    def _without_draft_pages(
-        self, cfg: ModelConfig, cache: CacheConfig, sched: SchedulerConfig, budget: int
-    ) -> CacheConfig:
-        """`cache` with a byte budget of `budget` less the runner's draft pages (a hybrid with
-        drafts, runner/draft_states.py): they come out of the same memory as the KV blocks."""
-        num = DraftStates.num_pages(
-            len(self.model.state_groups), self.args.num_speculative_tokens, sched.max_num_seqs
-        )
-        if num:
-            probe = replace(cache, kv_cache_memory_bytes=None, num_device_blocks=1 << 20)
-            pages = num * plan_kv(cfg, probe, sched).bytes_per_block
-            if pages >= budget:
-                raise ValueError(
-                    f"the draft pages of {self.args.num_speculative_tokens} speculative tokens "
-                    f"for {sched.max_num_seqs} sequences take {pages} bytes of the KV budget "
-                    f"({budget}); raise --kv-cache-memory-bytes or lower --max-num-seqs or "
-                    "--num-speculative-tokens"
-                )
-            budget -= pages
-        return replace(cache, kv_cache_memory_bytes=budget)
 
     # ---- requests ------------------------------------------------------------------------------
 

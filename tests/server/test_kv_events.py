@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,32 @@ def test_a_port_in_use_is_a_start_error_naming_the_flag():
             second.start()
     finally:
         first.close()
+
+
+def test_the_start_line_says_whether_the_endpoint_was_bound_or_connected_to(caplog):
+    """An address without a wildcard host is connected to (vLLM's rule), not bound: a router
+    pointed at it then hears nothing, so the log says which happened."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        port = sub.bind_to_random_port("tcp://127.0.0.1")
+        caplog.set_level(logging.INFO, logger="kvtier.server")
+        for endpoint, said in (
+            ("tcp://*:0", "bound at"),
+            (f"tcp://127.0.0.1:{port}", "connecting to"),
+        ):
+            pub = KVEventPublisher(
+                KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), KVEventEncoder()
+            )
+            pub.start()
+            pub.close()
+            line = [
+                r.getMessage() for r in caplog.records if "KV cache events: PUB" in r.getMessage()
+            ][-1]
+            assert said in line, line
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
 
 # ---- the publisher -------------------------------------------------------------------------------

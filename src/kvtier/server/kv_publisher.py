@@ -75,8 +75,17 @@ class KVEventPublisher:
         if self._error is not None:
             self._thread.join()
             raise ValueError(f"--kv-events-config: {self._error}") from self._error
+        # vLLM's connect-unless-wildcard rule surprises whoever writes their own host's address:
+        # the line says which it did, so a router that receives nothing has its answer.
+        how = (
+            "bound at"
+            if is_bind_endpoint(self.config.endpoint)
+            else "connecting to (no wildcard host: the subscriber must bind there; tcp://*:PORT "
+            "binds)"
+        )
         log.info(
-            "KV cache events: PUB %s%s, topic %r",
+            "KV cache events: PUB %s %s%s, topic %r",
+            how,
             self.endpoint,
             f", replay {self.replay_endpoint}" if self.replay_endpoint else "",
             self.config.topic,

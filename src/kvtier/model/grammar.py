@@ -256,14 +256,14 @@ class Matcher:
         if not self.constrained:
             self.num_free += 1
             return True
-        if token in self._eos:  # allowed where the grammar accepts (validate_tokens says no)
+        if token in self._eos:  # allowed where the grammar accepts (consuming it is refused)
             if not self._m.is_accepting():
                 return False
             self.num_free += 1
             return True
-        if self._m.validate_tokens([token]) != 1:
-            return False
-        return bool(self._m.consume_token(token))
+        # one call: a refused token is not consumed and leaves no error state
+        consumed: int = self._m.try_consume_tokens([token])
+        return consumed == 1
 
     def accept_free(self, tokens: Sequence[int]) -> None:
         """Advance by tokens already drawn under this matcher's masks; a refused one (no token

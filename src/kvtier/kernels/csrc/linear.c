@@ -131,13 +131,15 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
  * latter has the former). Up to I8_FEW_ROWS rows, x in int16 blocks against the int8 weights
  * sign-extended (linear_i8_avx512.c): the bytes read bound the call. Above, the weights are
  * widened to bfloat16 (exact) and x is taken as it is: where the OS grants AMX, a column tile
- * widened once per k block serves up to 64 rows by TDPBF16PS (linear_i8_amx.c); elsewhere a
- * column group widened once serves every row block of the bfloat16 path (linear_i8_wide_groups),
- * whose products the int16 blocks' per-block conversions and narrower blocks would only add to:
- * above a few rows the call is bound by its multiply-adds, not its bytes. The two sides round x
- * differently (int16 blocks, bfloat16), so a row's bits depend on which side of I8_FEW_ROWS its
- * batch is. */
+ * widened once per k block serves up to 64 rows by TDPBF16PS (linear_i8_amx.c). Without AMX the
+ * int16 blocks keep up to I8_WIDE_ROWS rows, and above that a column group widened once serves
+ * every row block of the bfloat16 path (linear_i8_wide_groups): there the call is bound by its
+ * multiply-adds, and the widening, one conversion a weight, costs less than the int16 blocks'
+ * conversions and scaled adds per row block and k block; at 16 rows it cost more. The two sides
+ * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
+ * bound its batch is. */
 #define I8_FEW_ROWS 4
+#define I8_WIDE_ROWS 16
 int kvtier_linear_i8_available(void) { return LINEAR_I8; }
 
 /* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
@@ -150,7 +152,7 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
                .n = n, .k = k, .x_stride = x_stride};
     if (LINEAR_I8_AMX && m > I8_FEW_ROWS && tile_path() == 1)
         return run_tiles(linear_i8_amx_groups, job, 1, 16, 1, 64, threads);
-    if (m > I8_FEW_ROWS && tile_path() == 2) {
+    if (m > I8_WIDE_ROWS && tile_path() == 2) {
         int tiles, rows;
         avx_block_shape(m, &tiles, &rows);
         /* the rows are chunked as for a bfloat16 weight: the widened group is what stays in L2 */

@@ -47,12 +47,12 @@ def int8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
 
 
 @needs_int8_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 70])
 @pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (200, 96, False), (33, 1000, True)])
 def test_the_int8_linear_is_the_dequantized_product(rows: int, n: int, k: int, bias: bool) -> None:
-    """Both paths (≤ 4 rows: x in int16 blocks; more: on AMX where granted) against float64: the
-    error is the bfloat16 output's rounding, float32 sums, and x's int16 rounding (at most 2^-15
-    of its block's largest magnitude)."""
+    """Both paths (x in int16 blocks: ≤ 4 rows, ≤ 16 without AMX; more: the weights widened to
+    bfloat16) against float64: the error is the bfloat16 output's rounding, float32 sums, and
+    x's int16 rounding (at most 2^-15 of its block's largest magnitude)."""
     assert kernels is not None
     gen = torch.Generator().manual_seed(rows * n)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))
@@ -67,6 +67,27 @@ def test_the_int8_linear_is_the_dequantized_product(rows: int, n: int, k: int, b
     bound += 2**-15 * (block_max @ w.abs().T)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+@needs_int8_kernel
+@pytest.mark.skipif(
+    kernels is None or kernels.tile_linear != "avx512bf16", reason="the AVX512-BF16 path's claim"
+)
+@pytest.mark.parametrize("rows", [17, 70])
+def test_above_16_rows_the_int8_linear_is_the_bf16_linear_on_the_widened_weights(rows: int):
+    """Without AMX, more than 16 rows run the bfloat16 linear's blocks on the int8 weights widened
+    (exactly) to bfloat16, each column's sum scaled once before the bias: with unit scales, the
+    bfloat16 linear's bits on the same weights as bfloat16; 1000 columns is more than one column
+    group and a k of 1000 ends in a partial k block."""
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 1000, 1000
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    out = kernels.linear_i8(x, kernels.pack_linear_i8(q), torch.ones(n), n, b)
+    want = kernels.linear_bf16(x, kernels.pack_linear(q.bfloat16()), n, b)
+    assert torch.equal(out, want)
 
 
 @needs_int8_kernel

@@ -96,7 +96,19 @@ static int run_tiles(ChunkFn run, Job job, int tiles, int rows, int64_t elem, in
     const int64_t work = m * n * k;
     pool_run(run, &job, items, items / (4 * threads), work < (1 << 19) ? 1 : threads);
     free(tail);
-    return 0;
+    return job.status;
+}
+
+/* The AVX512-BF16 path's register block for m rows: `tiles` 16-column tiles by `rows` rows.
+ * 6 rows by 4 tiles (24 accumulators), but 7-16 rows in one or two blocks of at most 8 by 3 tiles:
+ * 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first pass from memory
+ * and the others from L2 (at 4, 32 and 64 rows 4 tiles were as fast or faster). */
+static void avx_block_shape(int64_t m, int *tiles, int *rows) {
+    *tiles = 4, *rows = 6;
+    if (m > 6 && m <= 16) {
+        *tiles = 3;
+        *rows = m > 8 ? (int)(m + 1) / 2 : (int)m;
+    }
 }
 
 /* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
@@ -109,26 +121,25 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     if (!run) return -2;
     const Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
                      .x_stride = x_stride};
-    /* 6 rows by 4 tiles a block (24 accumulators), but 7-16 rows in one or two blocks of at most 8
-     * by 3 tiles: 16 rows as 8 + 8 read each weight twice, as 6 + 6 + 4 three times, the first
-     * pass from memory and the others from L2 (at 4, 32 and 64 rows 4 tiles were as fast or
-     * faster). AMX: 16 rows by 4 tiles. */
-    int tiles = 4, rows = 6;
-    if (path == 2 && m > 6 && m <= 16) {
-        tiles = 3;
-        rows = m > 8 ? (int)(m + 1) / 2 : (int)m;
-    }
+    /* AMX: 16 rows by 4 tiles */
+    int tiles = 4, rows = 16;
+    if (path == 2) avx_block_shape(m, &tiles, &rows);
     return run_tiles(run, job, tiles, rows, 2, 0, threads);
 }
 
 /* int8 weights (W8A16) wherever AVX512-VNNI is built with AVX512-BF16 (every CPU with the
- * latter has the former). Up to I8_AMX_ROWS rows, x in int16 blocks against the int8 weights
- * sign-extended (linear_i8_avx512.c): the bytes read bound the call. Above, where the OS grants
- * AMX, a column tile widened to bfloat16 once per k block serves up to 64 rows by TDPBF16PS
- * (linear_i8_amx.c): in registers the products would bound the call. The two round x
- * differently (int16 blocks, bfloat16), so a row's bits depend on which side of I8_AMX_ROWS its
- * batch is. */
-#define I8_AMX_ROWS 4
+ * latter has the former). Up to I8_FEW_ROWS rows, x in int16 blocks against the int8 weights
+ * sign-extended (linear_i8_avx512.c): the bytes read bound the call. Above, the weights are
+ * widened to bfloat16 (exact) and x is taken as it is: where the OS grants AMX, a column tile
+ * widened once per k block serves up to 64 rows by TDPBF16PS (linear_i8_amx.c). Without AMX the
+ * int16 blocks keep up to I8_WIDE_ROWS rows, and above that a column group widened once serves
+ * every row block of the bfloat16 path (linear_i8_wide_groups): there the call is bound by its
+ * multiply-adds, and the widening, one conversion a weight, costs less than the int16 blocks'
+ * conversions and scaled adds per row block and k block; at 16 rows it cost more. The two sides
+ * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
+ * bound its batch is. */
+#define I8_FEW_ROWS 4
+#define I8_WIDE_ROWS 16
 int kvtier_linear_i8_available(void) { return LINEAR_I8; }
 
 /* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
@@ -139,8 +150,14 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
     if (!LINEAR_I8) return -2;
     Job job = {.x = x, .packed8 = packed, .scales = scales, .bias = bias, .out = out, .m = m,
                .n = n, .k = k, .x_stride = x_stride};
-    if (LINEAR_I8_AMX && m > I8_AMX_ROWS && tile_path() == 1)
+    if (LINEAR_I8_AMX && m > I8_FEW_ROWS && tile_path() == 1)
         return run_tiles(linear_i8_amx_groups, job, 1, 16, 1, 64, threads);
+    if (m > I8_WIDE_ROWS && tile_path() == 2) {
+        int tiles, rows;
+        avx_block_shape(m, &tiles, &rows);
+        /* the rows are chunked as for a bfloat16 weight: the widened group is what stays in L2 */
+        return run_tiles(linear_i8_wide_groups, job, tiles, rows, 2, 0, threads);
+    }
     const int64_t kbs = (k + 31) / 32;
     int16_t *xq = malloc((size_t)(m * kbs * 32) * sizeof(int16_t));
     float *xs = malloc((size_t)(m * kbs) * sizeof(float));

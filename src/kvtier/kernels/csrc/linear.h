@@ -16,6 +16,7 @@ typedef struct {
     int64_t m, n, k, x_stride;
     int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
     int64_t groups, chunk_rows; /* column groups; rows per row chunk (an item: see kvtier_linear) */
+    int status; /* -1 where a thread's scratch could not be allocated (linear_i8_wide_groups) */
 } Job;
 
 /* item `item` of a call (kvtier_linear): column group *g of the rows [*r0, *r1) */
@@ -76,12 +77,16 @@ static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t
 /* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks) */
 void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs);
 void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
+void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8 0
 static inline void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
     (void)a, (void)xq, (void)xs;
 }
 static inline void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+static inline void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1) {
     (void)job, (void)i0, (void)i1;
 }
 #endif

@@ -56,15 +56,21 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
     }
     float out[4][8 * 16] __attribute__((aligned(64)));
     for (int t = 0; t < T; t++) {
+        const int64_t n0 = (b->nb0 + t) * 16;
+        if (a->scales) { /* int8 weights widened (linear_i8_avx512.c) */
+            const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+            const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), a->scales + n0);
+            for (int i = 0; i < R; i++) acc[i][t] = _mm512_mul_ps(acc[i][t], s);
+        }
         for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, acc[i][t]);
-        linear_store(a, out[t], m0, R, (b->nb0 + t) * 16);
+        linear_store(a, out[t], m0, R, n0);
     }
 }
 
 #define AVX_CASES3(R) BLOCK_CASE(avx_block, R, 1) BLOCK_CASE(avx_block, R, 2) BLOCK_CASE(avx_block, R, 3)
 #define AVX_CASES(R) AVX_CASES3(R) BLOCK_CASE(avx_block, R, 4)
 
-static void avx_run(const Job *a, const Block *b) {
+void linear_avx512bf16_block(const Job *a, const Block *b) {
     switch (BLOCK_KEY(b->rows, b->tiles)) {
         AVX_CASES(1) AVX_CASES(2) AVX_CASES(3) AVX_CASES(4) AVX_CASES(5) AVX_CASES(6)
         AVX_CASES3(7) AVX_CASES3(8) /* 8 × 4 accumulators would not fit 32 registers */
@@ -74,6 +80,6 @@ static void avx_run(const Job *a, const Block *b) {
 /* output column groups of a->tiles 16-column tiles, every row block of a->rows (linear_blocks) */
 void linear_avx512bf16_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
-    linear_blocks(a, i0, i1, a->packed, 2, avx_run);
+    linear_blocks(a, i0, i1, a->packed, 2, linear_avx512bf16_block, NULL);
 }
 #endif

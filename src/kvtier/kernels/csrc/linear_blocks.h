@@ -23,6 +23,10 @@ typedef struct {
 /* A path's block: its switch on BLOCK_KEY(rows, tiles) picks a body unrolled for that shape */
 typedef void (*BlockFn)(const Job *a, const Block *b);
 
+/* the bfloat16 path's block (linear_avx512bf16.c), which also runs int8 tiles widened into
+ * bfloat16 (linear_i8_avx512.c), their column scales applied before the bias */
+void linear_avx512bf16_block(const Job *a, const Block *b);
+
 #define BLOCK_KEY(rows, tiles) ((rows) * 8 + (tiles))
 /* a case of a BlockFn's switch: `body` (an always-inline function of a, b and the shape) for R
  * rows by T tiles */
@@ -40,16 +44,29 @@ static inline __attribute__((always_inline)) void block_prefetch(const Block *b,
         _mm_prefetch(b->pf + l * 64, _MM_HINT_T1);
 }
 
+/* `count` int8 weights (a multiple of 32) as bfloat16, which holds every int8 exactly */
+static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
+    for (int64_t i = 0; i < count; i += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i + 16))));
+        _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* Items [i0, i1) of a call (item_span) on tiles packed `elem` bytes an element from `packed`:
  * output column groups of a->tiles tiles, every row block of a->rows rows, each run by `run`. The
  * first row block streams the group's weights from memory; the others read them from L2 and are
  * bound by arithmetic. Every block prefetches a share of the next group's weights into L2, which
  * its first block then finds there: memory and arithmetic overlap instead of taking turns (a
  * batch of 7-64 rows on weights that do not fit the cache). The first block takes a share too:
- * its demand misses and the prefetches share the memory queue. */
+ * its demand misses and the prefetches share the memory queue. With `wide` (int8 tiles, elem 1),
+ * a group's tiles are widened into it once, before its first block, and every block reads them
+ * there: the widening is paid once per group, not once per row block. */
 static inline __attribute__((always_inline)) void linear_blocks(const Job *a, int64_t i0,
                                                                 int64_t i1, const void *packed,
-                                                                int64_t elem, BlockFn run) {
+                                                                int64_t elem, BlockFn run,
+                                                                uint16_t *wide) {
     const int64_t nbs = (a->n + 15) / 16, kbs = (a->k + 31) / 32;
     const int64_t tile = kbs * 512 * elem; /* a column tile's bytes, every k block */
     const int64_t T = a->tiles, R = a->rows;
@@ -58,7 +75,12 @@ static inline __attribute__((always_inline)) void linear_blocks(const Job *a, in
         item_span(a, item, &g, &r0, &r1);
         const int64_t nb0 = g * T, blocks = (r1 - r0 + R - 1) / R;
         const int tiles = nbs - nb0 < T ? (int)(nbs - nb0) : (int)T;
-        const char *w = (const char *)packed + nb0 * tile;
+        const char *src = (const char *)packed + nb0 * tile;
+        const void *w = src;
+        if (wide) {
+            widen_i8((const int8_t *)src, tiles * tile, wide);
+            w = wide;
+        }
         const int64_t next_tiles =
             item + 1 < i1 && g + 1 < a->groups ? (nbs - nb0 - T < T ? nbs - nb0 - T : T) : 0;
         const int64_t next_bytes = next_tiles * tile;
@@ -66,7 +88,7 @@ static inline __attribute__((always_inline)) void linear_blocks(const Job *a, in
         const int64_t share = prefetch ? (next_bytes / 64 + blocks - 1) / blocks : 0;
         for (int64_t m0 = r0; m0 < r1; m0 += R) {
             const int64_t j = (m0 - r0) / R, first = j * share;
-            Block b = {.w = w, .pf = w + tiles * tile + first * 64, .m0 = m0, .nb0 = nb0,
+            Block b = {.w = w, .pf = src + tiles * tile + first * 64, .m0 = m0, .nb0 = nb0,
                        .rows = r1 - m0 < R ? (int)(r1 - m0) : (int)R, .tiles = tiles};
             if (prefetch && first < next_bytes / 64)
                 b.pf_lines = first + share <= next_bytes / 64 ? share : next_bytes / 64 - first;

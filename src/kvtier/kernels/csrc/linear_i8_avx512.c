@@ -113,6 +113,29 @@ static void i8_run(const Job *a, const Block *b) {
  * both in registers) */
 void linear_i8_avx512_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
-    linear_blocks(a, i0, i1, a->packed8, 1, i8_run);
+    linear_blocks(a, i0, i1, a->packed8, 1, i8_run, NULL);
+}
+
+/* A thread's widened column group, kept between calls and grown for a larger k; never freed
+ * (the pool's helpers and the engine's worker live as long as the process; fused.c's filter
+ * scratch is kept the same way) */
+static __thread uint16_t *wide_mem;
+static __thread size_t wide_size;
+
+/* items [i0, i1) above a few rows: each column group's int8 tiles widened into bfloat16 once,
+ * then the bfloat16 path's register blocks (linear_blocks) on them */
+void linear_i8_wide_groups(const void *ctx, int64_t i0, int64_t i1) {
+    Job *a = (Job *)ctx;
+    const size_t need = (size_t)a->tiles * (size_t)((a->k + 31) / 32) * 512 * sizeof(uint16_t);
+    if (wide_size < need) {
+        free(wide_mem);
+        wide_mem = aligned_alloc(64, need);
+        wide_size = wide_mem ? need : 0;
+        if (!wide_mem) {
+            __atomic_store_n(&a->status, -1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    linear_blocks(a, i0, i1, a->packed8, 1, linear_avx512bf16_block, wide_mem);
 }
 #endif

@@ -1,7 +1,7 @@
 """The native kernels' thread pool (kernels/csrc/pool.c): a call's items are claimed in chunks by the
 caller and whichever helpers are running, so the output is the same bits on any number of
-threads, calls reuse the helpers (one set for every library), concurrent callers and forked
-children still get every item."""
+threads, calls reuse the helpers (one set for every library), concurrent callers, calls beside
+yielding host work and forked children still get every item."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def test_same_bits_on_any_number_of_threads(run) -> None:
     assert not one.isnan().any()
     for threads in (2, 3, 8, 2, 64):  # helpers reused, added, more than there are chunks
         assert torch.equal(run(threads), one), threads
+
+
+def test_calls_while_host_work_yields_get_every_item() -> None:
+    """`pool_yield` (the grammar masks' fill beside the forward) sends idle helpers to sleep
+    instead of spinning: a call made meanwhile wakes them and still gets every item, nested
+    yields included, and calls after it are unchanged."""
+    want = _attention(2)
+    with native.pool_yield():
+        assert torch.equal(_attention(2), want)
+        with native.pool_yield():
+            assert torch.equal(_attention(3), want)
+        assert torch.equal(_attention(2), want)
+    assert torch.equal(_attention(2), want)
 
 
 def test_concurrent_callers_each_get_every_item() -> None:

@@ -6,9 +6,11 @@ here, with a ValueError naming the input, since the C trusts every shape and str
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -429,6 +431,22 @@ def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) ->
     index = torch.tensor(rows, dtype=torch.int64)
     kernels.apply_bitmask(logits, mask.contiguous(), index)
     return True
+
+
+@contextlib.contextmanager
+def pool_yield() -> Iterator[None]:
+    """Host work beside the kernels' calls: while inside, the kernel pool's idle helpers sleep
+    instead of spinning between jobs (pool.c), so the work gets a core the forward would hold.
+    Nothing where the kernels were not built."""
+    lib = kernels()
+    if lib is None:
+        yield
+        return
+    lib.lib.kvtier_pool_yield(1)
+    try:
+        yield
+    finally:
+        lib.lib.kvtier_pool_yield(0)
 
 
 def kernels_for(x: torch.Tensor) -> Kernels | None:

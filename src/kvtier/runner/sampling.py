@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.model import native
 from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.attention import AttentionMetadata
 from kvtier.model.grammar import Grammars, apply_mask
@@ -96,7 +97,11 @@ class StepSampler:
             return done
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._mask_thread.submit(self.fill_masks, plan)
+        return self._mask_thread.submit(self._fill_beside_forward, plan)
+
+    def _fill_beside_forward(self, plan: list[Planned]) -> Masks | None:
+        with native.pool_yield():  # the forward's idle kernel threads leave the fill a core
+            return self.fill_masks(plan)
 
     def fill_masks(self, plan: list[Planned]) -> Masks | None:
         """The grammar masks of this step's sampled rows (row order as `sample`'s) and the rows

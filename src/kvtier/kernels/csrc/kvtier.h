@@ -93,6 +93,12 @@ KVTIER_API void kvtier_argmax(const void *x, int64_t rows, int64_t n, int64_t st
 KVTIER_API int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t stride,
                                   const int64_t *top_k, const float *top_p, int threads);
 
+/* ---- the thread pool (pool.c) ------------------------------------------------------------- */
+
+/* While on (calls nest), the pool's idle helpers sleep instead of spinning between jobs, leaving
+ * their cores to host work beside the kernels (the grammar masks' fill). */
+KVTIER_API void kvtier_pool_yield(int on);
+
 /* ---- the structured outputs' token mask (mask.c) ------------------------------------------- */
 
 /* logits [*, vocab] (rows stride elements apart, dtype 0 float32 or 1 bfloat16), in place: in

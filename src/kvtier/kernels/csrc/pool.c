@@ -16,6 +16,11 @@
  * pool for every kernel keeps one helper busy instead of one per kernel family taking turns,
  * and no helper spins while another kernel's call needs its core.
  *
+ * While host work that needs a core runs beside the kernels (kvtier_pool_yield: the grammar
+ * masks' fill, on a thread of its own during the forward), helpers do not spin between jobs but
+ * sleep at once: on a machine whose every core the forward uses, a spinning helper holds the core
+ * that work would run on until the scheduler's slice ends, and the step then waits for the masks.
+ *
  * One job at a time: a second concurrent caller runs its items alone. A forked child runs every
  * call alone: its copy of the pool names helpers it does not have, and its locks may have been
  * held at the fork. */
@@ -58,6 +63,9 @@ static Pool pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
                     .idle = PTHREAD_COND_INITIALIZER};
 static pthread_mutex_t pool_call = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
 static _Atomic int pool_forked;                               /* this process is a forked copy */
+static _Atomic int pool_yielding; /* host threads inside kvtier_pool_yield(1) … (0) */
+
+void kvtier_pool_yield(int on) { atomic_fetch_add(&pool_yielding, on ? 1 : -1); }
 
 static void pool_mark_forked(void) { atomic_store(&pool_forked, 1); }
 
@@ -79,7 +87,10 @@ static int pool_spin(int (*done)(uint64_t), uint64_t arg) {
     }
 }
 
-static int pool_job_after(uint64_t seen) { return atomic_load(&pool.generation) != seen; }
+/* a job came, or the helper should leave its core to host work (it then sleeps until one) */
+static int pool_job_after(uint64_t seen) {
+    return atomic_load(&pool.generation) != seen || atomic_load(&pool_yielding) > 0;
+}
 
 static int pool_idle(uint64_t unused) {
     (void)unused;

@@ -18,7 +18,9 @@ from kvtier.bench import router
 def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     router.add_arguments(parser)
-    return parser.parse_args(["--out", str(tmp_path / "router.json"), *flags])
+    # the embedded model: its prefill is ~free, so a run takes seconds
+    base = ["--out", str(tmp_path / "router.json"), "--model", "kvtier-default"]
+    return parser.parse_args([*base, *flags])
 
 
 def _children() -> set[str]:
@@ -48,6 +50,8 @@ def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path)
     assert only["hit_share"] <= 1
     # the replicas' hits are the cached tokens the responses reported
     assert sum(only["hit_tokens_by_tier"].values()) == s["cached_tokens"]
+    assert [r["round"] for r in only["rounds"]] == [1, 2]
+    assert sum(r["cached_tokens"] for r in only["rounds"]) == s["cached_tokens"]
 
 
 def test_kv_aware_keeps_a_conversation_on_the_replica_it_started_on(tmp_path: Path) -> None:
@@ -63,6 +67,50 @@ def test_kv_aware_keeps_a_conversation_on_the_replica_it_started_on(tmp_path: Pa
         assert only["summary"]["completed"] == 8
         assert only["router_decisions"] == decisions
         assert only["hit_share_by_tier"]["device"] > 0
+
+
+def test_without_remote_no_redis_runs_and_nothing_is_found_remotely(tmp_path: Path) -> None:
+    """--no-remote starts no redis-server (a missing binary is no error) and gives the replicas
+    no --kv-remote-url, so nothing is found in the remote tier; a benchmark model named by its
+    built-in name is written for the run and served under that name."""
+    before = _children()
+    args = _args(
+        tmp_path, "--policies", "round_robin", "--num-prompts", "4", "--no-remote",
+        "--redis-server", "no-such-redis", "--model", "tiny-llama",
+    )  # fmt: skip
+    args.num_rounds, args.prefix_len, args.input_len, args.max_concurrency = 2, 32, 16, 4
+    args.num_prefixes = 1
+    assert router.run(args) == 0
+    assert _children() <= before
+    res = json.loads((tmp_path / "router.json").read_text())
+    (only,) = res["policies"]
+    assert only["summary"]["completed"] == 8
+    assert only["hit_tokens_by_tier"]["remote"] == 0
+    # round_robin sent the first rounds to both replicas, so each has prefilled the one system
+    # prompt and every second round finds it on the device, wherever it goes
+    assert only["hit_share_by_tier"]["device"] > 0
+    assert res["config"]["no_remote"] is True and res["config"]["model"] == "tiny-llama"
+
+
+def test_replica_and_router_command_lines(tmp_path: Path) -> None:
+    """The shared tier is on every replica's command line unless --no-remote; --router-arg is
+    passed to every policy's router, and only kv_aware's subscribes to the replicas' events."""
+    args = _args(tmp_path, "--router-arg=--balance-abs-threshold=4", "--serve-arg=--seed=1")
+    remote = router.replica_command(args, "kvtier-default", 8001, "redis://127.0.0.1:6379/0")
+    assert remote[remote.index("--kv-remote-url") + 1] == "redis://127.0.0.1:6379/0"
+    assert remote[-1] == "--seed=1"
+    args = _args(tmp_path, "--no-remote")
+    local = router.replica_command(args, "/models/m", 8001, None)
+    assert "--kv-remote-url" not in local and "/models/m" in local
+    args = _args(tmp_path, "--router-arg=--balance-abs-threshold=4")
+    workers = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    cache = router.router_command(args, "cache_aware", (9000, 9001), workers, [])
+    assert cache[cache.index("--policy") + 1] == "cache_aware"
+    assert cache[-1] == "--balance-abs-threshold=4" and "--kv-event-source" not in cache
+    sources = [(w, 7000 + i, 7100 + i) for i, w in enumerate(workers)]
+    kv = router.router_command(args, "kv_aware", (9000, 9001), workers, sources)
+    assert kv.count("--kv-event-source") == 2 and kv[-1] == "--balance-abs-threshold=4"
+    assert kv[kv.index("--kv-aware-session-affinity-ttl-secs") + 1] == "600"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """`kvtier bench router`: one serving workload through vllm-router in front of N `kvtier serve`
-replicas sharing one Redis, once per routing policy, each policy on fresh processes (a new
-redis-server, new replicas, a new router: every run starts cold).
+replicas sharing one Redis (or, with --no-remote, each holding only its own tiers), once per routing
+policy, each policy on fresh processes (a new redis-server, new replicas, a new router: every run
+starts cold).
 
 The workload is `kvtier bench serve`'s (default: shared-prefix, more conversations than one
 replica's device and host tiers hold), sent with an `X-Session-ID` per conversation, the key
@@ -30,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import save_json
+from kvtier.bench import models, save_json
 from kvtier.bench.procs import (
     Proc,
     ProcessFailed,
@@ -57,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated vllm-router policies, run in this order (of {', '.join(POLICIES)})",
     )
     parser.add_argument("--num-replicas", type=int, default=2)
-    parser.add_argument("--model", default="kvtier-default", help="`kvtier serve`'s model")
+    parser.add_argument(
+        "--model",
+        default=models.QWEN2_05B,  # prefill costs what routing saves (the embedded model's is ~free)
+        help="`kvtier serve`'s model: kvtier-default, a folder, or a benchmark model written for "
+        f"the run ({models.TINY_LLAMA}, {models.QWEN2_05B}: random weights, byte tokenizer)",
+    )
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--num-device-blocks", type=int, default=256, help="per replica")
-    parser.add_argument("--num-host-blocks", type=int, default=1024, help="per replica")
+    parser.add_argument("--num-device-blocks", type=int, default=512, help="per replica")
+    parser.add_argument("--num-host-blocks", type=int, default=768, help="per replica")
     parser.add_argument(
         "--serve-arg",
         action="append",
@@ -74,18 +80,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv_aware: vllm-router's session affinity on X-Session-ID, idle TTL in seconds "
         "(--kv-aware-session-affinity-ttl-secs); 0: off, every round placed by KV cost and load",
     )
+    parser.add_argument(
+        "--no-remote",
+        action="store_true",
+        help="replicas without the shared Redis tier (no redis-server): each finds only what it "
+        "holds itself, so locality is the policy's alone",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="one more vllm-router argument for every policy (repeat; e.g. "
+        "--router-arg=--balance-abs-threshold=4)",
+    )
     parser.add_argument("--redis-server", default="redis-server", help="the binary to start")
     parser.add_argument("--vllm-router", default="vllm-router", help="the binary to start")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per process")
     add_workload_arguments(parser, dataset="shared-prefix")
+    # A chat: each round's prompt is the conversation so far plus a short question, so a replica
+    # that holds the history prefills only the question. In the byte tokenizer of the benchmark
+    # models a word is ~4.5 tokens: a last round of ~860 tokens (54 blocks), and 32 conversations
+    # (~1,370 blocks) more than one replica's device and host tiers hold, less than two's.
     parser.set_defaults(
-        num_prompts=48,
+        num_prompts=32,
         num_prefixes=4,
-        prefix_len=384,
-        num_rounds=4,
-        input_len=48,
-        output_len=32,
-        max_concurrency=8,
+        prefix_len=48,
+        num_rounds=6,
+        input_len=24,
+        output_len=16,  # the random model's answers decode to ~nothing: they add no history
+        max_concurrency=16,  # 8 requests in flight a replica: both are busy
         prompt_format="text",  # what a prefix-matching router reads
     )
     stamp = time.strftime("%Y-%m-%d")
@@ -142,48 +165,78 @@ def _decision_outcomes(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def replica_command(
+    args: argparse.Namespace, model: str, port: int, remote_url: str | None
+) -> list[str]:
+    """One `kvtier serve` replica of `model` (a folder, or kvtier-default) on 127.0.0.1:`port`,
+    on the shared tier at `remote_url` unless it is None (--no-remote)."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve"]
+    cmd += [] if model == "kvtier-default" else [model]
+    cmd += ["--served-model-name", served_name(args.model)]
+    cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
+    cmd += ["--num-device-blocks", str(args.num_device_blocks)]
+    cmd += ["--num-host-blocks", str(args.num_host_blocks)]
+    cmd += [] if remote_url is None else ["--kv-remote-url", remote_url]
+    return [*cmd, *args.serve_arg]
+
+
+def events_config(pub: int, replay: int) -> list[str]:
+    """A replica's KV events on the ZMQ ports the router subscribes to (kv_aware)."""
+    events = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    # as vLLM's publisher, a wildcard host binds (any other host connects); the router's
+    # subscriber connects to 127.0.0.1
+    events |= {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    return ["--kv-events-config", json.dumps(events)]
+
+
+def router_command(
+    args: argparse.Namespace,
+    policy: str,
+    ports: tuple[int, int],
+    workers: list[str],
+    sources: list[tuple[str, int, int]],
+) -> list[str]:
+    """vllm-router with `policy` on `ports` (serving, metrics) in front of `workers`; for
+    kv_aware, subscribed to each replica's (url, publisher port, replay port) in `sources`."""
+    cmd = vllm_router_command(args.vllm_router, *ports, workers)
+    cmd += ["--policy", policy, "--request-timeout-secs", str(int(args.timeout) + 60)]
+    for url, pub, replay in sources:
+        cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{pub}"]
+        cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
+    if sources:
+        cmd += ["--kv-event-block-size", "16", "--kv-event-model", served_name(args.model)]
+        if args.kv_aware_session_ttl:
+            cmd += ["--kv-aware-session-affinity-ttl-secs", str(args.kv_aware_session_ttl)]
+    return [*cmd, *args.router_arg]
+
+
 @contextmanager
 def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator[Any]:
-    """Redis, the replicas and vllm-router with `policy`, all healthy; stopped on exit."""
+    """Redis (unless --no-remote), the replicas and vllm-router with `policy`, all healthy;
+    stopped on exit."""
     procs: list[Proc] = []
     try:
-        port = free_port()
-        procs.append(
-            spawn(redis_command(args.redis_server, port, folder), folder / "redis.log", port)
-        )
-        wait_for(procs, listening, args.startup_timeout)
+        remote_url = None
+        if not args.no_remote:
+            port = free_port()
+            procs.append(
+                spawn(redis_command(args.redis_server, port, folder), folder / "redis.log", port)
+            )
+            wait_for(procs, listening, args.startup_timeout)
+            remote_url = f"redis://127.0.0.1:{port}/0"
         replicas, sources = [], []
         for i in range(args.num_replicas):
             port = free_port()
-            cmd = [sys.executable, "-m", "kvtier.cli", "serve"]
-            cmd += [] if args.model == "kvtier-default" else [args.model]
-            cmd += ["--served-model-name", served_name(args.model)]
-            cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
-            cmd += ["--num-device-blocks", str(args.num_device_blocks)]
-            cmd += ["--num-host-blocks", str(args.num_host_blocks)]
-            cmd += ["--kv-remote-url", f"redis://127.0.0.1:{procs[0].port}/0", *args.serve_arg]
+            cmd = replica_command(args, args.model_folder, port, remote_url)
             if policy == "kv_aware":
                 pub, replay = free_port(), free_port()
-                events = {"enable_kv_cache_events": True, "publisher": "zmq"}
-                # as vLLM's publisher, a wildcard host binds (any other host connects); the
-                # router's subscriber connects to 127.0.0.1
-                events |= {"endpoint": f"tcp://*:{pub}"}
-                events |= {"replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-                cmd += ["--kv-events-config", json.dumps(events)]
+                cmd += events_config(pub, replay)
                 sources.append((f"http://127.0.0.1:{port}", pub, replay))
             replicas.append(spawn(cmd, folder / f"replica{i}.log", port))
         procs += replicas
         wait_for(replicas, healthy, args.startup_timeout)
         port, metrics_port = free_port(), free_port()
-        cmd = vllm_router_command(args.vllm_router, port, metrics_port, [p.url for p in replicas])
-        cmd += ["--policy", policy, "--request-timeout-secs", str(int(args.timeout) + 60)]
-        for url, pub, replay in sources:
-            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{pub}"]
-            cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
-        if sources:
-            cmd += ["--kv-event-block-size", "16", "--kv-event-model", served_name(args.model)]
-            if args.kv_aware_session_ttl:
-                cmd += ["--kv-aware-session-affinity-ttl-secs", str(args.kv_aware_session_ttl)]
+        cmd = router_command(args, policy, (port, metrics_port), [p.url for p in replicas], sources)
         router = spawn(cmd, folder / "router.log", port)
         procs.append(router)
         wait_for([router], healthy, args.startup_timeout)
@@ -226,13 +279,15 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
         # "sticky_hit" (a session's bound replica)
         "router_decisions": decisions,
         "summary": summary,
+        # TTFT and cached share by round: where a policy loses a conversation's history
+        "rounds": serve_report.rounds(records),
     }
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from kvtier.bench import serve_client, serve_data
-    except ImportError as exc:  # httpx is a dev extra
+        from kvtier.bench import serve_client  # noqa: F401  (httpx is a dev extra)
+    except ImportError as exc:
         raise SystemExit(f"kvtier bench router needs {exc.name}: pip install -e '.[dev]'") from None
 
     policies = [p for p in args.policies.split(",") if p]
@@ -243,21 +298,28 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--num-replicas must be at least 2 (one replica needs no router)")
     if not 0 <= args.kv_aware_session_ttl <= 31_536_000:  # the router's range
         raise SystemExit("--kv-aware-session-ttl must be 0 (off) to 31536000 seconds")
-    for binary, flag in (
-        (args.redis_server, "--redis-server"),
-        (args.vllm_router, "--vllm-router"),
-    ):
+    binaries = [(args.vllm_router, "--vllm-router", "pip install 'kvtier[router]'")]
+    if not args.no_remote:
+        binaries.append((args.redis_server, "--redis-server", "apt-get install redis-server"))
+    for binary, flag, hint in binaries:
         if shutil.which(binary) is None:
-            hint = (
-                "apt-get install redis-server"
-                if flag == "--redis-server"
-                else ("pip install 'kvtier[router]'")
-            )
             raise SystemExit(f"{flag} {binary!r} is not on PATH: {hint}")
     check_workload(args)
+    written = Path(tempfile.mkdtemp(prefix="kvtier-bench-router-model-"))
+    try:  # a benchmark model is written once and served by every replica of every policy
+        builtin = args.model in (models.TINY_LLAMA, models.QWEN2_05B)
+        args.model_folder = str(models.model_path(args.model, written)) if builtin else args.model
+        return _run_policies(args, policies)
+    finally:
+        shutil.rmtree(written, ignore_errors=True)
+
+
+def _run_policies(args: argparse.Namespace, policies: list[str]) -> int:
+    from kvtier.bench import serve_client, serve_data
+
     extra = sampling_extra(args)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
-    tok = serve_data.resolve_tokenizer(args.tokenizer, args.model)
+    tok = serve_data.resolve_tokenizer(args.tokenizer, args.model_folder)
     use_ids = args.prompt_format == "ids" or (args.prompt_format == "auto" and tok is not None)
     if use_ids and tok is None:
         raise SystemExit("--prompt-format ids needs a tokenizer (--tokenizer)")
@@ -274,8 +336,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"bench router: {args.dataset}, {args.num_prompts} conversations × "
         f"{len(convs[0].questions)} rounds, concurrency {args.max_concurrency or 'unlimited'}, "
-        f"{args.num_replicas} replicas × ({args.num_device_blocks} device + "
-        f"{args.num_host_blocks} host blocks) on one Redis; policies {', '.join(policies)}",
+        f"{args.num_replicas} replicas of {args.model} × ({args.num_device_blocks} device + "
+        f"{args.num_host_blocks} host blocks) "
+        f"{'each on its own' if args.no_remote else 'on one Redis'}; policies {', '.join(policies)}",
         flush=True,
     )
     results = []
@@ -284,12 +347,12 @@ def run(args: argparse.Namespace) -> int:
         results.append(_run_policy(args, policy, (convs, tok, settings, percentiles)))
         print(render([results[-1]], percentiles), flush=True)
     print(render(results, percentiles))
-    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "model_folder")}
     config["request_rate"] = str(args.request_rate)
     print(f"saved {save_json({'config': config, 'policies': results}, args.out)}")
     if args.plot is not None:
         png = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
-        print(f"plot {plot(results, png, percentiles)}")
+        print(f"plot {plot(results, png, percentiles, args.no_remote)}")
     return 0 if all(r["summary"]["completed"] for r in results) else 1
 
 
@@ -313,7 +376,9 @@ def render(results: list[dict[str, Any]], percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path, percentiles: list[float]) -> Path:
+def plot(
+    results: list[dict[str, Any]], path: Path, percentiles: list[float], no_remote: bool = False
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,7 +412,8 @@ def plot(results: list[dict[str, Any]], path: Path, percentiles: list[float]) ->
     axes[2].set_title("output throughput")
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle("kvtier bench router: one workload through vllm-router, by policy")
+    shared = "replicas without a shared tier" if no_remote else "replicas sharing one Redis"
+    fig.suptitle(f"kvtier bench router: one workload through vllm-router, by policy ({shared})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

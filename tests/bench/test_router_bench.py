@@ -113,6 +113,21 @@ def test_replica_and_router_command_lines(tmp_path: Path) -> None:
     assert kv[kv.index("--kv-aware-session-affinity-ttl-secs") + 1] == "600"
 
 
+def test_replicas_get_their_own_cpus_when_there_are_enough() -> None:
+    """--replica-cpus split: disjoint equal shares (taskset on the command line; kvtier sizes its
+    threads from the affinity it starts with); fewer CPUs than replicas: no pinning."""
+    assert router.replica_cpus(2, [3, 1, 0, 2]) == [[0, 1], [2, 3]]
+    assert router.replica_cpus(2, [0, 1, 2]) == [[0], [1]]
+    assert router.replica_cpus(4, [0, 1]) is None
+
+
+def test_a_pinned_replica_starts_under_taskset(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--no-remote")
+    cmd = router.replica_command(args, "/models/m", 8001, None, [2, 3])
+    assert cmd[:3] == ["taskset", "-c", "2,3"] and "serve" in cmd
+    assert router.replica_command(args, "/models/m", 8001, None)[0] != "taskset"
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -92,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="one more vllm-router argument for every policy (repeat; e.g. "
         "--router-arg=--balance-abs-threshold=4)",
+    )
+    parser.add_argument(
+        "--replica-cpus",
+        choices=("split", "shared"),
+        default="split",
+        help="split: each replica pinned (taskset) to its own equal share of the usable CPUs, as "
+        "replicas get their own devices; shared: every replica on every CPU (default: %(default)s)",
     )
     parser.add_argument("--redis-server", default="redis-server", help="the binary to start")
     parser.add_argument("--vllm-router", default="vllm-router", help="the binary to start")
@@ -165,12 +173,30 @@ def _decision_outcomes(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def replica_cpus(num_replicas: int, usable: list[int]) -> list[list[int]] | None:
+    """Each replica's own CPUs, an equal share of `usable` (the rest unused), or None where
+    there are fewer CPUs than replicas. Replicas sharing every CPU each start a thread per
+    core for the same cores, and their spinning kernel threads take turns on them: the run
+    then measures the oversubscription, not the routing."""
+    share = len(usable) // num_replicas
+    if share == 0:
+        return None
+    ordered = sorted(usable)
+    return [ordered[i * share : (i + 1) * share] for i in range(num_replicas)]
+
+
 def replica_command(
-    args: argparse.Namespace, model: str, port: int, remote_url: str | None
+    args: argparse.Namespace,
+    model: str,
+    port: int,
+    remote_url: str | None,
+    cpus: list[int] | None = None,
 ) -> list[str]:
     """One `kvtier serve` replica of `model` (a folder, or kvtier-default) on 127.0.0.1:`port`,
-    on the shared tier at `remote_url` unless it is None (--no-remote)."""
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve"]
+    on the shared tier at `remote_url` unless it is None (--no-remote), pinned to `cpus` if
+    given (kvtier sizes its threads from its affinity)."""
+    cmd = [] if cpus is None else ["taskset", "-c", ",".join(map(str, cpus))]
+    cmd += [sys.executable, "-m", "kvtier.cli", "serve"]
     cmd += [] if model == "kvtier-default" else [model]
     cmd += ["--served-model-name", served_name(args.model)]
     cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
@@ -225,9 +251,13 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
             wait_for(procs, listening, args.startup_timeout)
             remote_url = f"redis://127.0.0.1:{port}/0"
         replicas, sources = [], []
+        shares = None
+        if args.replica_cpus == "split":
+            shares = replica_cpus(args.num_replicas, sorted(os.sched_getaffinity(0)))
         for i in range(args.num_replicas):
             port = free_port()
-            cmd = replica_command(args, args.model_folder, port, remote_url)
+            cpus = None if shares is None else shares[i]
+            cmd = replica_command(args, args.model_folder, port, remote_url, cpus)
             if policy == "kv_aware":
                 pub, replay = free_port(), free_port()
                 cmd += events_config(pub, replay)
@@ -301,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
     binaries = [(args.vllm_router, "--vllm-router", "pip install 'kvtier[router]'")]
     if not args.no_remote:
         binaries.append((args.redis_server, "--redis-server", "apt-get install redis-server"))
+    if args.replica_cpus == "split":
+        binaries.append(("taskset", "--replica-cpus split", "apt-get install util-linux, or "
+                         "--replica-cpus shared"))  # fmt: skip
     for binary, flag, hint in binaries:
         if shutil.which(binary) is None:
             raise SystemExit(f"{flag} {binary!r} is not on PATH: {hint}")

@@ -253,7 +253,7 @@ def _deployment(args: argparse.Namespace, policy: str, folder: Path) -> Iterator
         replicas, sources = [], []
         shares = None
         if args.replica_cpus == "split":
-            shares = replica_cpus(args.num_replicas, sorted(os.sched_getaffinity(0)))
+            shares = replica_cpus(args.num_replicas, list(os.sched_getaffinity(0)))
         for i in range(args.num_replicas):
             port = free_port()
             cpus = None if shares is None else shares[i]

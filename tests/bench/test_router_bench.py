@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,12 @@ def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path)
     assert sum(only["hit_tokens_by_tier"].values()) == s["cached_tokens"]
     assert [r["round"] for r in only["rounds"]] == [1, 2]
     assert sum(r["cached_tokens"] for r in only["rounds"]) == s["cached_tokens"]
+    # where the time went, per replica, from their phase histograms: every request counted once
+    phases = only["phases"]
+    assert sum(ph["requests"] for ph in phases.values()) == 8
+    assert all(ph["decode"] > 0 and ph["queue"] >= 0 for ph in phases.values())
+    load = only["load"]
+    assert len(load["mean_running"]) == 2 and 0 <= load["stranded_share"] <= 1
 
 
 def test_kv_aware_keeps_a_conversation_on_the_replica_it_started_on(tmp_path: Path) -> None:
@@ -153,3 +162,52 @@ def test_a_replica_that_exits_is_the_error_with_its_log_and_nothing_is_left(
     with pytest.raises(SystemExit, match=r"(?s)replica0 exited \(2\).*--no-such-flag"):
         router.run(args)
     assert _children() <= before
+
+
+def _descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        ps = ["ps", "-o", "pid=", "--ppid", str(todo.pop())]
+        kids = {int(x) for x in subprocess.run(ps, capture_output=True, text=True).stdout.split()}
+        out |= kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_terminated_bench_stops_every_process_it_started(tmp_path: Path) -> None:
+    """`kvtier bench router` killed with SIGTERM mid-run (a timeout, a kill) stops its replicas
+    and router, which run in sessions of their own, before it exits."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "router", "--model", "kvtier-default"]
+    cmd += ["--policies", "round_robin", "--no-remote", "--num-prompts", "400"]
+    cmd += ["--out", str(tmp_path / "router.json")]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert bench.stdout is not None
+        for line in bench.stdout:  # the policy's header: every process is up
+            if line.startswith("-- round_robin"):
+                break
+        started = _descendants(bench.pid)
+        deadline = time.monotonic() + 120
+        while len(started) < 5 and time.monotonic() < deadline:  # 2 × (HTTP + engine) + router
+            time.sleep(0.5)
+            started |= _descendants(bench.pid)
+        assert len(started) >= 5, started
+        bench.send_signal(signal.SIGTERM)
+        rc = bench.wait(timeout=90)
+    finally:
+        bench.kill()
+        bench.wait()
+    left = [pid for pid in started if _alive(pid)]
+    for pid in left:  # the orphans of a failed run must not outlive the test
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+    assert rc == 128 + signal.SIGTERM

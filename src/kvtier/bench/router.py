@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -149,6 +150,12 @@ TIER_COUNTERS = {
     "kvtier:prefix_cache_hits_total": "hits",
     "kvtier:prefix_cache_queries_total": "queries",
 }
+# where a request's time goes on its replica (vLLM's phase histograms): seconds summed and counted
+PHASES = {
+    "vllm:request_queue_time_seconds": "queue",
+    "vllm:request_prefill_time_seconds": "prefill",
+    "vllm:request_decode_time_seconds": "decode",
+}
 
 
 def _tier_counters(p: Proc) -> dict[str, float]:
@@ -160,7 +167,78 @@ def _tier_counters(p: Proc) -> dict[str, float]:
             out[f"{s.labels['tier']}:{TIER_COUNTERS[s.name]}"] = s.value
         elif s.name == "vllm:request_success_total":
             out["served"] = out.get("served", 0.0) + s.value
+        elif s.name.endswith(("_sum", "_count")) and s.name.rsplit("_", 1)[0] in PHASES:
+            base, kind = s.name.rsplit("_", 1)
+            out[f"{PHASES[base]}:{kind}"] = s.value
     return out
+
+
+def _phase_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A replica's mean seconds per request in each phase over the run (its histograms' deltas),
+    and the requests its queue phase counted."""
+    out = {}
+    for phase in PHASES.values():
+        n = after.get(f"{phase}:count", 0.0) - before.get(f"{phase}:count", 0.0)
+        total = after.get(f"{phase}:sum", 0.0) - before.get(f"{phase}:sum", 0.0)
+        out[phase] = total / n if n else 0.0
+        if phase == "queue":
+            out["requests"] = n
+    return out
+
+
+class LoadSampler:
+    """Each replica's requests running and waiting (vLLM's gauges), sampled every `period`
+    seconds on a thread while the workload runs: whether a policy balanced the load over time,
+    not only over the run."""
+
+    GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+    def __init__(self, replicas: list[Proc], period: float = 0.5) -> None:
+        self.replicas, self.period = replicas, period
+        self.samples: list[list[tuple[float, float]]] = [[] for _ in replicas]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for i, p in enumerate(self.replicas):
+                status, text = http_get(f"{p.url}/metrics", timeout=5)
+                if status != 200:
+                    continue
+                values = dict.fromkeys(self.GAUGES, 0.0)
+                for line in text.splitlines():
+                    name = line.split("{", 1)[0].split(" ", 1)[0]
+                    if name in values:
+                        values[name] += float(line.rsplit(" ", 1)[1])
+                self.samples[i].append((values[self.GAUGES[0]], values[self.GAUGES[1]]))
+
+    def summary(self) -> dict[str, Any]:
+        """Per replica: mean running and waiting; over the samples all replicas answered: the
+        mean spread (most minus fewest in flight) and the share of samples where one replica had
+        requests waiting while another had none in flight."""
+        n = min((len(s) for s in self.samples), default=0)
+        in_flight = [[r + w for r, w in s[:n]] for s in self.samples]
+        spread = [max(col) - min(col) for col in zip(*in_flight)]
+        stranded = [
+            any(s[k][1] > 0 for s in self.samples) and min(col) == 0
+            for k, col in enumerate(zip(*in_flight))
+        ]
+        return {
+            "samples": n,
+            "period_s": self.period,
+            "mean_running": [sum(r for r, _ in s) / len(s) if s else 0.0 for s in self.samples],
+            "mean_waiting": [sum(w for _, w in s) / len(s) if s else 0.0 for s in self.samples],
+            "mean_spread": sum(spread) / n if n else 0.0,
+            "stranded_share": sum(stranded) / n if n else 0.0,
+        }
 
 
 def _decision_outcomes(metrics_port: int) -> dict[str, float]:
@@ -284,9 +362,10 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
     folder = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-router-{policy}-"))
     with _deployment(args, policy, folder) as (replicas, router, metrics_port):
         before = [_tier_counters(p) for p in replicas]
-        records, duration = asyncio.run(
-            serve_client.run_all(convs, settings, tok, args.max_concurrency, router.url)
-        )
+        with LoadSampler(replicas) as load:
+            records, duration = asyncio.run(
+                serve_client.run_all(convs, settings, tok, args.max_concurrency, router.url)
+            )
         after = [_tier_counters(p) for p in replicas]
         decisions = _decision_outcomes(metrics_port)
     summary = serve_report.summarize(records, duration, percentiles)
@@ -311,6 +390,9 @@ def _run_policy(args: argparse.Namespace, policy: str, workload: Any) -> dict[st
         "summary": summary,
         # TTFT and cached share by round: where a policy loses a conversation's history
         "rounds": serve_report.rounds(records),
+        # per replica: mean seconds a request spent queued, prefilling and decoding there
+        "phases": {p.name: _phase_means(b, a) for p, b, a in zip(replicas, before, after)},
+        "load": load.summary(),
     }
 
 
@@ -379,6 +461,7 @@ def _run_policies(args: argparse.Namespace, policies: list[str]) -> int:
         print(f"-- {policy}", flush=True)
         results.append(_run_policy(args, policy, (convs, tok, settings, percentiles)))
         print(render([results[-1]], percentiles), flush=True)
+        print(render_where(results[-1]), flush=True)
     print(render(results, percentiles))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "model_folder")}
     config["request_rate"] = str(args.request_rate)
@@ -407,6 +490,23 @@ def render(results: list[dict[str, Any]], percentiles: list[float]) -> str:
         row += f"{s['output_throughput']:>11.1f}{s['failed']:>8}"
         lines.append(row)
     return "\n".join(lines)
+
+
+def render_where(r: dict[str, Any]) -> str:
+    """Where a policy's request time went: each replica's mean queue / prefill / decode seconds,
+    and how its load spread over time."""
+    parts = [
+        f"{name} queue {ph['queue']:.2f}s prefill {ph['prefill']:.2f}s decode {ph['decode']:.2f}s"
+        for name, ph in r["phases"].items()
+    ]
+    load = r["load"]
+    running = "/".join(f"{x:.1f}" for x in load["mean_running"])
+    waiting = "/".join(f"{x:.1f}" for x in load["mean_waiting"])
+    parts.append(
+        f"running {running} waiting {waiting}, spread {load['mean_spread']:.1f}, "
+        f"one waiting while one idle {load['stranded_share']:.0%} ({load['samples']} samples)"
+    )
+    return "  " + "\n  ".join(parts)
 
 
 def plot(

@@ -400,10 +400,15 @@ static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s
     const int use_k = k >= 1 && k < n, use_p = p < 1.0f && m != INFINITY;
     if (!use_k && !use_p) return;
     /* count and mass within 2^j of the maximum; the exponentials for top-p (0 below -87.3) */
-    float reach[REACHES], count[REACHES] = {0}, mass[REACHES] = {0}, z = 0.0f;
+    float reach[REACHES], count[REACHES] = {0}, vmass[REACHES] = {0}, vz = 0.0f;
     for (int j = 0; j < REACHES; j++) reach[j] = m - (float)(1 << j);
     float *e = s->e;
-    int64_t i = fused_reaches(x, n, m, use_p, reach, count, mass, e, &z);
+    int64_t i = fused_reaches(x, n, m, use_p, reach, count, vmass, e, &vz);
+    /* the rest of the row (all of it without a vector path) summed in double: one float32 sum
+     * over a 32,000-token row drifts by ~1e-4 of its total, which moves a cut at top_p 0.999 by
+     * a hundred tokens (the vector path's 16 partial sums stay within float32 rounding) */
+    double z = vz, mass[REACHES];
+    for (int j = 0; j < REACHES; j++) mass[j] = vmass[j];
     for (; i < n; i++) {
         const float ei = use_p ? exp_approx(x[i] - m) : 0.0f;
         if (use_p) e[i] = ei;
@@ -418,7 +423,7 @@ static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s
      * the mass top_p needs: float sums, so with a margin), or every token */
     float floor = -INFINITY;
     for (int j = 0; j < REACHES; j++)
-        if (use_k ? count[j] >= (float)k : mass[j] >= 1.001f * p * z) {
+        if (use_k ? count[j] >= (float)k : mass[j] >= 1.001 * p * z) {
             floor = reach[j];
             break;
         }
@@ -429,7 +434,7 @@ static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s
     if (use_p) {
         /* the softmax's sum: over the top-k set (among the candidates), else the row */
         int64_t c = gather(x, e, n, floor, s);
-        double zk = bound ? 0.0 : (double)z;
+        double zk = bound ? 0.0 : z;
         if (bound)
             for (int64_t j = 0; j < c; j++)
                 if (within(s->key[j], s->idx[j], *bound)) zk += s->w[j];

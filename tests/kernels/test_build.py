@@ -28,7 +28,7 @@ from kvtier.model.layers import RMSNorm
 kernels = native.kernels()
 assert kernels is not None, "the portable build failed"
 assert kernels.path.name.startswith("kvtier-x86-64-v3-"), kernels.path
-assert kernels.tile_linear is None and not kernels.f32_linear  # no AVX-512 paths in v3
+assert kernels.tile_linear == "avx2" and not kernels.f32_linear  # no AVX-512 paths in v3
 assert not kernels.attention_tiles()
 gen = torch.Generator().manual_seed(0)
 x = torch.randn(37, 200, generator=gen).bfloat16()
@@ -39,6 +39,22 @@ same = (kernels.rms_norm(x, weight, 1e-6, False) == ref(x)).float().mean().item(
 assert same > 0.97, same
 logits = torch.randn(5, 1000, generator=gen)
 assert torch.equal(native.argmax(logits), logits.argmax(dim=-1))
+# the top-p filter's whole row on the portable loops: its cut is the float64 sort's (one float32
+# sum over the row moved a cut at 0.999 by a hundred tokens)
+from kvtier.model.sampler import _sorted_filter
+x = torch.randn(3, 32000, generator=gen) * 3.0
+top_p = torch.tensor([0.9, 0.99, 0.999])
+ours = native.top_k_top_p_(x.clone(), None, top_p)
+want = _sorted_filter(x.double(), None, top_p.double())
+assert torch.equal(torch.isfinite(ours), torch.isfinite(want))
+# the AVX2 tiles: VDPBF16PS's in-order sums (the odd product of each pair, then the even one)
+w = torch.randn(40, 100, generator=gen).bfloat16()
+x = torch.randn(7, 100, generator=gen).bfloat16()
+acc = torch.zeros(7, 40)
+for k in range(0, 100, 2):
+    acc = acc + x[:, k + 1, None].float() * w[None, :, k + 1].float()
+    acc = acc + x[:, k, None].float() * w[None, :, k].float()
+assert torch.equal(kernels.linear_bf16(x, kernels.pack_linear(w), 40, None), acc.bfloat16())
 print("portable ok")
 """
 

@@ -1,7 +1,7 @@
-"""The tile linear kernel (kernels/csrc/linear*.c, AMX or AVX512-BF16) gives the bits of bfloat16 products
-summed over k in order in float32 and rounded once — on AMX what oneDNN gives a row in a batch of
-up to 32 rows; on AVX512-BF16 exactly VDPBF16PS's sums (each pair's odd product added, then its
-even one), which are oneDNN's wherever oneDNN sums in order (k ≤ 512) — with partial k blocks and
+"""The tile linear kernel (kernels/csrc/linear*.c, AMX, AVX512-BF16 or AVX2) gives the bits of bfloat16
+products summed over k in order in float32 and rounded once — on AMX what oneDNN gives a row in a
+batch of up to 32 rows; on AVX512-BF16 and AVX2 exactly VDPBF16PS's sums (each pair's odd product
+added, then its even one), which are oneDNN's wherever oneDNN sums in order (k ≤ 512) — with partial k blocks and
 output tiles, bias or none, strided rows, and any number of threads; `Linear` picks it for few
 rows and oneDNN above."""
 
@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.model import native
-from kvtier.model.layers import PACK_BF16, Linear, takes_tiles
+from kvtier.model.layers import Linear, takes_tiles
 
 kernels = native.kernels()
 pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.tile_linear or not PACK_BF16, reason="no tile linear here"
+    kernels is None or not kernels.tile_linear, reason="no tile linear here"
 )
 KIND = "" if kernels is None else (kernels.tile_linear or "")
 
@@ -132,6 +132,7 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     assert takes_tiles(64, 2048 * 1100) and not takes_tiles(65, 2048 * 1100)
     assert takes_tiles(65, 2 << 20) and not takes_tiles(65, (2 << 20) + 1)
     assert takes_tiles(10_000, 256 * 512)
+    assert takes_tiles(10_000, 2048 * 1100, "avx2")  # oneDNN's bfloat16 is emulated there
     gen = torch.Generator().manual_seed(2)
     small = Linear(256, 512, bias=True).to(torch.bfloat16)
     down = Linear(1024, 256, bias=False).to(torch.bfloat16)
@@ -139,7 +140,7 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     for layer, rows in [(small, 1), (small, 256), (small, 257), (down, 48), (down, 130),
                         (big, 17), (big, 64), (big, 65)]:  # fmt: skip
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
-        tiles = takes_tiles(rows, layer.weight.numel())
+        tiles = takes_tiles(rows, layer.weight.numel(), KIND)
         want = reference if tiles else F.linear
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows
 

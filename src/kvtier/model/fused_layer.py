@@ -3,8 +3,8 @@
 A layer's Python path makes ~11 kernel calls (norms, the tile linears, rope, the KV write, the
 paged attention kernel), each with its own ctypes call, output allocation and Python; on a small
 model that is most of a step's time, and every call releases and retakes the GIL. Where the
-whole batch is served by those kernels — bfloat16 on a CPU with the tile linear (AMX or
-AVX512-BF16), every linear taking the tiles at this row count (`takes_tiles`), every query on
+whole batch is served by those kernels — bfloat16 on a CPU with the tile linear (AMX,
+AVX512-BF16 or AVX2), every linear taking the tiles at this row count (`takes_tiles`), every query on
 the attention kernel (decodes, drafts, and a prompt's chunks, which `CausalLM.forward` plans for
 the kernel when `takes` says the step fits; no gathered sequence) — `FusedLayers` runs every
 layer in one call that makes the same kernel calls in C, on the same inputs: the same bits as
@@ -22,7 +22,7 @@ import torch
 
 from kvtier.kernels import abi
 from kvtier.model import native
-from kvtier.model.layers import PACK_BF16, RMSNorm, takes_tiles
+from kvtier.model.layers import RMSNorm, takes_tiles
 from kvtier.model.paged import GroupPlan
 from kvtier.model.quant import Int8Linear
 
@@ -128,9 +128,9 @@ class FusedLayers:
         linear taking the tiles at this row count (the caller then plans a prompt's chunks for
         the attention kernel, which the one-call layer needs)."""
         kernels = native.kernels()
-        if kernels is None or not kernels.tile_linear or not PACK_BF16:
+        if kernels is None or not kernels.tile_linear:
             return False
-        return _fits(self._layers(layers, kernels), rows)
+        return _fits(self._layers(layers, kernels), rows, kernels.tile_linear)
 
     def run(
         self,
@@ -145,7 +145,7 @@ class FusedLayers:
         """(hidden, residual) after every layer for input x [rows, hidden], or None where some
         layer or query is not served (the caller runs the Python path)."""
         kernels = native.kernels()
-        if kernels is None or not kernels.tile_linear or not PACK_BF16:
+        if kernels is None or not kernels.tile_linear:
             return None
         if x.dtype != torch.bfloat16:
             return None
@@ -156,7 +156,7 @@ class FusedLayers:
             return None
         rows = x.shape[0]
         kv_dtype = native.KV_DTYPES.get(kv_caches[0].dtype, -1)
-        if not _fits(built, rows) or not all(
+        if not _fits(built, rows, kernels.tile_linear) or not all(
             c.dtype == kv_caches[0].dtype and c.is_contiguous() for c in kv_caches
         ):
             return None
@@ -213,9 +213,9 @@ class FusedLayers:
         return self._built
 
 
-def _fits(built: list[_Built] | None, rows: int) -> bool:
-    """Every linear of the built layers takes the tiles at `rows` rows."""
-    return built is not None and all(takes_tiles(rows, n) for b in built for n in b.numels)
+def _fits(built: list[_Built] | None, rows: int, kind: str | None) -> bool:
+    """Every linear of the built layers takes the tiles of `kind` at `rows` rows."""
+    return built is not None and all(takes_tiles(rows, n, kind) for b in built for n in b.numels)
 
 
 def _step(plan: GroupPlan) -> abi.Step:

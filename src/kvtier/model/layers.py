@@ -28,10 +28,14 @@ MAX_TILE_ROWS = 64  # any weight
 SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements, any row count
 
 
-def takes_tiles(rows: int, numel: int) -> bool:
-    """Whether the tile linear (`Kernels.tile_linear`) serves `rows` rows of a weight of `numel`
-    elements: up to 64 rows on any weight, any row count on weights of at most 2M elements.
-    Why these bounds (measured against oneDNN, one call alone, and end to end):
+def takes_tiles(rows: int, numel: int, kind: str | None = None) -> bool:
+    """Whether the tile linear of `kind` (`Kernels.tile_linear`) serves `rows` rows of a weight of
+    `numel` elements: on AVX2 every call; else up to 64 rows on any weight, any row count on
+    weights of at most 2M elements. Why (measured against oneDNN, one call alone, and end to end):
+
+    - AVX2 without AVX-512 (AMD Zen 3): oneDNN has no bfloat16 instructions to run and gives
+      ~10 GFLOP/s a core at every row count, a sixth of its own float32 rate; the tiles widened to
+      float32 gave 4-8× that from 1 to 256 rows (docs/benchmarks.md, Kernels).
 
     - AMX: up to 64 rows the tiles beat oneDNN on any weight, small or streamed from memory;
       above that, on large weights, oneDNN's blocking wins. On small weights the tiles run the
@@ -47,13 +51,13 @@ def takes_tiles(rows: int, numel: int) -> bool:
     in order (AVX512-BF16: k ≤ 512; with k of 896 and more oneDNN's bits depend on the batch's
     row count, 2-300 outputs in 10^5 one bfloat16 ulp apart) — the tiles give a row the same
     bits whatever its batch."""
-    return rows <= MAX_TILE_ROWS or numel <= SMALL_WEIGHT
+    return kind == "avx2" or rows <= MAX_TILE_ROWS or numel <= SMALL_WEIGHT
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose weight on a CPU is multiplied through a copy prepacked once. bfloat16:
     for the rows `takes_tiles` gives them, the tile layout of `model/native.py`'s linear kernel
-    (AMX or AVX512-BF16; at small shapes oneDNN's set-up per call costs more than the tiles'
+    (AMX, AVX512-BF16 or AVX2; at small shapes oneDNN's set-up per call costs more than the tiles'
     whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
     every call); the tiles give `F.linear`'s bits
     where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
@@ -76,12 +80,18 @@ class Linear(nn.Linear):
             # eight or more in up to a third of the outputs), so a request's logits, and a seeded
             # sample, would depend on what else is in its batch
             return kernels.linear_f32(x, self.tiles(kernels), w.shape[0], self.bias)
-        if not (PACK_BF16 and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
+        bf16 = x.dtype == w.dtype == torch.bfloat16
+        if (
+            bf16
+            and kernels is not None
+            and kernels.tile_linear
+            and takes_tiles(x.shape[0], w.numel(), kernels.tile_linear)
+        ):
+            return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
+        if not (PACK_BF16 and bf16):
             return F.linear(x, w, self.bias)
         if x.device != native_kernels.CPU or w.device != native_kernels.CPU:
             return F.linear(x, w, self.bias)
-        if kernels is not None and kernels.tile_linear and takes_tiles(x.shape[0], w.numel()):
-            return kernels.linear_bf16(x, self.tiles(kernels), w.shape[0], self.bias)
         key = (w.data_ptr(), w.dtype)
         if self._packed is None or self._packed_of != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)

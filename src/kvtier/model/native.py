@@ -26,7 +26,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types the kernels take
 KV_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers (kvtier.h)
-LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16"}  # kvtier_linear_available's answers
+LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2"}  # kvtier_linear_available's answers
 CPU = torch.device("cpu")
 
 

@@ -22,6 +22,9 @@
 #if defined(KVTIER_AVX512BF16) && defined(__AVX512VNNI__)
 #define KVTIER_AVX512VNNI 1 /* and int16 dot products: the int8-weight linear (every such CPU) */
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define KVTIER_AVX2 1 /* x86-64-v3 without AVX-512: the bfloat16 linear widened to float32 FMAs */
+#endif
 #if defined(KVTIER_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)
 #define KVTIER_AMX 1 /* AMX tiles (granted per process by Linux): the tile paths */

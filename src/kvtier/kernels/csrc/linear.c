@@ -13,8 +13,9 @@
  * k pairs in order into one float32 accumulator.
  * Output columns are split in groups of four tiles among the pool's threads (pool.c): each
  * element is computed by one thread in one order, so results do not depend on the thread count.
- * `kvtier_linear_available` returns 1 (AMX, granted by the OS), 2 (AVX512-BF16) or 0 (neither:
- * the caller uses oneDNN).
+ * `kvtier_linear_available` returns 1 (AMX, granted by the OS), 2 (AVX512-BF16), 3 (AVX2 with
+ * FMA, no AVX-512: the tiles widened to float32, linear_avx2.c) or 0 (none: the caller uses
+ * oneDNN).
  */
 #include <stdlib.h>
 
@@ -47,16 +48,21 @@ void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed
 }
 
 /* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
- * once), else 2 AVX512-BF16 where built, else 0. */
+ * once), else 2 AVX512-BF16 where built, else 3 AVX2 with FMA where no AVX-512 is (a CPU with
+ * AVX-512F but not its BF16 keeps oneDNN, whose AVX-512 emulation was not measured against it),
+ * else 0. */
 static int tile_path(void) {
     static _Atomic int granted = -1;
     if (granted < 0) granted = linear_amx_granted();
     if (LINEAR_AMX && granted) return 1;
-    return LINEAR_AVX512BF16 ? 2 : 0;
+    return LINEAR_AVX512BF16 ? 2 : LINEAR_AVX2 ? 3 : 0;
 }
 
 static ChunkFn groups_of(int path) {
-    return path == 1 ? linear_amx_groups : path == 2 ? linear_avx512bf16_groups : NULL;
+    return path == 1   ? linear_amx_groups
+           : path == 2 ? linear_avx512bf16_groups
+           : path == 3 ? linear_avx2_groups
+                       : NULL;
 }
 
 int kvtier_linear_available(void) { return tile_path(); }
@@ -72,7 +78,7 @@ static int run_tiles(ChunkFn run, Job job, int tiles, int rows, int64_t elem, in
                      int threads) {
     const int64_t m = job.m, n = job.n, k = job.k;
     uint16_t *tail = NULL;
-    if (k % 32 && !job.xq) {
+    if (k % 32 && !job.xq && !job.xf) {
         tail = calloc((size_t)(m * 32), sizeof(uint16_t));
         if (!tail) return -1;
         for (int64_t r = 0; r < m; r++)
@@ -111,6 +117,23 @@ static void avx_block_shape(int64_t m, int *tiles, int *rows) {
     }
 }
 
+/* The AVX2 path's call: x widened to float32 once (zero past k, so no partial k block remains),
+ * rows in blocks of 4, a column group as many tiles as keep its weights within 256 KiB (in L2
+ * while each row block reads them), at most 4. */
+static int avx2_linear(Job job, int threads) {
+    const int64_t m = job.m, k = job.k, xs = (k + 31) / 32 * 32;
+    float *xf = calloc((size_t)(m * xs), sizeof(float));
+    if (!xf) return -1;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * xs + i] = bf16_to_f32(job.x[r * job.x_stride + i]);
+    job.xf = xf;
+    int64_t tiles = (256 << 10) / (16 * xs * 2);
+    tiles = tiles < 1 ? 1 : tiles > 4 ? 4 : tiles;
+    const int status = run_tiles(linear_avx2_groups, job, (int)tiles, 4, 2, 0, threads);
+    free(xf);
+    return status;
+}
+
 /* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
  * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
  * where neither tile path is built. */
@@ -119,8 +142,9 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     const int path = tile_path();
     const ChunkFn run = groups_of(path);
     if (!run) return -2;
-    const Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
-                     .x_stride = x_stride};
+    Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
+               .x_stride = x_stride};
+    if (path == 3) return avx2_linear(job, threads);
     /* AMX: 16 rows by 4 tiles */
     int tiles = 4, rows = 16;
     if (path == 2) avx_block_shape(m, &tiles, &rows);

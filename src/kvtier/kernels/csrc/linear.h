@@ -1,6 +1,7 @@
 /* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
- * run the column groups, the AVX-512 ones over linear_blocks.h; docs/architecture.md §Kernels): a call's job and its items, and the
- * float32 linear's job (linear_f32_avx512.c). Internal to the library. */
+ * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h;
+ * docs/architecture.md §Kernels): a call's job and its items, and the float32 linear's job
+ * (linear_f32_avx512.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
 #define KVTIER_LINEAR_H
 
@@ -12,6 +13,7 @@ typedef struct {
     const float *scales;
     const int16_t *xq; /* int8 on VNNI: x in int16 [m][k blocks][32] and each block's scale */
     const float *xs;
+    const float *xf; /* AVX2: x widened to float32, [m][k blocks × 32], zero past k */
     uint16_t *out;
     int64_t m, n, k, x_stride;
     int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
@@ -68,6 +70,16 @@ void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AVX512BF16 0
 static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX2)
+#define LINEAR_AVX2 1
+void linear_avx2_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AVX2 0
+static inline void linear_avx2_groups(const void *job, int64_t i0, int64_t i1) {
     (void)job, (void)i0, (void)i1;
 }
 #endif

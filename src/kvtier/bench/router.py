@@ -7,7 +7,9 @@ The workload is `kvtier bench serve`'s (default: shared-prefix, more conversatio
 replica's device and host tiers hold), sent with an `X-Session-ID` per conversation, the key
 vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
 tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
-p99, output tok/s and the requests each replica served; saves JSON and, with --plot, a PNG.
+p99, output tok/s and the requests each replica served; where a request's time went on each
+replica (mean queue, prefill and decode seconds, from vLLM's phase histograms) and each replica's
+running and waiting requests over time (sampled every 0.5 s); saves JSON and, with --plot, a PNG.
 kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources
 and, by default, its session affinity on the same `X-Session-ID` (`--kv-aware-session-ttl`): its
 cost is (uncached prompt tokens + the tokens still prefilling on a worker) × (the worker's requests

@@ -58,7 +58,9 @@ def test_a_session_policy_keeps_each_conversation_on_one_replica(tmp_path: Path)
     # where the time went, per replica, from their phase histograms: every request counted once
     phases = only["phases"]
     assert sum(ph["requests"] for ph in phases.values()) == 8
-    assert all(ph["decode"] > 0 and ph["queue"] >= 0 for ph in phases.values())
+    # (the ring may put every session on one replica: one with none has no phase times)
+    assert all(ph["decode"] > 0 for ph in phases.values() if ph["requests"])
+    assert all(ph["queue"] >= 0 and ph["prefill"] > 0 for ph in phases.values() if ph["requests"])
     load = only["load"]
     assert len(load["mean_running"]) == 2 and 0 <= load["stranded_share"] <= 1
 

@@ -10,13 +10,14 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from kvtier.bench.procs import exit_on_signals
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -109,21 +110,6 @@ def run_json(argv: list[str], env: dict[str, str], log: Path, timeout: float) ->
     return last_json(res.stdout)
 
 
-def _exit_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit in this process (by default it ends the process at once),
-    so the `finally` blocks that stop its peer processes run: they live in sessions of their own
-    and would outlive it. Only from the main thread, and only over the default handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-
-
 def _stop(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
     if proc.poll() is not None:
         return
@@ -141,7 +127,7 @@ class LineWorker:
     """A script that prints {"kind": "ready"} once loaded, then one JSON line per stdin line."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, timeout: float) -> None:
-        _exit_on_sigterm()
+        exit_on_signals()
         self.log = log
         self._err: IO[str] = log.open("a")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -186,7 +172,7 @@ class Server:
     def __init__(
         self, argv: list[str], port: int, env: dict[str, str], log: Path, timeout: float
     ) -> None:
-        _exit_on_sigterm()
+        exit_on_signals()
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = log
         self._err = log.open("a")

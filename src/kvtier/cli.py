@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
 
 import kvtier
 from kvtier.bench import BENCHMARKS
 from kvtier.bench.lab import LAB_BENCHMARKS, run_lab
+from kvtier.bench.procs import exit_on_signals
 from kvtier.cli_args import HelpFormatter
 
 
@@ -87,15 +87,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     mod.add_arguments(parser)
     ns = parser.parse_args(args.bench_args)
     require_extras(ns, command)
-    # A benchmark stops the servers it started in `finally` blocks (they run in sessions of
-    # their own, out of reach of a signal to ours); SIGTERM (timeout, kill) must run them too.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGHUP, _exit_on_signal)
+    # A benchmark stops the servers it started in `finally` blocks; a timeout or kill runs them too
+    exit_on_signals()
     return int(mod.run(ns) or 0)
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +21,21 @@ from pathlib import Path
 
 class ProcessFailed(RuntimeError):
     """A process exited, or did not come up in time; the message ends with its log's tail."""
+
+
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGHUP raise SystemExit in this process (by default they end it at once),
+    so the `finally` blocks that stop the processes it started run: those live in sessions of
+    their own and would outlive it. Only from the main thread, and only over a default handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, stop)
 
 
 def free_port() -> int:

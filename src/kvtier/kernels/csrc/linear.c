@@ -117,19 +117,27 @@ static void avx_block_shape(int64_t m, int *tiles, int *rows) {
     }
 }
 
-/* The AVX2 path's call: x widened to float32 once (zero past k, so no partial k block remains),
- * rows in blocks of 4, a column group as many tiles as keep its weights within 256 KiB (in L2
- * while each row block reads them), at most 4. */
-static int avx2_linear(Job job, int threads) {
+/* rows [r0, r1) of a job's x widened into its xf (calloc'd: zero past k) */
+static void widen_rows(const void *ctx, int64_t r0, int64_t r1) {
+    const Job *a = ctx;
+    const int64_t xs = (a->k + 31) / 32 * 32;
+    float *xf = (float *)a->xf;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < a->k; i++) xf[r * xs + i] = bf16_to_f32(a->x[r * a->x_stride + i]);
+}
+
+/* The AVX2 path's call (`run`: its column groups): x widened to float32 once, on the pool (zero
+ * past k, so no partial k block remains), rows in blocks of 4, a column group as many tiles as
+ * keep its weights within 256 KiB (in L2 while each row block reads them), at most 4. */
+static int avx2_linear(ChunkFn run, Job job, int threads) {
     const int64_t m = job.m, k = job.k, xs = (k + 31) / 32 * 32;
     float *xf = calloc((size_t)(m * xs), sizeof(float));
     if (!xf) return -1;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * xs + i] = bf16_to_f32(job.x[r * job.x_stride + i]);
     job.xf = xf;
+    pool_run(widen_rows, &job, m, m / (4 * threads), m * k < (1 << 16) ? 1 : threads);
     int64_t tiles = (256 << 10) / (16 * xs * 2);
     tiles = tiles < 1 ? 1 : tiles > 4 ? 4 : tiles;
-    const int status = run_tiles(linear_avx2_groups, job, (int)tiles, 4, 2, 0, threads);
+    const int status = run_tiles(run, job, (int)tiles, 4, 2, 0, threads);
     free(xf);
     return status;
 }
@@ -144,7 +152,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     if (!run) return -2;
     Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
                .x_stride = x_stride};
-    if (path == 3) return avx2_linear(job, threads);
+    if (path == 3) return avx2_linear(run, job, threads);
     /* AMX: 16 rows by 4 tiles */
     int tiles = 4, rows = 16;
     if (path == 2) avx_block_shape(m, &tiles, &rows);

@@ -35,7 +35,7 @@ def takes_tiles(rows: int, numel: int, kind: str | None = None) -> bool:
 
     - AVX2 without AVX-512 (AMD Zen 3): oneDNN has no bfloat16 instructions to run and gives
       ~10 GFLOP/s a core at every row count, a sixth of its own float32 rate; the tiles widened to
-      float32 gave 4-8× that from 1 to 256 rows (docs/benchmarks.md, Kernels).
+      float32 gave 4-8× that from 1 to 256 rows (docs/benchmarks.md, "An AVX2 CPU").
 
     - AMX: up to 64 rows the tiles beat oneDNN on any weight, small or streamed from memory;
       above that, on large weights, oneDNN's blocking wins. On small weights the tiles run the

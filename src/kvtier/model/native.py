@@ -52,8 +52,8 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
-    linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; None:
-    neither, oneDNN serves every linear); `f32_linear`: the batch-invariant float32 linear is
+    linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
+    the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear); `f32_linear`: the batch-invariant float32 linear is
     built (AVX-512F); `i8_linear`: the int8-weight linear (W8A16) is built (AVX512-BF16)."""
 
     lib: ctypes.CDLL

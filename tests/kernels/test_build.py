@@ -55,12 +55,20 @@ for k in range(0, 100, 2):
     acc = acc + x[:, k + 1, None].float() * w[None, :, k + 1].float()
     acc = acc + x[:, k, None].float() * w[None, :, k].float()
 assert torch.equal(kernels.linear_bf16(x, kernels.pack_linear(w), 40, None), acc.bfloat16())
+# the AVX2 int8 linear: the int16 blocks' bits (AVX512-VNNI's), here at any row count
+from kvtier.model.quant import quantize_int8
+from tests.model.int8_reference import linear_i8_bits
+q, scale = quantize_int8(torch.randn(40, 100, generator=gen))
+assert kernels.i8_linear
+assert torch.equal(kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, 40, None),
+                   linear_i8_bits(x, q, scale, None))
 print("portable ok")
 """
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(tmp_path)}
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])  # kvtier, and tests' references
+    env = {**os.environ, "PYTHONPATH": path, "XDG_CACHE_HOME": str(tmp_path)}
     return {**env, **extra}
 
 

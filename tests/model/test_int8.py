@@ -19,6 +19,7 @@ from kvtier.model import native
 from kvtier.model.loader import load_model
 from kvtier.model.quant import Int8Linear, dequantize, pack_int8, quantize_int8, unpack_int8
 from kvtier.model.testing import write_int8_model
+from tests.model.int8_reference import linear_i8_bits
 from tests.model.paged import PagedKV, record_fused_runs
 from tests.model.reference import hf_logits, hf_model
 from tests.model.test_fused_layer import decode, python_layers
@@ -26,7 +27,8 @@ from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt
 
 kernels = native.kernels()
 needs_int8_kernel = pytest.mark.skipif(
-    kernels is None or not kernels.i8_linear, reason="no int8 linear kernel here (AVX512-BF16)"
+    kernels is None or not kernels.i8_linear,
+    reason="no int8 linear kernel here (AVX512-BF16 or AVX2)",
 )
 ct = pytest.importorskip("compressed_tensors")  # the format's own reader (the dev extra has it)
 logging.getLogger("compressed_tensors").setLevel(logging.WARNING)
@@ -67,6 +69,35 @@ def test_the_int8_linear_is_the_dequantized_product(rows: int, n: int, k: int, b
     bound += 2**-15 * (block_max @ w.abs().T)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+def int16_block_rows() -> int:
+    """The most rows the int8 linear runs on x's int16 blocks here: 4 with AMX (then its tiles),
+    16 with AVX512-BF16 only (then widened weights), every row count on AVX2 (linear.c)."""
+    assert kernels is not None
+    return {"amx": 4, "avx512bf16": 16}.get(kernels.tile_linear or "", 1 << 30)
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 70])
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (200, 96, False), (72, 1000, True)])
+def test_the_int16_blocks_give_the_reference_bits_at_every_batch(rows, n, k, bias) -> None:
+    """Where x runs in int16 blocks (every row count on AVX2; a few rows on AVX-512) the kernel's
+    bits are the in-order reference's (tests/model/int8_reference.py): the AVX2 and VNNI paths
+    agree, and a row's result does not depend on the rows beside it. 72 columns at k 1000: more
+    than one column group of the AVX2 path (k 1000 keeps 4 tiles a group) and a partial k block."""
+    assert kernels is not None
+    if rows > int16_block_rows():
+        pytest.skip(f"{rows} rows run on widened weights here ({kernels.tile_linear})")
+    gen = torch.Generator().manual_seed(rows * n)
+    q, scale = quantize_int8(torch.randn(n, k, generator=gen))
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    x[0, : k // 2] *= 1e-30  # a row with tiny and ordinary blocks side by side
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    out = kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, n, b)
+    assert torch.equal(out, linear_i8_bits(x, q, scale, b))
+    alone = kernels.linear_i8(x[-1:].contiguous(), kernels.pack_linear_i8(q), scale, n, b)
+    assert torch.equal(alone[0], out[-1])
 
 
 @needs_int8_kernel

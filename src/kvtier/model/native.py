@@ -53,8 +53,9 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
 class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
-    the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear); `f32_linear`: the batch-invariant float32 linear is
-    built (AVX-512F); `i8_linear`: the int8-weight linear (W8A16) is built (AVX512-BF16)."""
+    the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
+    `f32_linear`: the batch-invariant float32 linear is built (AVX-512F); `i8_linear`: the
+    int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512)."""
 
     lib: ctypes.CDLL
     path: Path
@@ -255,8 +256,8 @@ class Kernels:
         _host("weight", weight, torch.int8)
         _contiguous("weight", weight)
         _require(weight.dim() == 2, f"weight must be [n, k], got shape {tuple(weight.shape)}")
-        _require(self.i8_linear, "the int8 linear kernel is not built here (no AVX512-BF16): "
-                 "dequantize the weight and use F.linear")  # fmt: skip
+        _require(self.i8_linear, "the int8 linear kernel is not built here (it needs AVX512-BF16 "
+                 "or AVX2): dequantize the weight and use F.linear")  # fmt: skip
         n, k = weight.shape
         packed = torch.empty(_packed_size(torch.int8, n, k), dtype=torch.int8)
         self.lib.kvtier_linear_i8_pack(weight.data_ptr(), n, k, packed.data_ptr())

@@ -169,13 +169,16 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
  * multiply-adds, and the widening, one conversion a weight, costs less than the int16 blocks'
  * conversions and scaled adds per row block and k block; at 16 rows it cost more. The two sides
  * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
- * bound its batch is. */
+ * bound its batch is.
+ * With AVX2 and no AVX-512 (linear_i8_avx2.c) the int16 blocks serve every row count, with the
+ * VNNI path's bits: 4 rows a block, a column group as many tiles as keep its weights within
+ * 256 KiB (at most 4), as the bfloat16 AVX2 path. */
 #define I8_FEW_ROWS 4
 #define I8_WIDE_ROWS 16
 int kvtier_linear_i8_available(void) { return LINEAR_I8; }
 
 /* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
- * are packed[.., j] * scales[j]. Returns as kvtier_linear (-2: no AVX512-VNNI). */
+ * are packed[.., j] * scales[j]. Returns as kvtier_linear (-2: neither AVX512-VNNI nor AVX2). */
 int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_t *packed,
                      const float *scales, int64_t n, int64_t k, const uint16_t *bias,
                      uint16_t *out, int threads) {
@@ -191,15 +194,21 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
         return run_tiles(linear_i8_wide_groups, job, tiles, rows, 2, 0, threads);
     }
     const int64_t kbs = (k + 31) / 32;
+    int tiles = m <= 2 ? 4 : 2, rows = m <= 2 ? (int)m : 4; /* VNNI: sums and accumulators in
+                                                             * registers, 2 rows by 4 tiles or 4 by 2 */
+    ChunkFn run = linear_i8_avx512_groups;
+    if (LINEAR_I8_AVX2) {
+        const int64_t fit = (256 << 10) / (16 * kbs * 32);
+        tiles = fit < 1 ? 1 : fit > 4 ? 4 : (int)fit, rows = 4;
+        run = linear_i8_avx2_groups;
+    }
     int16_t *xq = malloc((size_t)(m * kbs * 32) * sizeof(int16_t));
     float *xs = malloc((size_t)(m * kbs) * sizeof(float));
     int status = -1;
     if (xq && xs) {
         linear_i8_quantize_x(&job, xq, xs);
         job.xq = xq, job.xs = xs;
-        /* int32 sums and float32 accumulators both in registers: 2 rows by 4 tiles, or 4 by 2 */
-        status = run_tiles(linear_i8_avx512_groups, job, m <= 2 ? 4 : 2, m <= 2 ? (int)m : 4, 1,
-                           0, threads);
+        status = run_tiles(run, job, tiles, rows, 1, 0, threads);
     }
     free(xq);
     free(xs);

@@ -1,5 +1,6 @@
 /* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
- * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h;
+ * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h; the int8
+ * weights' paths are linear_i8_*.c;
  * docs/architecture.md §Kernels): a call's job and its items, and the float32 linear's job
  * (linear_f32_avx512.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
@@ -84,21 +85,38 @@ static inline void linear_avx2_groups(const void *job, int64_t i0, int64_t i1) {
 }
 #endif
 
-#if defined(KVTIER_AVX512VNNI)
+#if defined(KVTIER_AVX512VNNI) || defined(KVTIER_AVX2)
 #define LINEAR_I8 1
-/* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks) */
+/* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks), the same bits on
+ * either ISA (linear_i8_avx512.c, linear_i8_avx2.c) */
 void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs);
-void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
-void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8 0
 static inline void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
     (void)a, (void)xq, (void)xs;
 }
+#endif
+
+#if defined(KVTIER_AVX512VNNI)
+#define LINEAR_I8_AVX512 1
+void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
+void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_I8_AVX512 0
 static inline void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1) {
     (void)job, (void)i0, (void)i1;
 }
 static inline void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1) {
+    (void)job, (void)i0, (void)i1;
+}
+#endif
+
+#if defined(KVTIER_AVX2)
+#define LINEAR_I8_AVX2 1
+void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_I8_AVX2 0
+static inline void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1) {
     (void)job, (void)i0, (void)i1;
 }
 #endif

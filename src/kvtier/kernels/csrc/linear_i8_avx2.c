@@ -1,0 +1,182 @@
+/* The int8-weight linear (W8A16) on AVX2 with FMA and no AVX-512 (x86-64-v3), at every row
+ * count: the AVX512-VNNI few-rows path's arithmetic (linear_i8_avx512.c) on 256-bit registers.
+ * x's rows become int16 fixed point a k block of 32 at a time (the same power-of-two scale a
+ * block), a tile row's int8 weights are sign-extended to int16, and VPMADDWD + VPADDD sum each
+ * k block exactly in int32 (VPDPWSSD's sum: no product pair can saturate, |x| < 2^15, |w| ≤ 127);
+ * the block's sum is scaled into a float32 accumulator by FMA, a column's scale applied once at
+ * the end, then the bias and the one bfloat16 rounding. So a row's bits equal the VNNI path's and
+ * never depend on its batch. Without this a CPU of this kind dequantized every int8 weight to
+ * bfloat16 on each call. Above a few rows the AVX-512 paths widen the weights to bfloat16 instead
+ * (their multiply-adds are cheaper than the int16 blocks'); here an int16 pair product is one
+ * instruction for two multiply-adds, as cheap as the bfloat16 path's FMAs, so one path serves
+ * every row count (linear.c dispatches; docs/kernels.md). */
+#include <math.h>
+
+#include "linear.h"
+
+#if defined(KVTIER_AVX2)
+#include <immintrin.h>
+
+static inline __m256 widen_bf16(__m128i h) { /* 8 bfloat16 → 8 float32, exactly */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* v * 2^s for s in [-150, 160], in two exact power-of-two steps (2^s alone may not be a float;
+ * AVX-512's VSCALEFPS takes s as it is): the result is VSCALEFPS's wherever it rounds to a
+ * nonzero int16 */
+static inline __m256 scale_pow2(__m256 v, int s) {
+    const int half = s / 2;
+    return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(ldexpf(1.0f, half))),
+                         _mm256_set1_ps(ldexpf(1.0f, s - half)));
+}
+
+/* x's rows in int16 blocks as linear_i8_avx512.c makes them: a block's largest magnitude a with
+ * 2^e ≤ a < 2^(e+1) scales it by 2^(14 - e), rounded to nearest even; a block with a NaN or an
+ * infinity is zeros with a NaN scale, an all-zero block zeros with a zero scale */
+void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
+    const int64_t kbs = (a->k + 31) / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t row = 0; row < a->m; row++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            const uint16_t *src = a->x + row * a->x_stride + kb * 32;
+            const int64_t left = a->k - kb * 32;
+            uint16_t part[32] = {0};
+            if (left < 32) {
+                memcpy(part, src, (size_t)left * 2);
+                src = part;
+            }
+            __m256 v[4];
+            int nan = 0;
+            __m256 amax = _mm256_setzero_ps();
+            for (int q = 0; q < 4; q++) {
+                v[q] = widen_bf16(_mm_loadu_si128((const __m128i *)(src + q * 8)));
+                nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[q], v[q], _CMP_UNORD_Q));
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[q]));
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, amax);
+            float m = 0.0f;
+            for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+            int16_t *out = xq + (row * kbs + kb) * 32;
+            float *scale = xs + row * kbs + kb;
+            if (nan || !(m > 0.0f) || !isfinite(m)) {
+                memset(out, 0, 64);
+                *scale = !nan && m == 0.0f ? 0.0f : NAN;
+                continue;
+            }
+            const int e = ilogbf(m);
+            for (int q = 0; q < 4; q += 2) {
+                const __m256i lo = _mm256_cvtps_epi32(scale_pow2(v[q], 14 - e));
+                const __m256i hi = _mm256_cvtps_epi32(scale_pow2(v[q + 1], 14 - e));
+                /* packs interleaves 128-bit halves: put them back in order */
+                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
+                _mm256_storeu_si256((__m256i *)(out + q * 8), packed);
+            }
+            *scale = ldexpf(1.0f, e - 14);
+        }
+}
+
+/* R rows from m0 by T column tiles from nb0: per k block R × T × 2 eight-column int32 sums in
+ * registers, then scaled into float32 accumulators (kept in memory: touched once a block) */
+static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t m0, int64_t nb0,
+                                                            const int R, const int T) {
+    const int64_t kbs = (a->k + 31) / 32;
+    const int8_t *w = a->packed8 + nb0 * kbs * 512;
+    __m256 acc[4][3][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 3
+        for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < kbs; kb++) {
+        const int8_t *wk = w + kb * 512;
+        const int32_t *xp[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + ((m0 + i) * kbs + kb) * 32);
+        __m256i sum[4][3][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 3
+            for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int r = 0; r < 16; r++) {
+            __m256i wt[3][2];
+#pragma GCC unroll 3
+            for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    wt[t][h] = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wk + t * kbs * 512 + r * 32 + h * 16)));
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m256i xb = _mm256_set1_epi32(xp[i][r]);
+#pragma GCC unroll 3
+                for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++)
+                        sum[i][t][h] =
+                            _mm256_add_epi32(sum[i][t][h], _mm256_madd_epi16(xb, wt[t][h]));
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m256 s = _mm256_set1_ps(a->xs[(m0 + i) * kbs + kb]);
+#pragma GCC unroll 3
+            for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    acc[i][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][t][h]), s, acc[i][t][h]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const int64_t n0 = (nb0 + t) * 16;
+        const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+        float scales[16] = {0};
+        memcpy(scales, a->scales + n0, (size_t)cols * sizeof(float));
+        for (int i = 0; i < R; i++) {
+            float out[16];
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(out + h * 8,
+                                 _mm256_mul_ps(acc[i][t][h], _mm256_loadu_ps(scales + h * 8)));
+            uint16_t *o = a->out + (m0 + i) * a->n + n0;
+            for (int c = 0; c < cols; c++)
+                o[c] = f32_to_bf16(out[c] + (a->bias ? bf16_to_f32(a->bias[n0 + c]) : 0.0f));
+        }
+    }
+}
+
+/* A block of up to 4 rows: 3-4 rows one tile at a time, 1-2 rows up to three tiles at a time
+ * (the int32 sums and the widened tile rows within 16 registers) */
+static void i8_rows(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {
+    for (int t = 0; t < tiles;) {
+        const int left = tiles - t;
+        const int T = rows == 1 ? (left < 3 ? left : 3) : rows == 2 ? (left < 2 ? left : 2) : 1;
+        switch (rows * 4 + T) {
+        case 5: i8_block(a, m0, nb0 + t, 1, 1); break;
+        case 6: i8_block(a, m0, nb0 + t, 1, 2); break;
+        case 7: i8_block(a, m0, nb0 + t, 1, 3); break;
+        case 9: i8_block(a, m0, nb0 + t, 2, 1); break;
+        case 10: i8_block(a, m0, nb0 + t, 2, 2); break;
+        case 13: i8_block(a, m0, nb0 + t, 3, 1); break;
+        default: i8_block(a, m0, nb0 + t, 4, 1); break;
+        }
+        t += T;
+    }
+}
+
+/* Items [i0, i1) (item_span): a column group of a->tiles tiles, its rows in blocks of a->rows */
+void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1) {
+    const Job *a = job;
+    const int64_t nbs = (a->n + 15) / 16;
+    for (int64_t item = i0; item < i1; item++) {
+        int64_t g, r0, r1;
+        item_span(a, item, &g, &r0, &r1);
+        const int64_t nb0 = g * a->tiles;
+        const int tiles = nbs - nb0 < a->tiles ? (int)(nbs - nb0) : a->tiles;
+        for (int64_t m0 = r0; m0 < r1; m0 += a->rows) {
+            const int rows = r1 - m0 < a->rows ? (int)(r1 - m0) : a->rows;
+            i8_rows(a, m0, rows, nb0, tiles);
+        }
+    }
+}
+
+#endif

@@ -177,22 +177,26 @@ def test_native_bf16_output_is_the_float_result_rounded_to_nearest_even(dim, att
     assert torch.equal(out, expected)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds x86-64 ISAs")
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("isa", ["x86-64", "x86-64-v3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_portable_kernel_build_matches_reference(dtype):
-    """The kernel built without AVX-512 (its portable loops) gives the same attention."""
+def test_portable_kernel_builds_match_reference(dtype, isa, softcap):
+    """The kernel built without AVX-512 gives the same attention: the baseline ISA runs the
+    portable loops, x86-64-v3 the AVX2 steps (attention_avx2.c), whatever this CPU has. Head
+    dim 32: the AVX2 transpose's 8 × 8 blocks four times a key chunk."""
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler")
-    portable = native.build("x86-64")
-    assert portable is not None, "the portable build failed (its log says why)"
-    meta, q, k, v, cache = make_case(RAGGED, 4, dtype)
-    kind = LayerKind(chunk=6)
+    built = native.build(isa)
+    assert built is not None, f"the {isa} build failed (its log says why)"
+    meta, q, k, v, cache = make_case(RAGGED, 4, dtype, dim=32)
+    kind = LayerKind(window=5)  # a query's first key mid-chunk, beside queries with others
     plan = plan_group(meta, 0, kind, KV_HEADS, HEADS // KV_HEADS, native=True)
-    paged_attention(q, k, v, cache, plan, DIM**-0.5, None)  # writes the new keys
+    paged_attention(q, k, v, cache, plan, 32**-0.5, softcap)  # writes the new keys
     assert plan.native is not None
     out = torch.zeros(q.shape, dtype=dtype)
-    portable.paged_attention(q, cache, out, plan.native.index(), DIM**-0.5, None)
-    ref = reference(q, cache, meta, kind, DIM**-0.5, None)
+    built.paged_attention(q, cache, out, plan.native.index(), 32**-0.5, softcap)
+    ref = reference(q, cache, meta, kind, 32**-0.5, softcap)
     rows = torch.cat([torch.arange(a, a + n) for a, n in
                       zip(meta.query_start_loc, meta.query_lens) if 0 < n <= 8])  # fmt: skip
     torch.testing.assert_close(out[rows].double(), ref[rows], atol=TOL[dtype], rtol=0)

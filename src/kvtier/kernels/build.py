@@ -31,6 +31,7 @@ SOURCES: dict[str, tuple[str, ...]] = {  # every object of the library and its o
     "attention.c": (),
     "attention_portable.c": (),
     "attention_avx512.c": (),
+    "attention_avx2.c": (),
     "attention_avx512bf16.c": (),
     "attention_amx.c": (),
     "fused.c": NO_CONTRACT,

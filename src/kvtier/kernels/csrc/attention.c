@@ -4,7 +4,7 @@
  * accumulation with an online softmax (per chunk of keys; per segment of up to SEG chunks in the
  * bfloat16 paths). This file holds the call, its work items and the one dispatch of each item to
  * a path (attention.h; docs/architecture.md §Kernels): the AMX tiles, the bfloat16 pairs, or the
- * float path whose inner steps are AVX-512F or portable loops.
+ * float path whose inner steps are AVX-512F, AVX2 or portable loops.
  *
  * Cache layout [num_blocks, 2, block_size, kv_heads, head_dim] (K then V per block), contiguous.
  * q is [tokens, heads, head_dim] with a token stride (a view of the fused qkv output); out is

@@ -1,7 +1,7 @@
 /* What the paged attention's paths share (docs/architecture.md §Kernels): a call's arguments,
  * its work items, the key addressing of the paged cache, and each path's entry. attention.c
  * chooses a path per work item; the paths live one ISA a file: the float path's two inner steps
- * (attention_avx512.c or attention_portable.c), the bfloat16 pairs path (attention_avx512bf16.c)
+ * (attention_avx512.c, attention_avx2.c or attention_portable.c), the bfloat16 pairs path (attention_avx512bf16.c)
  * and the AMX tiles (attention_amx.c). Internal to the library. */
 #ifndef KVTIER_ATTENTION_H
 #define KVTIER_ATTENTION_H
@@ -117,7 +117,8 @@ static inline void *take(char *p, size_t *at, size_t bytes) {
  *   softmax: scores of `rows` query rows (qr [rows, D]) against them, then the online-softmax
  *            update of each row's running max m, sum l and accumulator acc [D] with keys
  *            [lo, hi) of the chunk.
- * attention_avx512.c defines them where the ISA has AVX-512F, attention_portable.c elsewhere. */
+ * attention_avx512.c defines them where the ISA has AVX-512F, attention_avx2.c where it has
+ * AVX2 and no AVX-512, attention_portable.c elsewhere. */
 void attention_keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,
                       int64_t D, int dtype, float *kt, float *vf);
 void attention_softmax(int64_t rows, const float *qr, const float *kt, const float *vf,

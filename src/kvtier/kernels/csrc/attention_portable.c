@@ -1,8 +1,8 @@
-/* The float path's two steps (attention.h) in plain C, for every ISA without AVX-512F
+/* The float path's two steps (attention.h) in plain C, for every ISA without AVX-512F or AVX2
  * (docs/architecture.md §Kernels). */
 #include "attention.h"
 
-#if !defined(KVTIER_AVX512)
+#if !defined(KVTIER_AVX512) && !defined(KVTIER_AVX2)
 #include <math.h>
 
 void attention_keys_t(const void *cache, int64_t kbase, int64_t vbase, int64_t stride, int64_t n,

@@ -28,7 +28,7 @@ from kvtier.model.layers import RMSNorm
 kernels = native.kernels()
 assert kernels is not None, "the portable build failed"
 assert kernels.path.name.startswith("kvtier-x86-64-v3-"), kernels.path
-assert kernels.tile_linear == "avx2" and not kernels.f32_linear  # no AVX-512 paths in v3
+assert kernels.tile_linear == "avx2" and kernels.f32_linear  # the AVX2 paths, no AVX-512 in v3
 assert not kernels.attention_tiles()
 gen = torch.Generator().manual_seed(0)
 x = torch.randn(37, 200, generator=gen).bfloat16()
@@ -62,6 +62,13 @@ q, scale = quantize_int8(torch.randn(40, 100, generator=gen))
 assert kernels.i8_linear
 assert torch.equal(kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, 40, None),
                    linear_i8_bits(x, q, scale, None))
+# the AVX2 float32 linear: a row's bits alone are its bits in a batch
+w = torch.randn(40, 100, generator=gen)
+x = torch.randn(9, 100, generator=gen)
+packed = kernels.pack_linear(w)
+whole = kernels.linear_f32(x, packed, 40, None)
+assert all(torch.equal(kernels.linear_f32(x[:m], packed, 40, None), whole[:m]) for m in (1, 2, 7))
+torch.testing.assert_close(whole, x @ w.T)
 print("portable ok")
 """
 

@@ -61,9 +61,9 @@ class Linear(nn.Linear):
     whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
     every call); the tiles give `F.linear`'s bits
     where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
-    is built (AVX-512F; why: `forward`), else `F.linear`. Either way a row's result does not
-    depend on its batch on the native kernels. Copies derive from the weight, not state: rebuilt whenever the
-    weight tensor is another one (loading, `.to()`)."""
+    is built (AVX-512F or AVX2; why: `forward`), else `F.linear`. Either way a row's result does
+    not depend on its batch on the native kernels. Copies derive from the weight, not state:
+    rebuilt whenever the weight tensor is another one (loading, `.to()`)."""
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, torch.dtype] | None = None

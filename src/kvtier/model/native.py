@@ -54,7 +54,7 @@ class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
     the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
-    `f32_linear`: the batch-invariant float32 linear is built (AVX-512F); `i8_linear`: the
+    `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`: the
     int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512)."""
 
     lib: ctypes.CDLL
@@ -240,8 +240,8 @@ class Kernels:
         _require(weight.dim() == 2, f"weight must be [n, k], got shape {tuple(weight.shape)}")
         n, k = weight.shape
         if weight.dtype == torch.float32:
-            _require(self.f32_linear, "the float32 linear kernel is not built here (no "
-                     "AVX-512F): use F.linear")  # fmt: skip
+            _require(self.f32_linear, "the float32 linear kernel is not built here (it "
+                     "needs AVX-512F or AVX2): use F.linear")  # fmt: skip
             packed = torch.empty(_packed_size(weight.dtype, n, k), dtype=torch.float32)
             self.lib.kvtier_linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
             return packed
@@ -316,7 +316,7 @@ class Kernels:
             None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
         )  # fmt: skip
         if status != 0:
-            raise ValueError("the float32 linear kernel is not built here (no AVX-512F)")
+            raise ValueError("the float32 linear kernel is not built here (no AVX-512F or AVX2)")
         return out
 
     def linear_bf16(

@@ -215,8 +215,9 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
     return status;
 }
 
-/* float32 linears at any row count where AVX-512F is built (linear_f32_avx512.c says why): the
- * weight packed once as [Nb][K][16] (16 output columns a vector, zero past N). */
+/* float32 linears at any row count where AVX-512F or AVX2 is built (linear_f32_avx512.c says
+ * why; linear_f32_avx2.c has its bits): the weight packed once as [Nb][K][16] (16 output
+ * columns a vector, zero past N). */
 int kvtier_linear_f32_available(void) { return LINEAR_F32; }
 
 
@@ -231,7 +232,7 @@ void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed)
 }
 
 /* x [m, k] float32 rows `x_stride` apart; packed by kvtier_linear_f32_pack; out [m, n].
- * Returns 0, or -2 where the kernel is not built (no AVX-512F). */
+ * Returns 0, or -2 where the kernel is not built (neither AVX-512F nor AVX2). */
 int kvtier_linear_f32(const float *x, int64_t x_stride, int64_t m, const float *packed, int64_t n,
                       int64_t k, const float *bias, float *out, int threads) {
     if (!LINEAR_F32) return -2;

@@ -2,7 +2,7 @@
  * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h; the int8
  * weights' paths are linear_i8_*.c;
  * docs/architecture.md §Kernels): a call's job and its items, and the float32 linear's job
- * (linear_f32_avx512.c). Internal to the library. */
+ * (linear_f32_avx512.c, linear_f32_avx2.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
 #define KVTIER_LINEAR_H
 
@@ -131,7 +131,7 @@ static inline void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1)
 }
 #endif
 
-#if defined(KVTIER_AVX512)
+#if defined(KVTIER_AVX512) || defined(KVTIER_AVX2) /* linear_f32_avx512.c, linear_f32_avx2.c */
 #define LINEAR_F32 1
 void linear_f32_groups(const void *job, int64_t g0, int64_t g1);
 #else

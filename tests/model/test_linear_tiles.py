@@ -145,7 +145,9 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
         assert torch.equal(layer(x), want(x, layer.weight, layer.bias)), rows
 
 
-f32 = pytest.mark.skipif(kernels is None or not kernels.f32_linear, reason="no AVX-512F or AVX2 here")
+f32 = pytest.mark.skipif(
+    kernels is None or not kernels.f32_linear, reason="no AVX-512F or AVX2 here"
+)
 
 
 @f32

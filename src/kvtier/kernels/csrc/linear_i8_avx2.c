@@ -82,25 +82,25 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
                                                             const int R, const int T) {
     const int64_t kbs = (a->k + 31) / 32;
     const int8_t *w = a->packed8 + nb0 * kbs * 512;
-    __m256 acc[4][3][2];
+    __m256 acc[4][4][2];
 #pragma GCC unroll 4
     for (int i = 0; i < R; i++)
-#pragma GCC unroll 3
+#pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
         const int8_t *wk = w + kb * 512;
         const int32_t *xp[4];
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + ((m0 + i) * kbs + kb) * 32);
-        __m256i sum[4][3][2];
+        __m256i sum[4][4][2];
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++)
-#pragma GCC unroll 3
+#pragma GCC unroll 4
             for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int r = 0; r < 16; r++) {
-            __m256i wt[3][2];
-#pragma GCC unroll 3
+            __m256i wt[4][2];
+#pragma GCC unroll 4
             for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++)
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const __m256i xb = _mm256_set1_epi32(xp[i][r]);
-#pragma GCC unroll 3
+#pragma GCC unroll 4
                 for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++)
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m256 s = _mm256_set1_ps(a->xs[(m0 + i) * kbs + kb]);
-#pragma GCC unroll 3
+#pragma GCC unroll 4
             for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; h++)
@@ -144,16 +144,17 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
     }
 }
 
-/* A block of up to 4 rows: 3-4 rows one tile at a time, 1-2 rows up to three tiles at a time
- * (the int32 sums and the widened tile rows within 16 registers) */
+/* A block of up to 4 rows: 3-4 rows one tile at a time, 2 rows two, 1 row up to four (its
+ * widened tile rows used once each, so only the sums stay in registers) */
 static void i8_rows(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {
     for (int t = 0; t < tiles;) {
         const int left = tiles - t;
-        const int T = rows == 1 ? (left < 3 ? left : 3) : rows == 2 ? (left < 2 ? left : 2) : 1;
+        const int T = rows == 1 ? (left < 4 ? left : 4) : rows == 2 ? (left < 2 ? left : 2) : 1;
         switch (rows * 4 + T) {
         case 5: i8_block(a, m0, nb0 + t, 1, 1); break;
         case 6: i8_block(a, m0, nb0 + t, 1, 2); break;
         case 7: i8_block(a, m0, nb0 + t, 1, 3); break;
+        case 8: i8_block(a, m0, nb0 + t, 1, 4); break;
         case 9: i8_block(a, m0, nb0 + t, 2, 1); break;
         case 10: i8_block(a, m0, nb0 + t, 2, 2); break;
         case 13: i8_block(a, m0, nb0 + t, 3, 1); break;

@@ -29,6 +29,23 @@ static inline void item_span(const Job *a, int64_t item, int64_t *g, int64_t *r0
     *r1 = *r0 + a->chunk_rows < a->m ? *r0 + a->chunk_rows : a->m;
 }
 
+/* Items [i0, i1) of a call whose register blocks are a few rows by a group's tiles (the AVX2
+ * paths): an item is a column group of a->tiles tiles (fewer at the end), its rows in blocks of
+ * a->rows, each block given to `rows_fn` (m0, rows, first tile, tiles); the group's weights stay
+ * in L2 while every row block of the item reads them */
+static inline void item_row_blocks(const Job *a, int64_t i0, int64_t i1,
+                                   void (*rows_fn)(const Job *, int64_t, int, int64_t, int)) {
+    const int64_t nbs = (a->n + 15) / 16;
+    for (int64_t item = i0; item < i1; item++) {
+        int64_t g, r0, r1;
+        item_span(a, item, &g, &r0, &r1);
+        const int64_t nb0 = g * a->tiles;
+        const int tiles = nbs - nb0 < a->tiles ? (int)(nbs - nb0) : a->tiles;
+        for (int64_t m0 = r0; m0 < r1; m0 += a->rows)
+            rows_fn(a, m0, r1 - m0 < a->rows ? (int)(r1 - m0) : a->rows, nb0, tiles);
+    }
+}
+
 /* k block kb of x's row `row`: its 32 bf16, from x or the zero-padded tail */
 static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
     return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;

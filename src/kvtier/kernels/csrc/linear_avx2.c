@@ -90,21 +90,9 @@ static void avx2_rows(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles
     }
 }
 
-/* Items [i0, i1) (item_span): a column group of a->tiles tiles, its rows in blocks of a->rows;
- * the group's weights stay in L2 while every row block of the item reads them */
+/* Items [i0, i1): column groups by row blocks (item_row_blocks) */
 void linear_avx2_groups(const void *job, int64_t i0, int64_t i1) {
-    const Job *a = job;
-    const int64_t nbs = (a->n + 15) / 16;
-    for (int64_t item = i0; item < i1; item++) {
-        int64_t g, r0, r1;
-        item_span(a, item, &g, &r0, &r1);
-        const int64_t nb0 = g * a->tiles;
-        const int tiles = nbs - nb0 < a->tiles ? (int)(nbs - nb0) : a->tiles;
-        for (int64_t m0 = r0; m0 < r1; m0 += a->rows) {
-            const int rows = r1 - m0 < a->rows ? (int)(r1 - m0) : a->rows;
-            avx2_rows(a, m0, rows, nb0, tiles);
-        }
-    }
+    item_row_blocks(job, i0, i1, avx2_rows);
 }
 
 #endif

@@ -197,17 +197,18 @@ def test_a_hybrids_fp8_kv_costs_a_bounded_logit_error_against_bfloat16_kv(
     assert_a_bounded_cost(logits, truth)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds the x86-64 baseline ISA")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds x86-64 ISAs")
 @pytest.mark.parametrize("fmt", FORMATS, ids=["e4m3", "e5m2"])
-def test_the_portable_build_reads_fp8_as_the_vector_paths(fmt):
-    """Every fp8 code, NaN and ±inf included, decoded by the portable loops and by the AVX-512
-    lanes: keys that are each code in turn give the same attention on both builds."""
+def test_the_portable_builds_read_fp8_as_the_vector_paths(fmt):
+    """Every fp8 code, NaN and ±inf included, decoded by the portable loops (x86-64), the AVX2
+    lanes (x86-64-v3) and this CPU's build: keys that are each code in turn give the same
+    attention on every build."""
     if shutil.which(os.environ.get("CC", "cc")) is None or kernels is None:
         pytest.skip("no C compiler")
-    portable = native.build("x86-64")
-    assert portable is not None, "the portable build failed (its log says why)"
+    builds = [native.build(isa) for isa in ("x86-64", "x86-64-v3")]
+    assert None not in builds, "a portable build failed (its log says why)"
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
-    outs = [attend_codes(build, codes, fmt) for build in (kernels, portable)]
+    outs = [attend_codes(build, codes, fmt) for build in (kernels, *builds)]
     values = codes.view(fmt).float()
     finite = values.isfinite()
     assert (~finite).sum() == {torch.float8_e4m3fn: 2, torch.float8_e5m2: 8}[fmt]

@@ -11,8 +11,8 @@
 /* 8 fp8 codes as float32, exactly (internal.h fp8_to_f32's values), in integer lanes: a normal
  * code's exponent and mantissa shift into float32's and the exponent is rebiased, a subnormal
  * one is its mantissa times the format's smallest step, e4m3's 0x7f is NaN and e5m2's top
- * exponent ±inf or NaN. The scalar decode per element made an fp8 cache's attention ~9× slower
- * than a bfloat16 cache's here. */
+ * exponent ±inf or NaN. The scalar decode per element made an fp8 cache's attention 6–10×
+ * slower than a bfloat16 cache's here; this costs what the bfloat16 widening does. */
 static inline __m256 fp8x8_ps(const uint8_t *src, int kv_dtype) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
     const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));

@@ -31,22 +31,27 @@ CPU = torch.device("cpu")
 
 
 def _require(ok: bool, message: str) -> None:
-    """The boundary check of every call (not an assert: it must hold under `python -O`)."""
+    """The boundary check of every call (not an assert: it must hold under `python -O`). The
+    checks every linear and attention call makes (`_host`, `_contiguous`, `_linear_inputs`)
+    test first and format their message only when it fails: formatted eagerly, the messages
+    were half of a small linear's call."""
     if not ok:
         raise ValueError(message)
 
 
 def _host(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     """`t` is on the host CPU in one of DTYPES (or exactly `dtype`)."""
-    _require(t.device == CPU, f"{name} must be on the CPU for the native kernels, got {t.device}")
-    ok = t.dtype in DTYPES if dtype is None else t.dtype == dtype
-    want = "float32 or bfloat16" if dtype is None else str(dtype)
-    _require(ok, f"{name} must be {want} for the native kernels, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU for the native kernels, got {t.device}")
+    if not (t.dtype in DTYPES if dtype is None else t.dtype == dtype):
+        want = "float32 or bfloat16" if dtype is None else str(dtype)
+        raise ValueError(f"{name} must be {want} for the native kernels, got {t.dtype}")
 
 
 def _contiguous(name: str, t: torch.Tensor) -> None:
-    _require(t.is_contiguous(), f"{name} must be contiguous (call .contiguous()), got strides "
-             f"{tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides "
+                         f"{tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -342,19 +347,21 @@ class Kernels:
     ) -> int:
         """x's row count, once x, the packed weight and the bias fit together."""
         _host("x", x, dtype)
-        _require(x.dim() == 2 and x.stride(1) == 1,
-                 f"x must be [m, k] with contiguous rows, got shape {tuple(x.shape)} strides "
-                 f"{tuple(x.stride())}")  # fmt: skip
+        if not (x.dim() == 2 and x.stride(1) == 1):
+            raise ValueError(f"x must be [m, k] with contiguous rows, got shape "
+                             f"{tuple(x.shape)} strides {tuple(x.stride())}")  # fmt: skip
         _host("packed", packed, dtype)
         _contiguous("packed", packed)
         want = _packed_size(dtype, n, x.shape[1])
-        _require(packed.numel() == want,
-                 f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight packs into "
-                 f"{want}: pack the weight with pack_linear, and pass its n")  # fmt: skip
+        if packed.numel() != want:
+            raise ValueError(f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
+                             f"packs into {want}: pack the weight with pack_linear, and pass its "
+                             "n")  # fmt: skip
         if bias is not None:
             _host("bias", bias, dtype)
             _contiguous("bias", bias)
-            _require(bias.numel() == n, f"bias must have {n} elements, got {bias.numel()}")
+            if bias.numel() != n:
+                raise ValueError(f"bias must have {n} elements, got {bias.numel()}")
         return int(x.shape[0])
 
 

@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,28 +30,27 @@ LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2"}  # kvtier_linear_
 CPU = torch.device("cpu")
 
 
-def _require(ok: bool, message: str) -> None:
-    """The boundary check of every call (not an assert: it must hold under `python -O`). The
-    checks every linear and attention call makes (`_host`, `_contiguous`, `_linear_inputs`)
-    test first and format their message only when it fails: formatted eagerly, the messages
-    were half of a small linear's call."""
+def _require(ok: bool, message: str | Callable[[], str]) -> None:
+    """The boundary check of every call (not an assert: it must hold under `python -O`).
+    `message` is the error's text, or a function making it: the checks every linear and
+    attention call makes (`_host`, `_contiguous`, `_linear_inputs`) pass one, since their
+    messages formatted eagerly were half of a small linear's call."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message if isinstance(message, str) else message())
 
 
 def _host(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     """`t` is on the host CPU in one of DTYPES (or exactly `dtype`)."""
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU for the native kernels, got {t.device}")
-    if not (t.dtype in DTYPES if dtype is None else t.dtype == dtype):
-        want = "float32 or bfloat16" if dtype is None else str(dtype)
-        raise ValueError(f"{name} must be {want} for the native kernels, got {t.dtype}")
+    _require(t.device.type == "cpu",
+             lambda: f"{name} must be on the CPU for the native kernels, got {t.device}")  # fmt: skip
+    want = "float32 or bfloat16" if dtype is None else str(dtype)
+    _require(t.dtype in DTYPES if dtype is None else t.dtype == dtype,
+             lambda: f"{name} must be {want} for the native kernels, got {t.dtype}")  # fmt: skip
 
 
 def _contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides "
-                         f"{tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
+    _require(t.is_contiguous(), lambda: f"{name} must be contiguous (call .contiguous()), got "
+             f"strides {tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -347,21 +346,19 @@ class Kernels:
     ) -> int:
         """x's row count, once x, the packed weight and the bias fit together."""
         _host("x", x, dtype)
-        if not (x.dim() == 2 and x.stride(1) == 1):
-            raise ValueError(f"x must be [m, k] with contiguous rows, got shape "
-                             f"{tuple(x.shape)} strides {tuple(x.stride())}")  # fmt: skip
+        _require(x.dim() == 2 and x.stride(1) == 1,
+                 lambda: f"x must be [m, k] with contiguous rows, got shape {tuple(x.shape)} "
+                 f"strides {tuple(x.stride())}")  # fmt: skip
         _host("packed", packed, dtype)
         _contiguous("packed", packed)
         want = _packed_size(dtype, n, x.shape[1])
-        if packed.numel() != want:
-            raise ValueError(f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
-                             f"packs into {want}: pack the weight with pack_linear, and pass its "
-                             "n")  # fmt: skip
+        _require(packed.numel() == want,
+                 lambda: f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
+                 f"packs into {want}: pack the weight with pack_linear, and pass its n")  # fmt: skip
         if bias is not None:
             _host("bias", bias, dtype)
             _contiguous("bias", bias)
-            if bias.numel() != n:
-                raise ValueError(f"bias must have {n} elements, got {bias.numel()}")
+            _require(bias.numel() == n, lambda: f"bias must have {n} elements, got {bias.numel()}")
         return int(x.shape[0])
 
 

@@ -117,6 +117,14 @@ static void avx_block_shape(int64_t m, int *tiles, int *rows) {
     }
 }
 
+/* The AVX2 paths' column group: as many 16-column tiles as keep its weights (k rounded up to
+ * a k block, `elem` bytes an element) within 256 KiB, in L2 while each row block reads them;
+ * 1 to 4. */
+static int l2_tiles(int64_t k, int64_t elem) {
+    const int64_t fit = (256 << 10) / (16 * ((k + 31) / 32 * 32) * elem);
+    return fit < 1 ? 1 : fit > 4 ? 4 : (int)fit;
+}
+
 /* rows [r0, r1) of a job's x widened into its xf (calloc'd: zero past k) */
 static void widen_rows(const void *ctx, int64_t r0, int64_t r1) {
     const Job *a = ctx;
@@ -127,17 +135,14 @@ static void widen_rows(const void *ctx, int64_t r0, int64_t r1) {
 }
 
 /* The AVX2 path's call (`run`: its column groups): x widened to float32 once, on the pool (zero
- * past k, so no partial k block remains), rows in blocks of 4, a column group as many tiles as
- * keep its weights within 256 KiB (in L2 while each row block reads them), at most 4. */
+ * past k, so no partial k block remains), rows in blocks of 4, column groups of l2_tiles. */
 static int avx2_linear(ChunkFn run, Job job, int threads) {
     const int64_t m = job.m, k = job.k, xs = (k + 31) / 32 * 32;
     float *xf = calloc((size_t)(m * xs), sizeof(float));
     if (!xf) return -1;
     job.xf = xf;
     pool_run(widen_rows, &job, m, m / (4 * threads), m * k < (1 << 16) ? 1 : threads);
-    int64_t tiles = (256 << 10) / (16 * xs * 2);
-    tiles = tiles < 1 ? 1 : tiles > 4 ? 4 : tiles;
-    const int status = run_tiles(run, job, (int)tiles, 4, 2, 0, threads);
+    const int status = run_tiles(run, job, l2_tiles(k, 2), 4, 2, 0, threads);
     free(xf);
     return status;
 }
@@ -171,8 +176,7 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
  * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
  * bound its batch is.
  * With AVX2 and no AVX-512 (linear_i8_avx2.c) the int16 blocks serve every row count, with the
- * VNNI path's bits: 4 rows a block, a column group as many tiles as keep its weights within
- * 256 KiB (at most 4), as the bfloat16 AVX2 path. */
+ * VNNI path's bits, in the bfloat16 AVX2 path's blocks and groups. */
 #define I8_FEW_ROWS 4
 #define I8_WIDE_ROWS 16
 int kvtier_linear_i8_available(void) { return LINEAR_I8; }
@@ -194,14 +198,11 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
         return run_tiles(linear_i8_wide_groups, job, tiles, rows, 2, 0, threads);
     }
     const int64_t kbs = (k + 31) / 32;
-    int tiles = m <= 2 ? 4 : 2, rows = m <= 2 ? (int)m : 4; /* VNNI: sums and accumulators in
-                                                             * registers, 2 rows by 4 tiles or 4 by 2 */
-    ChunkFn run = linear_i8_avx512_groups;
-    if (LINEAR_I8_AVX2) {
-        const int64_t fit = (256 << 10) / (16 * kbs * 32);
-        tiles = fit < 1 ? 1 : fit > 4 ? 4 : (int)fit, rows = 4;
-        run = linear_i8_avx2_groups;
-    }
+    /* AVX2: blocks of 4 rows, groups of l2_tiles; VNNI: int32 sums and float32 accumulators in
+     * registers, 2 rows by 4 tiles or 4 by 2 */
+    const ChunkFn run = LINEAR_I8_AVX2 ? linear_i8_avx2_groups : linear_i8_avx512_groups;
+    const int tiles = LINEAR_I8_AVX2 ? l2_tiles(k, 1) : m <= 2 ? 4 : 2;
+    const int rows = LINEAR_I8_AVX2 || m > 2 ? 4 : (int)m;
     int16_t *xq = malloc((size_t)(m * kbs * 32) * sizeof(int16_t));
     float *xs = malloc((size_t)(m * kbs) * sizeof(float));
     int status = -1;

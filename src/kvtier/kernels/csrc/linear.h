@@ -66,6 +66,12 @@ typedef struct {
     int64_t m, n, k, x_stride;
 } JobF32;
 
+/* a path's column-group entry where the path is not built (the dispatch never reaches it) */
+#define NO_GROUPS(fn)                                                \
+    static inline void fn(const void *job, int64_t i0, int64_t i1) { \
+        (void)job, (void)i0, (void)i1;                               \
+    }
+
 /* ---- the ISA paths: which are built is said here once (LINEAR_AMX, LINEAR_AVX512BF16,
  * LINEAR_F32); where one is not, its entries are stubs the dispatch never reaches (linear.c
  * has no #if). Each runs a job's items [i0, i1): output column groups. */
@@ -77,9 +83,7 @@ void linear_amx_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AMX 0
 static inline int linear_amx_granted(void) { return 0; }
-static inline void linear_amx_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_amx_groups)
 #endif
 
 #if defined(KVTIER_AVX512BF16)
@@ -87,9 +91,7 @@ static inline void linear_amx_groups(const void *job, int64_t i0, int64_t i1) {
 void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AVX512BF16 0
-static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_avx512bf16_groups)
 #endif
 
 #if defined(KVTIER_AVX2)
@@ -97,9 +99,7 @@ static inline void linear_avx512bf16_groups(const void *job, int64_t i0, int64_t
 void linear_avx2_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AVX2 0
-static inline void linear_avx2_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_avx2_groups)
 #endif
 
 #if defined(KVTIER_AVX512VNNI) || defined(KVTIER_AVX2)
@@ -120,12 +120,8 @@ void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
 void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8_AVX512 0
-static inline void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
-static inline void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_i8_avx512_groups)
+NO_GROUPS(linear_i8_wide_groups)
 #endif
 
 #if defined(KVTIER_AVX2)
@@ -133,9 +129,7 @@ static inline void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1
 void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8_AVX2 0
-static inline void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_i8_avx2_groups)
 #endif
 
 #if defined(KVTIER_AMX) && defined(KVTIER_AVX512VNNI)
@@ -143,9 +137,7 @@ static inline void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1
 void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8_AMX 0
-static inline void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1) {
-    (void)job, (void)i0, (void)i1;
-}
+NO_GROUPS(linear_i8_amx_groups)
 #endif
 
 #if defined(KVTIER_AVX512) || defined(KVTIER_AVX2) /* linear_f32_avx512.c, linear_f32_avx2.c */
@@ -153,9 +145,7 @@ static inline void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1)
 void linear_f32_groups(const void *job, int64_t g0, int64_t g1);
 #else
 #define LINEAR_F32 0
-static inline void linear_f32_groups(const void *job, int64_t g0, int64_t g1) {
-    (void)job, (void)g0, (void)g1;
-}
+NO_GROUPS(linear_f32_groups)
 #endif
 
 #endif

@@ -278,27 +278,14 @@ class Kernels:
         """x [m, k] bfloat16 (rows contiguous) times the int8 weight [n, k]ᵀ packed by
         `pack_linear_i8`, column j scaled by scales[j] (float32 [n]), (+ bias) → [m, n]
         bfloat16."""
-        _host("x", x, torch.bfloat16)
-        _require(x.dim() == 2 and x.stride(1) == 1,
-                 f"x must be [m, k] with contiguous rows, got shape {tuple(x.shape)} strides "
-                 f"{tuple(x.stride())}")  # fmt: skip
-        _host("packed", packed, torch.int8)
-        _contiguous("packed", packed)
-        m, k = x.shape
-        want = _packed_size(torch.int8, n, k)
-        _require(packed.numel() == want,
-                 f"packed has {packed.numel()} elements, a [{n}, {k}] weight packs into {want}: "
-                 "pack the weight with pack_linear_i8, and pass its n")  # fmt: skip
+        m = self._linear_inputs(x, packed, n, bias, torch.bfloat16, torch.int8)
         _host("scales", scales, torch.float32)
         _contiguous("scales", scales)
-        _require(scales.numel() == n, f"scales must have {n} elements, got {scales.numel()}")
-        if bias is not None:
-            _host("bias", bias, torch.bfloat16)
-            _contiguous("bias", bias)
-            _require(bias.numel() == n, f"bias must have {n} elements, got {bias.numel()}")
+        _require(scales.numel() == n,
+                 lambda: f"scales must have {n} elements, got {scales.numel()}")  # fmt: skip
         out = torch.empty(m, n, dtype=torch.bfloat16)
         status = self.lib.kvtier_linear_i8(
-            x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(), n, k,
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(), n, x.shape[1],
             None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
         )  # fmt: skip
         if status == -2:
@@ -342,19 +329,27 @@ class Kernels:
 
     @staticmethod
     def _linear_inputs(
-        x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, dtype: torch.dtype
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        weight_dtype: torch.dtype | None = None,
     ) -> int:
-        """x's row count, once x, the packed weight and the bias fit together."""
+        """x's row count, once x, the packed weight (of `weight_dtype`, default x's `dtype`) and
+        the bias fit together."""
+        weight_dtype = weight_dtype or dtype
         _host("x", x, dtype)
         _require(x.dim() == 2 and x.stride(1) == 1,
                  lambda: f"x must be [m, k] with contiguous rows, got shape {tuple(x.shape)} "
                  f"strides {tuple(x.stride())}")  # fmt: skip
-        _host("packed", packed, dtype)
+        _host("packed", packed, weight_dtype)
         _contiguous("packed", packed)
-        want = _packed_size(dtype, n, x.shape[1])
+        want = _packed_size(weight_dtype, n, x.shape[1])
+        packer = "pack_linear_i8" if weight_dtype == torch.int8 else "pack_linear"
         _require(packed.numel() == want,
                  lambda: f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
-                 f"packs into {want}: pack the weight with pack_linear, and pass its n")  # fmt: skip
+                 f"packs into {want}: pack the weight with {packer}, and pass its n")  # fmt: skip
         if bias is not None:
             _host("bias", bias, dtype)
             _contiguous("bias", bias)

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from kvtier.engine import LLM, SamplingParams, StructuredOutputsParams
+from kvtier.model.grammar import Grammars, MaskFill
 from kvtier.runner.sampling import Planned, StepSampler
 
 HANG_GUARD_S = 60.0
@@ -26,18 +27,27 @@ def test_masks_are_filled_while_the_forward_runs(
     model = llm.engine.runner.model
     # the fill and the forward of a step with grammar rows both wait here for the other
     meet = threading.Barrier(2, timeout=HANG_GUARD_S)
-    expect = [False]  # this step has grammar rows: its forward meets the fill
+    expect = [False]  # this step has rows a grammar binds: its forward meets the fill
     num_met = [0]
-    real_start, real_fill = StepSampler.start_masks, StepSampler.fill_masks
+    real_start, real_prepare, real_fill = (
+        StepSampler.start_masks,
+        Grammars.prepare_masks,
+        MaskFill.run,
+    )
     real_forward = model.forward
 
     def start(self: StepSampler, plan: list[Planned]) -> Any:
-        expect[0] = any(p.samples and p.state.grammar is not None for p in plan)
+        expect[0] = False
         return real_start(self, plan)
 
-    def fill(self: StepSampler, plan: list[Planned]) -> Any:
+    def prepare(self: Grammars, *args: Any) -> MaskFill:
+        fill = real_prepare(self, *args)
+        expect[0] = bool(fill.rows)
+        return fill
+
+    def fill(self: MaskFill) -> Any:
         meet.wait()
-        return real_fill(self, plan)
+        return real_fill(self)
 
     def forward(*args: Any) -> Any:
         if expect[0]:
@@ -46,7 +56,8 @@ def test_masks_are_filled_while_the_forward_runs(
         return real_forward(*args)
 
     monkeypatch.setattr(StepSampler, "start_masks", start)
-    monkeypatch.setattr(StepSampler, "fill_masks", fill)
+    monkeypatch.setattr(Grammars, "prepare_masks", prepare)
+    monkeypatch.setattr(MaskFill, "run", fill)
     monkeypatch.setattr(model, "forward", forward)
     so = StructuredOutputsParams(json=SCHEMA)
     try:

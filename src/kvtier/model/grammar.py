@@ -204,31 +204,64 @@ class Grammars:
     def fill_masks(
         self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
     ) -> tuple[torch.Tensor, list[int]]:
-        """The masks of `num_rows` sampled rows ([num_rows, ceil(vocab / 32)] int32 bitmask,
-        every token allowed but in the rows returned): for each (matcher, first row, drafts),
-        row first + j gets the mask after the first j drafts. Rows after a draft the grammar
-        refuses stay open: verification stops at the refused draft (the token drawn there
-        cannot equal it), so they are never accepted. The matchers are left as they were;
-        the masks are computed in parallel, off the GIL."""
+        """The masks of `num_rows` sampled rows: `prepare_masks(jobs, num_rows).run()`."""
+        return self.prepare_masks(jobs, num_rows).run()
+
+    def prepare_masks(
+        self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
+    ) -> MaskFill:
+        """The fill of the masks of `num_rows` sampled rows ([num_rows, ceil(vocab / 32)] int32
+        bitmask, every token allowed but in the rows it returns): for each (matcher, first row,
+        drafts), row first + j gets the mask after the first j drafts. Rows after a draft the
+        grammar refuses stay open: verification stops at the refused draft (the token drawn
+        there cannot equal it), so they are never accepted. Everything in Python happens here,
+        on the caller's thread; the fill's `run` is llguidance's parallel calls, off the GIL,
+        and leaves the matchers as they were."""
         mask = torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         work = [(m.matcher, first, drafts) for m, first, drafts in jobs if m.constrained]
         if work and self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
+        rows = [first + j for _, first, drafts in work for j in range(len(drafts) + 1)]
         plain = [(m, first) for m, first, drafts in work if not drafts]
         drafting = [w for w in work if w[2]]
+        return MaskFill(self._executor, mask, rows, plain, drafting)
+
+
+class MaskFill:
+    """One step's grammar masks, ready to fill: `run` makes only llguidance's calls, which
+    release the GIL, so on a worker thread beside the forward it holds the GIL just to start
+    and to return (every Python step of the fill taken on a worker is a wait of the forward's
+    thread for the GIL, on a model whose forward is mostly Python)."""
+
+    __slots__ = ("_drafting", "_executor", "_plain", "mask", "rows")
+
+    def __init__(
+        self,
+        executor: Any,
+        mask: torch.Tensor,
+        rows: list[int],
+        plain: list[tuple[Any, int]],
+        drafting: list[tuple[Any, int, list[int]]],
+    ) -> None:
+        self._executor = executor
+        self.mask, self.rows = mask, rows  # the bitmask, and the rows the grammars bind
+        self._plain, self._drafting = plain, drafting
+
+    def run(self) -> tuple[torch.Tensor, list[int]]:
+        """Fill the masks; (mask, rows)."""
         # the executor's calls behind llguidance.torch's fill_next_token_bitmask_par*, whose
         # module would compile a torch kernel we do not use at import
-        ptr, row_bytes = mask.data_ptr(), mask.shape[1] * 4
-        if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
-        if drafting:
+        mask = self.mask
+        ptr, row_bytes, num_rows = mask.data_ptr(), mask.shape[1] * 4, mask.shape[0]
+        if self._plain:
+            self._executor.unsafe_compute_mask_ptr(self._plain, ptr, row_bytes, num_rows)
+        if self._drafting:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
-                drafting, ptr, row_bytes, num_rows
+                self._drafting, ptr, row_bytes, num_rows
             )
-        rows = [first + j for _, first, drafts in work for j in range(len(drafts) + 1)]
-        return mask, rows
+        return mask, self.rows
 
 
 class Matcher:

@@ -32,8 +32,8 @@ CPU = torch.device("cpu")
 
 def _require(ok: bool, message: str | Callable[[], str]) -> None:
     """The boundary check of every call (not an assert: it must hold under `python -O`).
-    `message` is the error's text, or a function making it: the checks every linear and
-    attention call makes (`_host`, `_contiguous`, `_linear_inputs`) pass one, since their
+    `message` is the error's text, or a function making it: the checks of calls made every
+    step (`_host`, `_contiguous`, `_linear_inputs`, the grammar mask's) pass one, since their
     messages formatted eagerly were half of a small linear's call."""
     if not ok:
         raise ValueError(message if isinstance(message, str) else message())
@@ -42,7 +42,8 @@ def _require(ok: bool, message: str | Callable[[], str]) -> None:
 def _host(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     """`t` is on the host CPU in one of DTYPES (or exactly `dtype`)."""
     _require(t.device.type == "cpu",
-             lambda: f"{name} must be on the CPU for the native kernels, got {t.device}")  # fmt: skip
+             lambda: f"{name} must be on the CPU for the native kernels, got "
+             f"{t.device}")  # fmt: skip
     want = "float32 or bfloat16" if dtype is None else str(dtype)
     _require(t.dtype in DTYPES if dtype is None else t.dtype == dtype,
              lambda: f"{name} must be {want} for the native kernels, got {t.dtype}")  # fmt: skip
@@ -51,6 +52,10 @@ def _host(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
 def _contiguous(name: str, t: torch.Tensor) -> None:
     _require(t.is_contiguous(), lambda: f"{name} must be contiguous (call .contiguous()), got "
              f"strides {tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
+
+
+def _elements(name: str, t: torch.Tensor, n: int, shape: str) -> None:
+    _require(t.numel() == n, lambda: f"{name} must be {shape}, got shape {tuple(t.shape)}")
 
 
 @dataclass(frozen=True)
@@ -93,29 +98,35 @@ class Kernels:
         (tables [n, max_blocks], seq_token [n], seq_qlen [n], seq_row [n], lo [rows], hi [rows]),
         int64, contiguous, as `paged.NativePlan` builds them (their values are not checked)."""
         _host("q", q)
-        _require(q.dim() == 3, f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+        _require(
+            q.dim() == 3, lambda: f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}"
+        )
         _, num_heads, dim = q.shape
         _require(q.stride(2) == 1 and q.stride(1) == dim,
-                 f"q's heads must be contiguous rows (strides (any, {dim}, 1)), got strides "
-                 f"{tuple(q.stride())}")  # fmt: skip
+                 lambda: f"q's heads must be contiguous rows (strides (any, {dim}, 1)), got "
+                 f"strides {tuple(q.stride())}")  # fmt: skip
         _require(kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == dim,
-                 f"kv_cache must be [blocks, 2, block_size, kv_heads, {dim}], got shape "
+                 lambda: f"kv_cache must be [blocks, 2, block_size, kv_heads, {dim}], got shape "
                  f"{tuple(kv_cache.shape)}")  # fmt: skip
         _require(dim % 16 == 0 and dim <= MAX_HEAD_DIM,
-                 f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {dim}")  # fmt: skip
+                 lambda: f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got "
+                 f"{dim}")  # fmt: skip
         kv_heads = kv_cache.shape[3]
         _require(num_heads % kv_heads == 0,
-                 f"q's {num_heads} heads are not a multiple of the cache's {kv_heads} KV heads")  # fmt: skip
-        _require(out.shape == q.shape, f"out must have q's shape {tuple(q.shape)}, got "
+                 lambda: f"q's {num_heads} heads are not a multiple of the cache's {kv_heads} "
+                 "KV heads")  # fmt: skip
+        _require(out.shape == q.shape, lambda: f"out must have q's shape {tuple(q.shape)}, got "
                  f"{tuple(out.shape)}")  # fmt: skip
         _host("out", out, q.dtype)
         _contiguous("out", out)
         fp8 = kv_cache.dtype in KV_DTYPES and kv_cache.dtype not in DTYPES
         if not fp8:
             _host("kv_cache", kv_cache, q.dtype)
-        _require(kv_cache.device == CPU, f"kv_cache must be on the CPU, got {kv_cache.device}")
+        _require(
+            kv_cache.device == CPU, lambda: f"kv_cache must be on the CPU, got {kv_cache.device}"
+        )
         _contiguous("kv_cache", kv_cache)
-        _require(len(index) == 6, f"index must be the 6 tensors of NativePlan.index(), got "
+        _require(len(index) == 6, lambda: f"index must be the 6 tensors of NativePlan.index(), got "
                  f"{len(index)}")  # fmt: skip
         for name, t in zip(("tables", "seq_token", "seq_qlen", "seq_row", "lo", "hi"), index,
                            strict=True):  # fmt: skip
@@ -125,8 +136,8 @@ class Kernels:
         n = seq_token.shape[0]
         _require(tables.dim() == 2 and tables.shape[0] == n == seq_qlen.shape[0] == seq_row.shape[0]
                  and lo.shape == hi.shape,
-                 f"index: tables [n, blocks], seq_token, seq_qlen, seq_row [n] and lo, hi [rows], "
-                 f"got {[tuple(t.shape) for t in index]}")  # fmt: skip
+                 lambda: "index: tables [n, blocks], seq_token, seq_qlen, seq_row [n] and lo, hi "
+                 f"[rows], got {[tuple(t.shape) for t in index]}")  # fmt: skip
         status = self.lib.kvtier_paged_attention(
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(),
             tables.data_ptr(), tables.stride(0), seq_token.data_ptr(), seq_qlen.data_ptr(),
@@ -149,21 +160,25 @@ class Kernels:
         contiguous tensor; with `residual` (contiguous, x's shape), residual += x first (in
         place) and the sum is normalized."""
         _host("x", x)
-        _require(x.dim() in (2, 3), f"x must be 2-D or 3-D, got shape {tuple(x.shape)}")
+        _require(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got shape {tuple(x.shape)}")
         dim = x.shape[-1]
-        _require(x.stride(-1) == 1, f"x's last dim must be contiguous, got strides "
+        _require(x.stride(-1) == 1, lambda: f"x's last dim must be contiguous, got strides "
                  f"{tuple(x.stride())}")  # fmt: skip
-        _require(dim <= MAX_NORM_DIM, f"norm dim {dim} is above the kernel's {MAX_NORM_DIM}")
+        _require(
+            dim <= MAX_NORM_DIM, lambda: f"norm dim {dim} is above the kernel's {MAX_NORM_DIM}"
+        )
         _host("weight", weight, x.dtype)
         _contiguous("weight", weight)
-        _require(weight.numel() == dim, f"weight must have {dim} elements, got {weight.numel()}")
+        _require(
+            weight.numel() == dim, lambda: f"weight must have {dim} elements, got {weight.numel()}"
+        )
         inner, inner_stride = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
         rows = x.numel() // dim
         out = torch.empty(x.shape, dtype=x.dtype)
         if residual is not None:
             _host("residual", residual, x.dtype)
             _contiguous("residual", residual)
-            _require(residual.shape == x.shape, f"residual must have x's shape "
+            _require(residual.shape == x.shape, lambda: f"residual must have x's shape "
                      f"{tuple(x.shape)}, got {tuple(residual.shape)}")  # fmt: skip
         self.lib.kvtier_rms_norm(
             x.data_ptr(), x.stride(0), inner, inner_stride,
@@ -176,18 +191,20 @@ class Kernels:
         """Rotate x [T, heads, D] (heads D apart, tokens any stride) in place by cos/sin
         [T, 1, D] (contiguous, x's dtype); returns x."""
         _host("x", x)
-        _require(x.dim() == 3, f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+        _require(
+            x.dim() == 3, lambda: f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}"
+        )
         tokens, heads, dim = x.shape
         _require(x.stride(2) == 1 and x.stride(1) == dim,
-                 f"x's heads must be contiguous rows (strides (any, {dim}, 1)), got strides "
-                 f"{tuple(x.stride())}")  # fmt: skip
+                 lambda: f"x's heads must be contiguous rows (strides (any, {dim}, 1)), got "
+                 f"strides {tuple(x.stride())}")  # fmt: skip
         _require(dim % 2 == 0 and dim <= MAX_HEAD_DIM,
-                 f"head_dim must be even and at most {MAX_HEAD_DIM}, got {dim}")  # fmt: skip
+                 lambda: f"head_dim must be even and at most {MAX_HEAD_DIM}, got "
+                 f"{dim}")  # fmt: skip
         for name, t in (("cos", cos), ("sin", sin)):
             _host(name, t, x.dtype)
             _contiguous(name, t)
-            _require(t.numel() == tokens * dim, f"{name} must be [{tokens}, 1, {dim}], got "
-                     f"shape {tuple(t.shape)}")  # fmt: skip
+            _elements(name, t, tokens * dim, f"[{tokens}, 1, {dim}]")
         self.lib.kvtier_rope(
             x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), tokens,
             DTYPES[x.dtype], threads(),
@@ -199,9 +216,11 @@ class Kernels:
         _host("gate_up", gate_up)
         _contiguous("gate_up", gate_up)
         _require(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
-                 f"gate_up must be [rows, 2 * inter], got shape {tuple(gate_up.shape)}")  # fmt: skip
+                 lambda: "gate_up must be [rows, 2 * inter], got shape "
+                 f"{tuple(gate_up.shape)}")  # fmt: skip
         _require(activation in ACTIVATIONS,
-                 f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")  # fmt: skip
+                 lambda: f"activation must be one of {sorted(ACTIVATIONS)}, got "
+                 f"{activation!r}")  # fmt: skip
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self.lib.kvtier_act_mul(
@@ -217,20 +236,21 @@ class Kernels:
         32 w + j, llguidance's bitmask) is 0, and every token past 32 * words."""
         _host("logits", logits)
         _require(logits.dim() == 2 and logits.stride(1) == 1,
-                 f"logits must be [rows, vocab] with contiguous rows, got shape "
+                 lambda: f"logits must be [rows, vocab] with contiguous rows, got shape "
                  f"{tuple(logits.shape)} strides {tuple(logits.stride())}")  # fmt: skip
         _host("mask", mask, torch.int32)
         _contiguous("mask", mask)
         _require(mask.dim() == 2 and mask.shape[0] == logits.shape[0],
-                 f"mask must be [{logits.shape[0]}, words] (a row per logits row), got shape "
-                 f"{tuple(mask.shape)}")  # fmt: skip
+                 lambda: f"mask must be [{logits.shape[0]}, words] (a row per logits row), got "
+                 f"shape {tuple(mask.shape)}")  # fmt: skip
         _host("rows", rows, torch.int64)
         _contiguous("rows", rows)
-        _require(rows.dim() == 1, f"rows must be 1-D, got shape {tuple(rows.shape)}")
+        _require(rows.dim() == 1, lambda: f"rows must be 1-D, got shape {tuple(rows.shape)}")
         if rows.numel():
             low, high = int(rows.min()), int(rows.max())
             _require(low >= 0 and high < logits.shape[0],
-                     f"rows must be in [0, {logits.shape[0]}), got {low} to {high}")  # fmt: skip
+                     lambda: f"rows must be in [0, {logits.shape[0]}), got {low} to "
+                     f"{high}")  # fmt: skip
         self.lib.kvtier_apply_bitmask(
             logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(), mask.shape[1],
             rows.data_ptr(), rows.numel(), DTYPES[logits.dtype], threads(),
@@ -241,7 +261,9 @@ class Kernels:
         `tile_linear`), float32 in 16-column vectors (needs `f32_linear`)."""
         _host("weight", weight)
         _contiguous("weight", weight)
-        _require(weight.dim() == 2, f"weight must be [n, k], got shape {tuple(weight.shape)}")
+        _require(
+            weight.dim() == 2, lambda: f"weight must be [n, k], got shape {tuple(weight.shape)}"
+        )
         n, k = weight.shape
         if weight.dtype == torch.float32:
             _require(self.f32_linear, "the float32 linear kernel is not built here (it "
@@ -259,7 +281,9 @@ class Kernels:
         """An int8 weight [n, k] in the tiles of the int8 linear (needs `i8_linear`)."""
         _host("weight", weight, torch.int8)
         _contiguous("weight", weight)
-        _require(weight.dim() == 2, f"weight must be [n, k], got shape {tuple(weight.shape)}")
+        _require(
+            weight.dim() == 2, lambda: f"weight must be [n, k], got shape {tuple(weight.shape)}"
+        )
         _require(self.i8_linear, "the int8 linear kernel is not built here (it needs AVX512-BF16 "
                  "or AVX2): dequantize the weight and use F.linear")  # fmt: skip
         n, k = weight.shape

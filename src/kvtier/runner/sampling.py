@@ -13,7 +13,7 @@ import torch
 from kvtier.model import native
 from kvtier.model.adjust import Adjustments, RowHistory
 from kvtier.model.attention import AttentionMetadata
-from kvtier.model.grammar import Grammars, apply_mask
+from kvtier.model.grammar import Grammars, MaskFill, apply_mask
 from kvtier.model.sampler import SamplingBatch, sample
 from kvtier.model.served import ServedModel
 from kvtier.runner.logprobs import LogprobRows
@@ -87,26 +87,37 @@ class StepSampler:
             self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
 
     def start_masks(self, plan: list[Planned]) -> Future[Masks | None]:
-        """`fill_masks(plan)` on the sampler's mask thread, so the masks are filled while the
-        model's forward runs (on cpu the forward computes on the op's thread, on cuda it queues
-        kernels); llguidance fills them off the GIL. Nothing else touches the matchers until
-        `sample`, which takes the masks from the future. Done at once without a grammar."""
-        if not any(p.samples and p.state.grammar is not None for p in plan):
+        """`fill_masks(plan)`, its llguidance calls on the sampler's mask thread, so the masks
+        are filled while the model's forward runs (on cpu the forward computes on the op's
+        thread, on cuda it queues kernels). The Python part (the jobs, the mask tensor) runs
+        here first: on the mask thread it would take the GIL from the forward (`MaskFill`).
+        Nothing else touches the matchers until `sample`, which takes the masks from the
+        future. Done at once when no sampled row has a grammar."""
+        fill = self._prepare(plan)
+        if fill is None:
             done: Future[Masks | None] = Future()
             done.set_result(None)
             return done
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._mask_thread.submit(self._fill_beside_forward, plan)
+        return self._mask_thread.submit(self._fill_beside_forward, fill)
 
-    def _fill_beside_forward(self, plan: list[Planned]) -> Masks | None:
+    @staticmethod
+    def _fill_beside_forward(fill: MaskFill) -> Masks:
         with native.pool_yield():  # the forward's idle kernel threads leave the fill a core
-            return self.fill_masks(plan)
+            return fill.run()
 
     def fill_masks(self, plan: list[Planned]) -> Masks | None:
         """The grammar masks of this step's sampled rows (row order as `sample`'s) and the rows
         they constrain, None when no request has a grammar; a drafting request's row j gets the
-        mask after its first j drafts (`Grammars.fill_masks`), its matcher left on real tokens."""
+        mask after its first j drafts (`Grammars.prepare_masks`), its matcher left on real
+        tokens."""
+        fill = self._prepare(plan)
+        return None if fill is None else fill.run()
+
+    def _prepare(self, plan: list[Planned]) -> MaskFill | None:
+        """The fill of `fill_masks(plan)`; None when there is nothing to mask (no grammar, or
+        every grammar ended)."""
         jobs = []
         num_rows = 0
         for p in plan:
@@ -117,8 +128,8 @@ class StepSampler:
             num_rows += len(p.drafts) + 1
         if not jobs or self.grammars is None:
             return None
-        mask, rows = self.grammars.fill_masks(jobs, num_rows)
-        return (mask, rows) if rows else None  # every grammar ended: nothing to mask
+        fill = self.grammars.prepare_masks(jobs, num_rows)
+        return fill if fill.rows else None
 
     def sample(
         self,

@@ -201,12 +201,6 @@ class Grammars:
         m.accept_free(output_ids)
         return m
 
-    def fill_masks(
-        self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The masks of `num_rows` sampled rows: `prepare_masks(jobs, num_rows).run()`."""
-        return self.prepare_masks(jobs, num_rows).run()
-
     def prepare_masks(
         self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
     ) -> MaskFill:
@@ -280,7 +274,7 @@ class Matcher:
 
     @property
     def matcher(self) -> Any:
-        """The llguidance matcher (for `Grammars.fill_masks`)."""
+        """The llguidance matcher (for `Grammars.prepare_masks`)."""
         return self._m
 
     def accept(self, token: int) -> bool:

@@ -87,12 +87,12 @@ class StepSampler:
             self.state[new.req_id].grammar = self.grammars.matcher(spec, outputs)
 
     def start_masks(self, plan: list[Planned]) -> Future[Masks | None]:
-        """`fill_masks(plan)`, its llguidance calls on the sampler's mask thread, so the masks
-        are filled while the model's forward runs (on cpu the forward computes on the op's
-        thread, on cuda it queues kernels). The Python part (the jobs, the mask tensor) runs
-        here first: on the mask thread it would take the GIL from the forward (`MaskFill`).
-        Nothing else touches the matchers until `sample`, which takes the masks from the
-        future. Done at once when no sampled row has a grammar."""
+        """The grammar masks of this step's sampled rows (`_prepare`), their llguidance calls on
+        the sampler's mask thread, so the masks are filled while the model's forward runs (on
+        cpu the forward computes on the op's thread, on cuda it queues kernels). The Python part
+        (the jobs, the mask tensor) runs here first: on the mask thread it would take the GIL
+        from the forward (`MaskFill`). Nothing else touches the matchers until `sample`, which
+        takes the masks from the future. Done at once when no sampled row has a grammar."""
         fill = self._prepare(plan)
         if fill is None:
             done: Future[Masks | None] = Future()
@@ -107,17 +107,11 @@ class StepSampler:
         with native.pool_yield():  # the forward's idle kernel threads leave the fill a core
             return fill.run()
 
-    def fill_masks(self, plan: list[Planned]) -> Masks | None:
-        """The grammar masks of this step's sampled rows (row order as `sample`'s) and the rows
-        they constrain, None when no request has a grammar; a drafting request's row j gets the
-        mask after its first j drafts (`Grammars.prepare_masks`), its matcher left on real
-        tokens."""
-        fill = self._prepare(plan)
-        return None if fill is None else fill.run()
-
     def _prepare(self, plan: list[Planned]) -> MaskFill | None:
-        """The fill of `fill_masks(plan)`; None when there is nothing to mask (no grammar, or
-        every grammar ended)."""
+        """The fill of the grammar masks of this step's sampled rows (row order as `sample`'s)
+        and the rows they constrain; a drafting request's row j gets the mask after its first j
+        drafts (`Grammars.prepare_masks`), its matcher left on real tokens. None when there is
+        nothing to mask (no grammar, or every grammar ended)."""
         jobs = []
         num_rows = 0
         for p in plan:

@@ -203,17 +203,20 @@ class Grammars:
 
     def prepare_masks(
         self, jobs: Sequence[tuple[Matcher, int, list[int]]], num_rows: int
-    ) -> MaskFill:
+    ) -> MaskFill | None:
         """The fill of the masks of `num_rows` sampled rows ([num_rows, ceil(vocab / 32)] int32
         bitmask, every token allowed but in the rows it returns): for each (matcher, first row,
         drafts), row first + j gets the mask after the first j drafts. Rows after a draft the
         grammar refuses stay open: verification stops at the refused draft (the token drawn
-        there cannot equal it), so they are never accepted. Everything in Python happens here,
-        on the caller's thread; the fill's `run` is llguidance's parallel calls, off the GIL,
-        and leaves the matchers as they were."""
-        mask = torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        there cannot equal it), so they are never accepted. None when no matcher is still
+        constrained (nothing to mask). Everything in Python happens here, on the caller's
+        thread; the fill's `run` is llguidance's parallel calls, off the GIL, and leaves the
+        matchers as they were."""
         work = [(m.matcher, first, drafts) for m, first, drafts in jobs if m.constrained]
-        if work and self._executor is None:
+        if not work:
+            return None
+        mask = torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        if self._executor is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,9 @@ CPU = torch.device("cpu")
 
 def _require(ok: bool, message: str | Callable[[], str]) -> None:
     """The boundary check of every call (not an assert: it must hold under `python -O`).
-    `message` is the error's text, or a function making it: the checks of calls made every
-    step (`_host`, `_contiguous`, `_linear_inputs`, the grammar mask's) pass one, since their
-    messages formatted eagerly were half of a small linear's call."""
+    `message` is the error's text, or a function making it: a message that shows values is
+    made only on failure, since formatting every call's messages was half of a small linear's
+    call."""
     if not ok:
         raise ValueError(message if isinstance(message, str) else message())
 
@@ -54,8 +55,10 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
              f"strides {tuple(t.stride())} for shape {tuple(t.shape)}")  # fmt: skip
 
 
-def _elements(name: str, t: torch.Tensor, n: int, shape: str) -> None:
-    _require(t.numel() == n, lambda: f"{name} must be {shape}, got shape {tuple(t.shape)}")
+def _elements(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """`t` holds as many elements as a tensor of `shape`."""
+    _require(t.numel() == math.prod(shape),
+             lambda: f"{name} must be {list(shape)}, got shape {tuple(t.shape)}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ class Kernels:
         for name, t in (("cos", cos), ("sin", sin)):
             _host(name, t, x.dtype)
             _contiguous(name, t)
-            _elements(name, t, tokens * dim, f"[{tokens}, 1, {dim}]")
+            _elements(name, t, (tokens, 1, dim))
         self.lib.kvtier_rope(
             x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), tokens,
             DTYPES[x.dtype], threads(),
@@ -370,10 +373,11 @@ class Kernels:
         _host("packed", packed, weight_dtype)
         _contiguous("packed", packed)
         want = _packed_size(weight_dtype, n, x.shape[1])
-        packer = "pack_linear_i8" if weight_dtype == torch.int8 else "pack_linear"
         _require(packed.numel() == want,
                  lambda: f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
-                 f"packs into {want}: pack the weight with {packer}, and pass its n")  # fmt: skip
+                 f"packs into {want}: pack the weight with "
+                 f"{'pack_linear_i8' if weight_dtype == torch.int8 else 'pack_linear'}, and pass "
+                 "its n")  # fmt: skip
         if bias is not None:
             _host("bias", bias, dtype)
             _contiguous("bias", bias)

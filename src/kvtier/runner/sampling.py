@@ -122,8 +122,7 @@ class StepSampler:
             num_rows += len(p.drafts) + 1
         if not jobs or self.grammars is None:
             return None
-        fill = self.grammars.prepare_masks(jobs, num_rows)
-        return fill if fill.rows else None
+        return self.grammars.prepare_masks(jobs, num_rows)
 
     def sample(
         self,

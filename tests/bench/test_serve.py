@@ -117,6 +117,25 @@ def test_server_errors_counted_as_failed(server: ServerHandle, tmp_path: Path) -
     assert all(r["prompt_len"] + 8 > 64 for r in failed)
 
 
+def test_max_concurrency_zero_is_unlimited(server: ServerHandle, tmp_path: Path) -> None:
+    """0 is "unlimited", as the run's banner says (`bench router`'s only way to lift its default
+    of 16): every request is sent at once and served, none refused by a pool of 0 connections."""
+    rc, res = bench(
+        server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+        "--max-concurrency", "0", "--ignore-eos", "--timeout", "60",
+    )  # fmt: skip
+    assert rc == 0 and res["summary"]["completed"] == 3, res["summary"].get("errors")
+
+
+def test_negative_max_concurrency_names_the_flag() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--model", "m"])
+    args.max_concurrency = -1
+    with pytest.raises(SystemExit, match="--max-concurrency"):
+        serve.check_workload(args)
+
+
 def test_wrong_model_and_timeouts_fail_without_raising(
     server: ServerHandle, tmp_path: Path
 ) -> None:

@@ -50,7 +50,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, dataset: str = "rand
     parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: prefixes")
     parser.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens")
     parser.add_argument("--num-rounds", type=int, default=3, help="shared-prefix: rounds")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight (0: unlimited)"
+    )
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="fixed output lengths")
@@ -118,6 +120,8 @@ def check_workload(args: argparse.Namespace) -> None:
         raise SystemExit("--range-ratio must be in [0, 1)")
     if args.request_rate <= 0:
         raise SystemExit("--request-rate must be positive (inf: all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 0:
+        raise SystemExit("--max-concurrency must be 0 (unlimited) or more")
 
 
 def run(args: argparse.Namespace) -> int:

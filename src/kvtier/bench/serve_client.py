@@ -143,7 +143,8 @@ async def run_all(
 ) -> tuple[list[Record], float]:
     """Run every conversation; returns the records (in completion order) and the duration."""
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
+    # 0 is unlimited, as for the semaphore: httpx would take it as a pool of no connections
+    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     timeout = httpx.Timeout(s.timeout)
     records: list[Record] = []
     t_bench = time.perf_counter()

@@ -23,6 +23,7 @@ def _args(tmp_path: Path, *flags: str) -> argparse.Namespace:
     router.add_arguments(parser)
     # the embedded model: its prefill is ~free, so a run takes seconds
     base = ["--out", str(tmp_path / "router.json"), "--model", "kvtier-default"]
+    base += ["--request-rate", "inf"]  # every conversation at once: no seconds between starts
     return parser.parse_args([*base, *flags])
 
 

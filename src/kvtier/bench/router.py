@@ -4,8 +4,8 @@ policy, each policy on fresh processes (a new redis-server, new replicas, a new 
 starts cold).
 
 The workload is `kvtier bench serve`'s (default: shared-prefix, more conversations than one
-replica's device and host tiers hold), sent with an `X-Session-ID` per conversation, the key
-vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
+replica's device and host tiers hold, starting as a Poisson stream), sent with an `X-Session-ID`
+per conversation, the key vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
 tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
 p99, output tok/s and the requests each replica served; where a request's time went on each
 replica (mean queue, prefill and decode seconds, from vLLM's phase histograms) and each replica's
@@ -119,7 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         num_rounds=6,
         input_len=24,
         output_len=16,  # the random model's answers decode to ~nothing: they add no history
-        max_concurrency=16,  # 8 requests in flight a replica: both are busy
+        # Open loop: conversations start as a Poisson stream (a request rate is what a router is
+        # judged at), each round sent when the last answer is in. A closed loop at a fixed
+        # concurrency keeps the replicas saturated, where a request's latency is the concurrency
+        # over the throughput whatever the policy (Little's law) and TTFT is only the schedulers'
+        # split of it. 0.25 a second: two one-core replicas keep up under every policy.
+        request_rate=0.25,
+        max_concurrency=0,  # unlimited
         prompt_format="text",  # what a prefix-matching router reads
     )
     stamp = time.strftime("%Y-%m-%d")

@@ -118,8 +118,9 @@ def test_server_errors_counted_as_failed(server: ServerHandle, tmp_path: Path) -
 
 
 def test_max_concurrency_zero_is_unlimited(server: ServerHandle, tmp_path: Path) -> None:
-    """0 is "unlimited", as the run's banner says (`bench router`'s only way to lift its default
-    of 16): every request is sent at once and served, none refused by a pool of 0 connections."""
+    """0 is "unlimited", as the run's banner says (`bench router`'s default, the one way to say
+    it on its command line): every request is sent at once and served, none refused by a pool
+    of 0 connections."""
     rc, res = bench(
         server, tmp_path, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
         "--max-concurrency", "0", "--ignore-eos", "--timeout", "60",

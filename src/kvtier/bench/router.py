@@ -5,9 +5,9 @@ starts cold).
 
 The workload is `kvtier bench serve`'s (default: shared-prefix, more conversations than one
 replica's device and host tiers hold, starting as a Poisson stream), sent with an `X-Session-ID`
-per conversation, the key vllm-router's session policies read. Per policy it reports the share of prompt tokens found in each
-tier of the replicas (their `kvtier:prefix_cache_hits` over device queries), TTFT median and
-p99, output tok/s and the requests each replica served; where a request's time went on each
+per conversation, the key vllm-router's session policies read. Per policy it reports the share of
+prompt tokens found in each tier of the replicas (their `kvtier:prefix_cache_hits` over device
+queries), TTFT median and p99, output tok/s and the requests each replica served; where a request's time went on each
 replica (mean queue, prefill and decode seconds, from vLLM's phase histograms) and each replica's
 running and waiting requests over time (sampled every 0.5 s); saves JSON and, with --plot, a PNG.
 kv_aware runs with the replicas' KV events (`--kv-events-config`) as the router's event sources
@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         # judged at), each round sent when the last answer is in. A closed loop at a fixed
         # concurrency keeps the replicas saturated, where a request's latency is the concurrency
         # over the throughput whatever the policy (Little's law) and TTFT is only the schedulers'
-        # split of it. 0.25 a second: two one-core replicas keep up under every policy.
+        # split of it. 0.25 a second: two one-core replicas of the 0.5B shape keep up under every
+        # policy at the default pool sizes (docs/benchmarks.md, Scale-out at an offered load).
         request_rate=0.25,
         max_concurrency=0,  # unlimited
         prompt_format="text",  # what a prefix-matching router reads

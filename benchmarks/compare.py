@@ -154,6 +154,7 @@ def offline(
 
     from kvtier.bench.throughput import random_prompts
     from kvtier.engine import LLM, SamplingParams
+    from kvtier.model import native
     from kvtier.model.hf_config import load_model_config
 
     vocab = load_model_config(path).vocab_size
@@ -184,6 +185,7 @@ def offline(
         def ours(i: int) -> dict[str, Any]:
             batch = [{"prompt_token_ids": p} for p in round_prompts(i)]
             c0, p0 = procs.cpu_seconds([me]), procs.tree_cpu_seconds(them)
+            pool0 = native.pool_stats()
             res: dict[str, Any] = {}
             for label in ("cold", "warm"):
                 with procs.paused(idle):
@@ -200,6 +202,8 @@ def offline(
                 res["tokens"] = toks
             res["cpu_s"] = procs.cpu_seconds([me]) - c0  # both passes, every thread
             res["other_cpu_s"] = procs.tree_cpu_seconds(them) - p0  # the idle peer meanwhile
+            # the kernel pool's calls with helpers and alone (a co-tenant on their core: pool.c)
+            res["kernel_pool"] = {k: v - pool0[k] for k, v in native.pool_stats().items()}
             return res
 
         def theirs(i: int) -> dict[str, Any]:

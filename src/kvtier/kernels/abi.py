@@ -65,6 +65,7 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
     "kvtier_top_k_top_p": (_INT, (_P, _I64, _I64, _I64, _P, _P, _INT)),
     "kvtier_apply_bitmask": (None, (_P, _I64, _I64, _P, _I64, _P, _I64, _INT, _INT)),
     "kvtier_pool_yield": (None, (_INT,)),
+    "kvtier_pool_stats": (None, (_P,)),
     "kvtier_linear_available": (_INT, ()),
     "kvtier_linear_pack": (None, (_P, _I64, _I64, _P)),
     "kvtier_linear": (_INT, (_P, _I64, _I64, _P, _I64, _I64, _P, _P, _INT)),

@@ -477,6 +477,17 @@ def pool_yield() -> Iterator[None]:
         lib.lib.kvtier_pool_yield(0)
 
 
+def pool_stats() -> dict[str, int]:
+    """The kernel pool's counters since the process started (pool.c): calls run with helpers,
+    calls run alone because helpers did not pay lately (a co-tenant on their cores), and the
+    spells alone begun. Zeros where the kernels were not built."""
+    lib = kernels()
+    out = (ctypes.c_int64 * 3)()
+    if lib is not None:
+        lib.lib.kvtier_pool_stats(out)
+    return dict(zip(("with_helpers", "alone", "spells_alone"), out, strict=True))
+
+
 def kernels_for(x: torch.Tensor) -> Kernels | None:
     """The kernels, if they serve `x` (see `usable`)."""
     return kernels() if usable(x) else None

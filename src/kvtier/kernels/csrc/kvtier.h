@@ -99,6 +99,10 @@ KVTIER_API int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t str
  * their cores to host work beside the kernels (the grammar masks' fill). */
 KVTIER_API void kvtier_pool_yield(int on);
 
+/* out[3]: calls run with helpers, calls run alone because helpers did not pay lately, and the
+ * spells alone begun (pool.c) */
+KVTIER_API void kvtier_pool_stats(int64_t *out);
+
 /* ---- the structured outputs' token mask (mask.c) ------------------------------------------- */
 
 /* logits [*, vocab] (rows stride elements apart, dtype 0 float32 or 1 bfloat16), in place: in

@@ -21,6 +21,15 @@
  * sleep at once: on a machine whose every core the forward uses, a spinning helper holds the core
  * that work would run on until the scheduler's slice ends, and the step then waits for the masks.
  *
+ * Helpers must pay for themselves. Beside another process that keeps a core busy (a second
+ * engine on the box), a helper gets descheduled mid-chunk and the caller waits out the slice
+ * for its items; one thread beside the co-tenant then runs faster than two sharing its core.
+ * So every POOL_SAMPLE-th job with helpers is timed: its wall time against what the caller
+ * alone would have taken, the caller's CPU time (not wall time: a descheduled caller would make
+ * helpers look useful) scaled to every item. When a window's jobs saved under a tenth, the pool
+ * runs every call alone for a while (100 ms, doubling while later windows agree, up to 1.6 s),
+ * then tries its helpers again. A quiet box keeps them.
+ *
  * One job at a time: a second concurrent caller runs its items alone. A forked child runs every
  * call alone: its copy of the pool names helpers it does not have, and its locks may have been
  * held at the fork. */
@@ -32,6 +41,10 @@
 
 #define POOL_MAX_HELPERS 63
 #define POOL_SPIN_NS 100000 /* a layer's calls come back to back; steps are milliseconds apart */
+#define POOL_SAMPLE 8       /* every 8th job with helpers is timed: a thread's CPU clock costs ~0.5 us */
+#define POOL_WINDOW_NS 20000000    /* timed wall time a verdict on the helpers is taken over */
+#define POOL_ALONE_MIN_NS 100000000 /* the first spell of calls run alone */
+#define POOL_ALONE_MAX_NS 1600000000
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -65,6 +78,14 @@ static pthread_mutex_t pool_call = PTHREAD_MUTEX_INITIALIZER; /* one job at a ti
 static _Atomic int pool_forked;                               /* this process is a forked copy */
 static _Atomic int pool_yielding; /* host threads inside kvtier_pool_yield(1) … (0) */
 
+/* Whether helpers pay (the header). Read and written only by the holder of pool_call. */
+static struct {
+    int64_t jobs;                /* jobs with helpers, for the sampling */
+    int64_t wall_ns, alone_ns;   /* the window's timed jobs: wall, the caller's CPU for every item */
+    int64_t alone_until, spell;  /* calls run alone until then; the next spell's length */
+    int64_t stats[3];            /* jobs with helpers, jobs run alone by this rule, spells alone */
+} gain = {.spell = POOL_ALONE_MIN_NS};
+
 void kvtier_pool_yield(int on) { atomic_fetch_add(&pool_yielding, on ? 1 : -1); }
 
 static void pool_mark_forked(void) { atomic_store(&pool_forked, 1); }
@@ -73,6 +94,36 @@ static int64_t pool_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int64_t pool_cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* One timed job: `wall` ns with helpers, the caller's `cpu` ns on `mine` of `items` items. At
+ * the window's end, a verdict: helpers that saved under a tenth send the calls alone. */
+static void pool_judge(int64_t now, int64_t wall, int64_t cpu, int64_t mine, int64_t items) {
+    gain.wall_ns += wall;
+    /* a caller left no item did not run beside its helpers (it claims from the start): they
+     * ran the whole job while it waited, so they saved nothing */
+    gain.alone_ns += mine > 0 ? (int64_t)((double)cpu * (double)items / (double)mine) : wall;
+    if (gain.wall_ns < POOL_WINDOW_NS) return;
+    if (gain.wall_ns * 10 > gain.alone_ns * 9) {
+        gain.alone_until = now + gain.spell;
+        gain.spell = gain.spell * 2 < POOL_ALONE_MAX_NS ? gain.spell * 2 : POOL_ALONE_MAX_NS;
+        gain.stats[2]++;
+    } else {
+        gain.spell = POOL_ALONE_MIN_NS;
+    }
+    gain.wall_ns = gain.alone_ns = 0;
+}
+
+void kvtier_pool_stats(int64_t *out) {
+    pthread_mutex_lock(&pool_call);
+    memcpy(out, gain.stats, sizeof gain.stats);
+    pthread_mutex_unlock(&pool_call);
 }
 
 /* spin up to POOL_SPIN_NS until `done(arg)`; return whether it came */
@@ -97,12 +148,14 @@ static int pool_idle(uint64_t unused) {
     return atomic_load(&pool.active) == 0;
 }
 
-static void pool_claim(void) { /* fn, ctx, items, chunk are fixed while a job is open */
-    for (;;) {
+/* claim and run chunks until none is left; the items this thread ran */
+static int64_t pool_claim(void) { /* fn, ctx, items, chunk are fixed while a job is open */
+    for (int64_t done = 0;;) {
         const int64_t begin = atomic_fetch_add(&pool.next, pool.chunk);
-        if (begin >= pool.items) return;
+        if (begin >= pool.items) return done;
         const int64_t end = begin + pool.chunk < pool.items ? begin + pool.chunk : pool.items;
         pool.fn(pool.ctx, begin, end);
+        done += end - begin;
     }
 }
 
@@ -142,6 +195,15 @@ void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int thr
         if (items > 0) fn(ctx, 0, items);
         return;
     }
+    const int64_t t0 = pool_ns();
+    if (t0 < gain.alone_until) { /* helpers did not pay lately */
+        gain.stats[1]++;
+        pthread_mutex_unlock(&pool_call);
+        fn(ctx, 0, items);
+        return;
+    }
+    const int timed = gain.jobs++ % POOL_SAMPLE == 0;
+    gain.stats[0]++;
     pthread_mutex_lock(&pool.mu);
     if (pool.helpers == 0) pthread_atfork(NULL, NULL, pool_mark_forked);
     while (pool.helpers < threads - 1) {
@@ -161,7 +223,9 @@ void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int thr
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     if (pool.sleeping) pthread_cond_broadcast(&pool.wake); /* the spinning ones see the generation */
     pthread_mutex_unlock(&pool.mu);
-    pool_claim();
+    const int64_t cpu0 = timed ? pool_cpu_ns() : 0;
+    const int64_t mine = pool_claim();
+    const int64_t cpu = timed ? pool_cpu_ns() - cpu0 : 0;
     pthread_mutex_lock(&pool.mu);
     pool.open = 0; /* no helper joins after this: `active` only falls */
     pthread_mutex_unlock(&pool.mu);
@@ -173,6 +237,10 @@ void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int thr
         }
         pool.caller_waiting = 0;
         pthread_mutex_unlock(&pool.mu);
+    }
+    if (timed) {
+        const int64_t t1 = pool_ns();
+        pool_judge(t1, t1 - t0, cpu, mine, items);
     }
     pthread_mutex_unlock(&pool_call);
 }

@@ -80,10 +80,9 @@ static _Atomic int pool_yielding; /* host threads inside kvtier_pool_yield(1) â€
 
 /* Whether helpers pay (the header). Read and written only by the holder of pool_call. */
 static struct {
-    int64_t jobs;                /* jobs with helpers, for the sampling */
     int64_t wall_ns, alone_ns;   /* the window's timed jobs: wall, the caller's CPU for every item */
     int64_t alone_until, spell;  /* calls run alone until then; the next spell's length */
-    int64_t stats[3];            /* jobs with helpers, jobs run alone by this rule, spells alone */
+    int64_t stats[3]; /* jobs with helpers (every POOL_SAMPLE-th timed), run alone by this rule; spells */
 } gain = {.spell = POOL_ALONE_MIN_NS};
 
 void kvtier_pool_yield(int on) { atomic_fetch_add(&pool_yielding, on ? 1 : -1); }
@@ -202,8 +201,7 @@ void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int thr
         fn(ctx, 0, items);
         return;
     }
-    const int timed = gain.jobs++ % POOL_SAMPLE == 0;
-    gain.stats[0]++;
+    const int timed = gain.stats[0]++ % POOL_SAMPLE == 0;
     pthread_mutex_lock(&pool.mu);
     if (pool.helpers == 0) pthread_atfork(NULL, NULL, pool_mark_forked);
     while (pool.helpers < threads - 1) {

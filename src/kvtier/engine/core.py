@@ -26,7 +26,7 @@ from kvtier.engine.tiers import build_chain
 from kvtier.ids import ReqId
 from kvtier.kv.events import KVEvent
 from kvtier.kv.manager import KVCacheManager
-from kvtier.model import IncrementalDetokenizer, load_tokenizer
+from kvtier.model import IncrementalDetokenizer, load_tokenizer, native
 from kvtier.model.grammar import Grammars
 from kvtier.model.hf_config import load_model_config
 from kvtier.model.loader import model_folder, resolve_dtype
@@ -465,6 +465,7 @@ class EngineCore:
             hazards=self._hazard_counts(),
             device_time_ns=getattr(self.device, "now_ns", None),
             tiers=() if self.tier_chain is None else tuple(self.tier_chain.tier_stats()),
+            kernel_pool=native.pool_stats(),
         )
 
     def _hazard_counts(self) -> dict[str, int]:

@@ -4,7 +4,7 @@ tier and the transfer engine. Torch-free; it never holds a reference to live sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvtier.kv.manager import KVCacheManager, PrefixCacheStats
 from kvtier.kv.stats import PoolStats
@@ -38,6 +38,9 @@ class EngineStats:
     host_metrics: HostTierMetrics | None  # counters of the host tier (a copy)
     host_store_mode: str | None  # the host tier's store mode, "eager" or "lazy" (None: no tier)
     tiers: tuple[TierStats, ...] = ()  # the tiers below the host, in lookup order (disk, remote)
+    # the native kernel pool's counters in this process (`native.pool_stats`): calls run with
+    # helpers, calls run alone while helpers did not pay, spells alone begun
+    kernel_pool: dict[str, int] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierStats | None:
         """The lower tier called `name` ("disk", "remote"), or None."""
@@ -80,6 +83,7 @@ def collect_stats(
     hazards: dict[str, int],
     device_time_ns: int | None = None,
     tiers: tuple[TierStats, ...] = (),
+    kernel_pool: dict[str, int] | None = None,
 ) -> EngineStats:
     """Build an `EngineStats` (reads only)."""
     num_loading = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.waiting)
@@ -108,4 +112,5 @@ def collect_stats(
         host_metrics=None if host_tier is None else replace(host_tier.metrics),
         host_store_mode=None if host_tier is None else host_tier.store_mode,
         tiers=tiers,
+        kernel_pool={} if kernel_pool is None else kernel_pool,
     )

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from kvtier.offload.chain import TierStats
 
 
+KERNEL_POOL_MODES = ("with_helpers", "alone")
+
+
 class EngineMetrics:
     """Counters come with their denominators: prefix hits beside queries, usage beside blocks.
     `max_model_len` bounds vLLM's token-count buckets."""
@@ -109,6 +112,18 @@ class EngineMetrics:
             ["tier", "kind"],
             registry=r,
         )
+        self.kernel_pool_calls = Counter(
+            "kvtier:kernel_pool_calls",
+            "Native kernel calls that could split across threads: run with the pool's helpers, "
+            "or alone because helpers did not pay lately (another process on their cores)",
+            ["mode"],
+            registry=r,
+        )
+        self.kernel_pool_spells = Counter(
+            "kvtier:kernel_pool_spells_alone",
+            "Spells in which every native kernel call ran alone (docs/architecture.md §Threads)",
+            registry=r,
+        )
         self.tier_latency = _TierLatency()
         r.register(self.tier_latency)
         for direction in ("device_to_host", "host_to_device"):
@@ -117,6 +132,8 @@ class EngineMetrics:
             self.hazards.labels(kind)
         for status in ("400", "429", "500"):  # a refusal-free server still shows its zeros
             self.request_rejected.labels(status)
+        for mode in KERNEL_POOL_MODES:
+            self.kernel_pool_calls.labels(mode)
         self._seen: dict[str, int] = {}
 
     def set_layout(self, engine: EngineCore) -> None:
@@ -166,6 +183,10 @@ class EngineMetrics:
             self.hazards.labels(kind).inc(self._delta(kind, n))
         for t in stats.tiers:
             self._update_tier(t)
+        pool = stats.kernel_pool
+        for mode in KERNEL_POOL_MODES:
+            self.kernel_pool_calls.labels(mode).inc(self._delta(f"pool:{mode}", pool.get(mode, 0)))
+        self.kernel_pool_spells.inc(self._delta("pool:spells", pool.get("spells_alone", 0)))
         self.tier_latency.tiers = stats.tiers
 
     def _update_tier(self, t: TierStats) -> None:

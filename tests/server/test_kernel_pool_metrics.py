@@ -1,0 +1,58 @@
+"""The native kernel pool's counters (pool.c's rule that helpers must pay) reach an engine's
+snapshot and the server's Prometheus families: calls with helpers, calls run alone, spells alone,
+each advanced by what the process's counters moved."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvtier.engine import LLM
+from kvtier.model import native
+from kvtier.server.metrics import EngineMetrics
+
+
+def _calls_with_helpers() -> None:
+    """A norm large enough to split (past the kernel's threshold for helpers), on two threads."""
+    kernels = native.kernels()
+    assert kernels is not None
+    x = torch.randn(1500, 512).bfloat16()
+    native.set_threads(2)
+    try:
+        kernels.rms_norm(x, torch.ones(512).bfloat16(), 1e-6, False, None)
+    finally:
+        native.set_threads(None)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
+def test_the_kernel_pool_counters_reach_the_snapshot_and_the_metrics() -> None:
+    llm = LLM(None, max_model_len=64, num_device_blocks=16)
+    try:
+        before = llm.engine.stats().kernel_pool
+        assert set(before) == {"with_helpers", "alone", "spells_alone"}
+        _calls_with_helpers()
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.close()
+    used = stats.kernel_pool["with_helpers"] + stats.kernel_pool["alone"]
+    assert used > before["with_helpers"] + before["alone"]
+
+    metrics = EngineMetrics(64)
+    metrics.update(stats)
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    calls = "kvtier:kernel_pool_calls_total"
+    assert value(calls, mode="with_helpers") == stats.kernel_pool["with_helpers"]
+    assert value(calls, mode="alone") == stats.kernel_pool["alone"]
+    spells = "kvtier:kernel_pool_spells_alone_total"
+    assert value(spells) == stats.kernel_pool["spells_alone"]
+    # counters advance by what moved between snapshots
+    later = {k: v + d for (k, v), d in zip(stats.kernel_pool.items(), (5, 3, 1), strict=True)}
+    metrics.update(replace(stats, kernel_pool=later))
+    assert value(calls, mode="with_helpers") == later["with_helpers"]
+    assert value(calls, mode="alone") == later["alone"]
+    assert value(spells) == later["spells_alone"]

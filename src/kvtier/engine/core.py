@@ -18,7 +18,13 @@ from kvtier.device import KVLayout, SanitizerMode, make_device
 from kvtier.engine import allocator
 from kvtier.engine.params import EngineArgs, SamplingParams, check_request
 from kvtier.engine.prompts import bad_words_token_ids
-from kvtier.engine.requests import FINISH_REASONS, FinishedRequest, RequestState, StepOutput
+from kvtier.engine.requests import (
+    FINISH_REASONS,
+    FinishedRequest,
+    RequestBook,
+    RequestState,
+    StepOutput,
+)
 from kvtier.engine.sizing import plan_engine
 from kvtier.engine.stats import EngineStats, collect_stats
 from kvtier.engine.threads import configure_torch_threads
@@ -35,7 +41,6 @@ from kvtier.offload import HostTier, lazy_scan_blocks_for
 from kvtier.runner import ModelRunner, StepHandle
 from kvtier.runner.draft_states import DraftStates
 from kvtier.runner.transfers import TransferFaults
-from kvtier.sampling import GrammarSpec
 from kvtier.sched.batch_queue import BatchQueue
 from kvtier.sched.output import SchedulerOutput, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
@@ -161,14 +166,7 @@ class EngineCore:
             logprobs_mode=args.logprobs_mode,
             grammars=self.grammars,
         )
-        # Added, final output not yet handed out: by the id the scheduler knows it by, and the
-        # caller's id → that id. They differ only for a caller's id reused while an aborted
-        # request's steps, load or stores still go by it (`_sched_id`).
-        self._requests: dict[ReqId, RequestState] = {}
-        self._ids: dict[str, ReqId] = {}
-        self._num_renamed = 0
-        # caller's id → the grammar `prepare_request` holds for it until its add or abort
-        self._prepared: dict[str, GrammarSpec] = {}
+        self.book = RequestBook()  # requests added and not handed back, grammars prepared
         self.num_draft_tokens = 0  # drafts verified, over every step processed
         # (step_seq, total_num_scheduled_tokens) of the last step processed: the server's
         # tokens-per-step histogram reads it after each `step()`
@@ -187,7 +185,7 @@ class EngineCore:
         by `add_request`.)"""
         if not isinstance(req_id, str):
             raise TypeError(f"request id must be a string, got {type(req_id).__name__}")
-        if req_id in self._ids:
+        if self.book.in_use(req_id):
             raise ValueError(f"request id {req_id!r} is already in use")
         try:
             tokens = check_request(
@@ -212,14 +210,12 @@ class EngineCore:
         it may: the grammar compiled, or refused (then `add_request` raises the ValueError).
         The grammar stays cached until `add_request` or `abort` of `req_id`."""
         self.check_request(req_id, prompt_token_ids, params, priority)
-        if req_id in self._prepared:
-            raise ValueError(f"request {req_id!r}: request id is already in use")
         so = params.structured_outputs
-        if so is None:
+        spec = None if so is None else so.grammar_spec()
+        self.book.prepare(req_id, spec)
+        if spec is None:
             return None
-        spec = so.grammar_spec()
         self.grammars.hold(spec)  # before the compile: held, it cannot be evicted once cached
-        self._prepared[req_id] = spec
         ready = self.grammars.compile_async(spec)  # its size was checked: it does not raise
         return None if ready.done() else ready
 
@@ -228,7 +224,7 @@ class EngineCore:
     ) -> None:
         """Queue a request; TypeError / ValueError (nothing queued) if it can never run here.
         Its grammar is compiled here unless `prepare_request` compiled it."""
-        prepared = self._prepared.pop(req_id, None) if isinstance(req_id, str) else None
+        prepared = self.book.take_prepared(req_id) if isinstance(req_id, str) else None
         try:
             self._add(req_id, prompt_token_ids, params, priority)
         finally:
@@ -248,7 +244,7 @@ class EngineCore:
         stop = params.stop_conditions(self.eos_token_id, use_ngram)
         words = bad_words_token_ids(self.tokenizer, tuple(params.bad_words or ()))
         draw = params.draw_params(words)
-        sched_id = self._sched_id(req_id)
+        sched_id = self.book.sched_id(req_id, self._id_held)
         request = Request(sched_id, prompt_token_ids, stop, draw=draw, priority=int(priority))
         self.scheduler.add_request(request)  # raises before anything is recorded
         detok = IncrementalDetokenizer(
@@ -264,26 +260,17 @@ class EngineCore:
             self.grammars.hold(draw.grammar)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
-        self._requests[sched_id] = state
-        self._ids[req_id] = sched_id
+        self.book.add(state)
 
     def _release_grammar(self, state: RequestState) -> None:
         grammar = state.request.draw.grammar
         if grammar is not None:
             self.grammars.release(grammar)
 
-    def _sched_id(self, req_id: str) -> ReqId:
-        """The id the scheduler and the layers below know a new request by: the caller's, unless
-        the scheduler still knows a request by it (an aborted one whose steps are in flight) or
-        the host tier still loads for one — then a fresh one, so the caller may reuse an id as
-        soon as `abort` hands the request back (architecture.md §Progress)."""
-        sched_id = req_id
-        while self._id_held(sched_id):
-            self._num_renamed += 1
-            sched_id = f"{req_id}#{self._num_renamed}"
-        return sched_id
-
     def _id_held(self, sched_id: ReqId) -> bool:
+        """Whether the layers below still go by `sched_id`: a new request then takes a fresh id,
+        so the caller may reuse an id as soon as `abort` hands the request back
+        (architecture.md §Progress)."""
         if sched_id in self.scheduler.requests:  # unfinished, or finished with steps in flight
             return True
         # a cancelled load in flight still claims its prefix under the old request's id
@@ -292,15 +279,14 @@ class EngineCore:
     def abort(self, req_id: str) -> FinishedRequest | None:
         """Stop a request now and forget it; returns it as it ended (None: unknown, or already
         handed out as finished). Its blocks return once no step in flight can touch them."""
-        prepared = self._prepared.pop(req_id, None)
+        prepared = self.book.take_prepared(req_id)
         if prepared is not None:  # prepared, never added: only its grammar's hold to drop
             self.grammars.release(prepared)
-        sched_id = self._ids.pop(req_id, None)
-        if sched_id is None:
+        state = self.book.pop_caller(req_id)
+        if state is None:
             return None
-        state = self._requests.pop(sched_id)
         self._release_grammar(state)
-        self.scheduler.abort(sched_id)
+        self.scheduler.abort(state.request.request_id)
         state.finish_reason = "abort"
         return state.finished()
 
@@ -351,7 +337,7 @@ class EngineCore:
         """Execute a scheduled step; stamps the requests it schedules for the first time."""
         now = time.monotonic()
         for new in output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
+            state = self.book.get(new.req_id)
             if state is not None and state.scheduled_time is None:
                 state.scheduled_time = now
         return self.runner.execute(output)
@@ -362,12 +348,12 @@ class EngineCore:
         self.num_draft_tokens += result.num_draft_tokens
         self.num_accepted_tokens += result.num_accepted_tokens
         for req_id, chunk in result.prompt_logprobs.items():
-            state = self._requests.get(req_id)
+            state = self.book.get(req_id)
             if state is not None and state.finish_reason is None:
                 state.add_prompt_logprobs(chunk)
         outs: list[StepOutput] = []
         for out in self.scheduler.update(output, result):
-            state = self._requests.get(out.req_id)
+            state = self.book.get(out.req_id)
             if state is None or (state.finish_reason is not None and not out.finished):
                 continue
             by_token = out.finished is RequestStatus.FINISHED_STOPPED
@@ -388,8 +374,7 @@ class EngineCore:
                 state.prompt_logprobs_sent = True  # complete: the prefill ended with this token
                 step_out.prompt_logprobs = list(state.prompt_logprobs)
             if finished:
-                del self._requests[out.req_id]
-                del self._ids[state.req_id]
+                self.book.remove(state)
                 self._release_grammar(state)
                 step_out.result = state.finished()
             outs.append(step_out)
@@ -458,7 +443,7 @@ class EngineCore:
             self.scheduler,
             self.kv,
             self.host_tier,
-            num_requests=len(self._requests),
+            num_requests=len(self.book),
             num_pending_copies=self.runner.transfers.num_pending,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,

@@ -1,13 +1,17 @@
-"""The engine's books per request (`RequestState`) and what it hands its callers: a `StepOutput`
-per request per step, the last one carrying the `FinishedRequest`. `EngineCore` forgets a request
-when it hands out its `FinishedRequest`; callers never hold or remove engine state."""
+"""The engine's books per request (`RequestState`, kept in a `RequestBook` by both of its ids)
+and what it hands its callers: a `StepOutput` per request per step, the last one carrying the
+`FinishedRequest`. `EngineCore` forgets a request when it hands out its `FinishedRequest`; callers
+never hold or remove engine state."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.engine.params import SamplingParams
+from kvtier.ids import ReqId
 from kvtier.model import IncrementalDetokenizer
+from kvtier.sampling import GrammarSpec
 from kvtier.sched.output import PromptLogprobs, TokenLogprobs
 from kvtier.sched.request import Request, RequestStatus
 
@@ -99,3 +103,62 @@ class RequestState:
             prompt_logprobs=None if prompt is None else list(prompt),
             scheduled_time=self.scheduled_time,
         )
+
+
+class RequestBook:
+    """The requests added and whose final output is not handed out yet, by the id the scheduler
+    knows each by and by the caller's id; and the grammars held for ids prepared, not yet added.
+    The two ids differ only when a caller reuses an id while an aborted request's steps, load
+    or stores still go by it (`sched_id`, architecture.md §Progress)."""
+
+    def __init__(self) -> None:
+        self._states: dict[ReqId, RequestState] = {}
+        self._ids: dict[str, ReqId] = {}
+        self._num_renamed = 0
+        self._prepared: dict[str, GrammarSpec] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def in_use(self, req_id: str) -> bool:
+        """Whether a request added by the caller's id `req_id` is unfinished or not handed out."""
+        return req_id in self._ids
+
+    def sched_id(self, req_id: str, held: Callable[[ReqId], bool]) -> ReqId:
+        """The id for a new request of the caller's id `req_id`: that id, unless the layers below
+        still hold it (`held`), then a fresh one."""
+        sched_id = req_id
+        while held(sched_id):
+            self._num_renamed += 1
+            sched_id = f"{req_id}#{self._num_renamed}"
+        return sched_id
+
+    def add(self, state: RequestState) -> None:
+        self._states[state.request.request_id] = state
+        self._ids[state.req_id] = state.request.request_id
+
+    def get(self, sched_id: ReqId) -> RequestState | None:
+        """The request the scheduler knows as `sched_id`, if still in the book."""
+        return self._states.get(sched_id)
+
+    def pop_caller(self, req_id: str) -> RequestState | None:
+        """Take out the request of the caller's id `req_id` (None: unknown or handed out)."""
+        sched_id = self._ids.pop(req_id, None)
+        return None if sched_id is None else self._states.pop(sched_id)
+
+    def remove(self, state: RequestState) -> None:
+        """Take out a request whose final output is handed out."""
+        del self._states[state.request.request_id]
+        del self._ids[state.req_id]
+
+    def prepare(self, req_id: str, spec: GrammarSpec | None) -> None:
+        """Keep the grammar `spec` (None: the request has none) for `req_id` until its add or
+        abort; ValueError if a grammar is kept for that id already."""
+        if req_id in self._prepared:
+            raise ValueError(f"request {req_id!r}: request id is already in use")
+        if spec is not None:
+            self._prepared[req_id] = spec
+
+    def take_prepared(self, req_id: str) -> GrammarSpec | None:
+        """The grammar prepared for `req_id` (None: none), no longer held here."""
+        return self._prepared.pop(req_id, None)

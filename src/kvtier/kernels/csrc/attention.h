@@ -78,10 +78,17 @@ static inline int64_t key_row(const Args *a, const int64_t *table, int64_t c) {
  * each one cold; two ahead measured best (docs/architecture.md §Kernels). */
 #define AHEAD 2
 
+/* Where prefetch_pairs asks for the lines: every cache level (the AMX path, where the hint
+ * measured no difference), or L2 and below (the pairs path: on a Zen 4 a decode's requests
+ * for L1, 64 lines a chunk, stalled the core when its miss buffers filled; into L2 a 64-row
+ * decode's attention took two thirds of the time, docs/kernels.md). */
+enum { TO_L1 = 0, TO_L2 = 1 };
+
 /* Request the lines of head h's keys and values (bfloat16 or fp8) in the chunk starting at key c
- * (of < kmax); returns the next chunk's first key. */
-static inline int64_t prefetch_pairs(const Args *a, const int64_t *table, int64_t h, int64_t c,
-                                     int64_t kmax) {
+ * (of < kmax) into `level` (a constant: each path inlines its own); returns the next chunk's
+ * first key. */
+static inline __attribute__((always_inline)) int64_t prefetch_pairs(
+    const Args *a, const int64_t *table, int64_t h, int64_t c, int64_t kmax, const int level) {
     const int64_t D = a->head_dim, bs = a->block_size, row_size = a->kv_heads * D;
     const int64_t cn = chunk_len(c, kmax, bs), es = kv_bytes(a->kv_dtype);
     const char *k = (const char *)a->cache + key_row(a, table, c) * es;
@@ -89,8 +96,10 @@ static inline int64_t prefetch_pairs(const Args *a, const int64_t *table, int64_
         for (int64_t kv = 0; kv < 2; kv++) { /* key j, then value j */
             const char *row = k + ((kv * bs + j) * row_size + h * D) * es;
             for (uintptr_t line = (uintptr_t)row & ~(uintptr_t)63; line < (uintptr_t)(row + es * D);
-                 line += 64)
-                __builtin_prefetch((const void *)line);
+                 line += 64) {
+                if (level == TO_L2) __builtin_prefetch((const void *)line, 0, 2);
+                else __builtin_prefetch((const void *)line);
+            }
         }
     return c + cn;
 }

@@ -147,7 +147,7 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
     memset(s->acc, 0, sizeof(float) * (size_t)(rows * D));
     int64_t ahead = kmin;
     for (int64_t i = 0; i < AHEAD && ahead < kmax; i++)
-        ahead = prefetch_pairs(a, table, h, ahead, kmax);
+        ahead = prefetch_pairs(a, table, h, ahead, kmax, TO_L1);
     for (int64_t seg0 = kmin; seg0 < kmax;) {
         /* every chunk of the segment: its scores, transposed to one row per query row; its
          * values as B tiles */
@@ -159,7 +159,7 @@ static void attend_amx(const Args *a, const uint16_t *const *q, int64_t nq, int6
         for (; c0 < kmax && nc < AMX_SEG; nc++) {
             const int64_t cn = chunk_len(c0, kmax, bs);
             const int64_t kbase = key_row(a, table, c0);
-            if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
+            if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax, TO_L1);
             const int64_t kh = kbase + h * D;
             const uint16_t *src = (const uint16_t *)a->cache + kh;
             int64_t stride = row_size * 2;

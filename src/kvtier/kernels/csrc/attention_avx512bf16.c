@@ -148,13 +148,13 @@ static void attend_pairs(const Args *a, const uint16_t *const *q, int64_t nq, in
     const int64_t rows = nq * G;
     int64_t ahead = kmin; /* the first key of the next chunk to prefetch */
     for (int64_t i = 0; i < AHEAD && ahead < kmax; i++)
-        ahead = prefetch_pairs(a, table, h, ahead, kmax);
+        ahead = prefetch_pairs(a, table, h, ahead, kmax, TO_L2);
     for (int64_t seg0 = kmin; seg0 < kmax;) {
         int64_t nc = 0, c0 = seg0;
         for (; c0 < kmax && nc < SEG; nc++) {
             const int64_t cn = chunk_len(c0, kmax, bs);
             const int64_t kbase = key_row(a, table, c0);
-            if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax);
+            if (ahead < kmax) ahead = prefetch_pairs(a, table, h, ahead, kmax, TO_L2);
             const int64_t kh = kbase + h * D;
             keys_pairs(a->cache, kh, a->kv_dtype, row_size, cn, D, s->kp);
             values_pairs(a->cache, kh + bs * row_size, a->kv_dtype, row_size, cn, D,

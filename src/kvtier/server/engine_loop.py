@@ -22,7 +22,6 @@ from kvtier.engine.core import EngineCore
 from kvtier.engine.params import EngineArgs
 from kvtier.engine.requests import FinishedRequest, StepOutput
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.sched.output import TokenLogprobs
 from kvtier.server.errors import APIError
 from kvtier.server.events import (
     Delta,
@@ -31,12 +30,12 @@ from kvtier.server.events import (
     Sink,
     Started,
     Submission,
-    TokenLogprob,
     Usage,
     engine_failed,
     put_all,
 )
 from kvtier.server.liveness import ITERATION_TIMEOUT_S, Heartbeat, stall_reason, warm_up
+from kvtier.server.logprobs import prompt_logprobs, token_logprobs
 from kvtier.server.metrics import EngineMetrics
 from kvtier.server.vllm_metrics import DEFAULT_NAMES, MetricNames, RequestRecord
 
@@ -401,9 +400,9 @@ class EngineLoop:
                 live.last_token = now
             delta = Delta(out.new_text, list(out.new_token_ids))
             if out.new_logprobs is not None:
-                delta.logprobs = _token_logprobs(decode, out.new_token_ids, out.new_logprobs)
+                delta.logprobs = token_logprobs(decode, out.new_token_ids, out.new_logprobs)
             if out.prompt_logprobs is not None:
-                delta.prompt_logprobs = _prompt_logprobs(
+                delta.prompt_logprobs = prompt_logprobs(
                     decode, live.sub.token_ids, out.prompt_logprobs
                 )
             if out.result is not None:
@@ -434,42 +433,6 @@ def _record(live: _Live, result: FinishedRequest, now: float) -> RequestRecord:
         num_external_cached_tokens=result.num_external_cached_tokens,
         max_tokens=live.sub.params.max_tokens,
     )
-
-
-def _token_logprobs(
-    decode: Callable[..., str], token_ids: list[int], logprobs: list[TokenLogprobs]
-) -> list[TokenLogprob]:
-    """Each token with its logprob and top candidates, as text."""
-    return [
-        TokenLogprob(
-            decode([tok], skip_special_tokens=False),
-            lp.logprob,
-            [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
-            tok,
-            list(lp.top),
-        )
-        for tok, lp in zip(token_ids, logprobs)
-    ]
-
-
-def _prompt_logprobs(
-    decode: Callable[..., str], prompt: list[int], logprobs: list[TokenLogprobs | None]
-) -> list[TokenLogprob]:
-    """Every prompt token with its logprob and top candidates, the token's own first."""
-
-    def text(token_id: int) -> str:
-        return decode([token_id], skip_special_tokens=False)
-
-    def entry(tok: int, lp: TokenLogprobs) -> TokenLogprob:
-        top = {tok: lp.logprob} | lp.top
-        return TokenLogprob(
-            text(tok), lp.logprob, [(text(t), v) for t, v in top.items()], tok, list(top)
-        )
-
-    return [
-        TokenLogprob(text(tok), None, [], tok, []) if lp is None else entry(tok, lp)
-        for tok, lp in zip(prompt, logprobs, strict=True)
-    ]
 
 
 def layout_summary(engine: EngineCore) -> str:

@@ -1,12 +1,16 @@
-"""How logprobs render in responses: the legacy completion shape, chat's, and vLLM's
-`prompt_logprobs`; -inf becomes -9999.0 (JSON has no infinities) and tokens show as text or, on
-request, as vLLM's `token_id:<id>`. Pure functions of the engine's `TokenLogprob`s."""
+"""Logprobs from the engine to a response: the engine's per-token `TokenLogprobs` as the server's
+`TokenLogprob`s, with text (`token_logprobs`, `prompt_logprobs`, on the engine's thread), and how
+those render — the legacy completion shape, chat's, and vLLM's `prompt_logprobs`; -inf becomes
+-9999.0 (JSON has no infinities) and tokens show as text or, on request, as vLLM's
+`token_id:<id>`. Pure functions."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+from kvtier.sched.output import TokenLogprobs
 from kvtier.server.events import TokenLogprob
 
 # vLLM's floor for a logprob: -inf (a token the filters removed) renders as this finite value.
@@ -87,3 +91,39 @@ def vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any] | None]
             entry[str(i)] = {"logprob": finite_logprob(v), "rank": rank, "decoded_token": text}
         out.append(entry)
     return out
+
+
+def token_logprobs(
+    decode: Callable[..., str], token_ids: list[int], logprobs: list[TokenLogprobs]
+) -> list[TokenLogprob]:
+    """Each token with its logprob and top candidates, as text."""
+    return [
+        TokenLogprob(
+            decode([tok], skip_special_tokens=False),
+            lp.logprob,
+            [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
+            tok,
+            list(lp.top),
+        )
+        for tok, lp in zip(token_ids, logprobs)
+    ]
+
+
+def prompt_logprobs(
+    decode: Callable[..., str], prompt: list[int], logprobs: list[TokenLogprobs | None]
+) -> list[TokenLogprob]:
+    """Every prompt token with its logprob and top candidates, the token's own first."""
+
+    def text(token_id: int) -> str:
+        return decode([token_id], skip_special_tokens=False)
+
+    def entry(tok: int, lp: TokenLogprobs) -> TokenLogprob:
+        top = {tok: lp.logprob} | lp.top
+        return TokenLogprob(
+            text(tok), lp.logprob, [(text(t), v) for t, v in top.items()], tok, list(top)
+        )
+
+    return [
+        TokenLogprob(text(tok), None, [], tok, []) if lp is None else entry(tok, lp)
+        for tok, lp in zip(prompt, logprobs, strict=True)
+    ]

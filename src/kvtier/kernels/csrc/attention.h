@@ -80,8 +80,8 @@ static inline int64_t key_row(const Args *a, const int64_t *table, int64_t c) {
 
 /* Where prefetch_pairs asks for the lines: every cache level (the AMX path, where the hint
  * measured no difference), or L2 and below (the pairs path: on a Zen 4 a decode's requests
- * for L1, 64 lines a chunk, stalled the core when its miss buffers filled; into L2 a 64-row
- * decode's attention took two thirds of the time, docs/kernels.md). */
+ * for L1, 64 lines a chunk, stalled the core when its miss buffers filled; into L2 the tiny
+ * Llama's 64-row decode layers took two thirds of the time, docs/kernels.md). */
 enum { TO_L1 = 0, TO_L2 = 1 };
 
 /* Request the lines of head h's keys and values (bfloat16 or fp8) in the chunk starting at key c

@@ -82,8 +82,20 @@ static _Atomic int pool_yielding; /* host threads inside kvtier_pool_yield(1) â€
 static struct {
     int64_t wall_ns, alone_ns;   /* the window's timed jobs: wall, the caller's CPU for every item */
     int64_t alone_until, spell;  /* calls run alone until then; the next spell's length */
-    int64_t stats[3]; /* jobs with helpers (every POOL_SAMPLE-th timed), run alone by this rule; spells */
 } gain = {.spell = POOL_ALONE_MIN_NS};
+
+/* Jobs with helpers (every POOL_SAMPLE-th timed), jobs run alone by that rule, spells alone.
+ * Written only by the holder of pool_call, read by anyone without it: a reader that took the
+ * lock would make a concurrent kernel call run alone (pool_run's trylock). */
+enum { WITH_HELPERS, ALONE, SPELLS };
+static _Atomic int64_t pool_counts[3];
+
+/* counter i + 1 (the lock holder's); returns its value before */
+static int64_t pool_count(int i) {
+    const int64_t n = atomic_load_explicit(&pool_counts[i], memory_order_relaxed);
+    atomic_store_explicit(&pool_counts[i], n + 1, memory_order_relaxed);
+    return n;
+}
 
 void kvtier_pool_yield(int on) { atomic_fetch_add(&pool_yielding, on ? 1 : -1); }
 
@@ -112,7 +124,7 @@ static void pool_judge(int64_t now, int64_t wall, int64_t cpu, int64_t mine, int
     if (gain.wall_ns * 10 > gain.alone_ns * 9) {
         gain.alone_until = now + gain.spell;
         gain.spell = gain.spell * 2 < POOL_ALONE_MAX_NS ? gain.spell * 2 : POOL_ALONE_MAX_NS;
-        gain.stats[2]++;
+        pool_count(SPELLS);
     } else {
         gain.spell = POOL_ALONE_MIN_NS;
     }
@@ -120,9 +132,7 @@ static void pool_judge(int64_t now, int64_t wall, int64_t cpu, int64_t mine, int
 }
 
 void kvtier_pool_stats(int64_t *out) {
-    pthread_mutex_lock(&pool_call);
-    memcpy(out, gain.stats, sizeof gain.stats);
-    pthread_mutex_unlock(&pool_call);
+    for (int i = 0; i < 3; i++) out[i] = atomic_load_explicit(&pool_counts[i], memory_order_relaxed);
 }
 
 /* spin up to POOL_SPIN_NS until `done(arg)`; return whether it came */
@@ -196,12 +206,12 @@ void pool_run(ChunkFn fn, const void *ctx, int64_t items, int64_t chunk, int thr
     }
     const int64_t t0 = pool_ns();
     if (t0 < gain.alone_until) { /* helpers did not pay lately */
-        gain.stats[1]++;
+        pool_count(ALONE);
         pthread_mutex_unlock(&pool_call);
         fn(ctx, 0, items);
         return;
     }
-    const int timed = gain.stats[0]++ % POOL_SAMPLE == 0;
+    const int timed = pool_count(WITH_HELPERS) % POOL_SAMPLE == 0;
     pthread_mutex_lock(&pool.mu);
     if (pool.helpers == 0) pthread_atfork(NULL, NULL, pool_mark_forked);
     while (pool.helpers < threads - 1) {

@@ -93,37 +93,32 @@ def vllm_prompt_logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any] | None]
     return out
 
 
+def _with_text(
+    decode: Callable[..., str], tok: int, logprob: float | None, top: dict[int, float]
+) -> TokenLogprob:
+    """One token with its logprob and its candidates (id → logprob), each as text."""
+
+    def text(token_id: int) -> str:
+        return decode([token_id], skip_special_tokens=False)
+
+    return TokenLogprob(text(tok), logprob, [(text(t), v) for t, v in top.items()], tok, list(top))
+
+
 def token_logprobs(
     decode: Callable[..., str], token_ids: list[int], logprobs: list[TokenLogprobs]
 ) -> list[TokenLogprob]:
     """Each token with its logprob and top candidates, as text."""
-    return [
-        TokenLogprob(
-            decode([tok], skip_special_tokens=False),
-            lp.logprob,
-            [(decode([t], skip_special_tokens=False), v) for t, v in lp.top.items()],
-            tok,
-            list(lp.top),
-        )
-        for tok, lp in zip(token_ids, logprobs)
-    ]
+    return [_with_text(decode, tok, lp.logprob, lp.top) for tok, lp in zip(token_ids, logprobs)]
 
 
 def prompt_logprobs(
     decode: Callable[..., str], prompt: list[int], logprobs: list[TokenLogprobs | None]
 ) -> list[TokenLogprob]:
-    """Every prompt token with its logprob and top candidates, the token's own first."""
-
-    def text(token_id: int) -> str:
-        return decode([token_id], skip_special_tokens=False)
-
-    def entry(tok: int, lp: TokenLogprobs) -> TokenLogprob:
-        top = {tok: lp.logprob} | lp.top
-        return TokenLogprob(
-            text(tok), lp.logprob, [(text(t), v) for t, v in top.items()], tok, list(top)
-        )
-
+    """Every prompt token with its logprob and top candidates, the token's own first (the
+    first token has none)."""
     return [
-        TokenLogprob(text(tok), None, [], tok, []) if lp is None else entry(tok, lp)
+        _with_text(decode, tok, None, {})
+        if lp is None
+        else _with_text(decode, tok, lp.logprob, {tok: lp.logprob} | lp.top)
         for tok, lp in zip(prompt, logprobs, strict=True)
     ]

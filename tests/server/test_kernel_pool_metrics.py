@@ -7,23 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from kvtier.engine import LLM
 from kvtier.model import native
 from kvtier.server.metrics import EngineMetrics
-
-
-def _calls_with_helpers() -> None:
-    """A norm large enough to split (past the kernel's threshold for helpers), on two threads."""
-    kernels = native.kernels()
-    assert kernels is not None
-    x = torch.randn(1500, 512).bfloat16()
-    native.set_threads(2)
-    try:
-        kernels.rms_norm(x, torch.ones(512).bfloat16(), 1e-6, False, None)
-    finally:
-        native.set_threads(None)
+from tests.model.test_native_pool import _norm
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="no C compiler")
@@ -32,7 +20,7 @@ def test_the_kernel_pool_counters_reach_the_snapshot_and_the_metrics() -> None:
     try:
         before = llm.engine.stats().kernel_pool
         assert set(before) == {"with_helpers", "alone", "spells_alone"}
-        _calls_with_helpers()
+        _norm(2)  # past the norm's threshold for helpers, on two threads
         stats = llm.engine.stats()
     finally:
         llm.engine.close()

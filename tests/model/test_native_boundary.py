@@ -171,6 +171,7 @@ CASES: dict[str, tuple[Callable[[], object], str]] = {
         lambda: native.top_k_top_p_(torch.randn(3, 100), torch.tensor([1, 2]), None),
         "top_k",
     ),
+    "draw u per row": (lambda: native.draw(torch.randn(3, 100), torch.rand(2)), "u must have"),
 }
 
 

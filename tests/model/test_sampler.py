@@ -384,3 +384,78 @@ def test_native_filter_leaves_rows_it_cannot_order():
     assert torch.equal(ours[:2].isnan(), x[:2].isnan())
     assert torch.equal(ours[0].nan_to_num(), x[0].nan_to_num()) and torch.equal(ours[1], x[1])
     assert torch.isfinite(ours[2]).sum() + torch.isinf(ours[2]).logical_and(ours[2] > 0).sum() == 2
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize(
+    ("bad", "expected"), [("nan", 5), ("inf", 3), ("-inf", 0)], ids=["nan", "inf", "all_-inf"]
+)
+def test_a_row_without_a_distribution_draws_its_argmax_inside_the_vocabulary(
+    bad, expected, kernel, monkeypatch
+):
+    """A row holding a NaN or +inf (a model's overflow), or only -inf, has no softmax to draw
+    from: it draws its argmax as torch answers it (the first NaN, else the first maximum), never
+    the vocabulary's size — an id no embedding holds, which the next step would look up. The
+    other rows draw as usual."""
+    if kernel and native.kernels() is None:
+        pytest.skip("the native kernels are not built here")
+    if not kernel:
+        monkeypatch.setattr(native, "draw", lambda x, u: None)
+        monkeypatch.setattr(native, "top_k_top_p_", lambda x, k, p: None)
+    logits = logits_rows(3, seed=1)
+    if bad == "nan":
+        logits[1, [5, 9]] = float("nan")
+    elif bad == "inf":
+        logits[1, [3, 11]] = float("inf")
+    else:
+        logits[1] = float("-inf")
+    for params in (
+        DrawParams(temperature=1.0),
+        DrawParams(temperature=0.7, seed=3),
+        DrawParams(temperature=1.0, top_p=0.5),
+        DrawParams(temperature=1.0, top_k=4, min_p=0.1),
+    ):
+        out = draw(logits.clone(), [params] * 3, positions=[4, 5, 6]).token_ids
+        assert out[1] == expected, params
+        assert ((out >= 0) & (out < VOCAB)).all(), params
+
+
+@pytest.mark.parametrize("vocab", [16, 5000, 151_936, 600_000])  # one block, many, grown blocks
+def test_native_draw_lands_where_the_cumulative_softmax_crosses_u(vocab):
+    """`native.draw` answers the inverse CDF of each row's softmax: the drawn token's cumulative
+    probability (float64) reaches u and the one before it does not, within float32 rounding of
+    the sums; filtered (-inf) tokens are never drawn, nor a token past the vocabulary, at u = 1
+    and at the smallest u either."""
+    if native.kernels() is None:
+        pytest.skip("the native kernels are not built here")
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen) * 3
+    x[1, ::2] = float("-inf")  # half the row filtered
+    x[2, : vocab - 3] = float("-inf")  # three tokens left, at the end
+    x[3, 1:] = float("-inf")  # one token left, the first
+    u = torch.rand(6, generator=gen).clamp_min(1e-6)
+    u[4], u[5] = 1.0, 2.0**-24
+    tokens = native.draw(x, u)
+    assert tokens is not None
+    cdf = torch.softmax(x.double(), -1).cumsum(-1)
+    for r, t in enumerate(tokens.tolist()):
+        assert 0 <= t < vocab and torch.isfinite(x[r, t]), (r, t)
+        assert cdf[r, t] >= u[r].item() - 1e-5, (r, t)
+        assert t == 0 or cdf[r, t - 1] < u[r].item() + 1e-5, (r, t)
+    assert tokens[3] == 0 and tokens[2] >= vocab - 3
+
+
+def test_seeded_draws_follow_the_softmax_across_seeds_and_positions():
+    """A seeded row's uniform is a hash of (seed, position): over many seeds at one position,
+    and one seed over many positions, the draws are distributed as the softmax (a weak hash
+    would bunch them)."""
+    row = logits_rows(1)
+    n = 4000
+    expected = torch.softmax(row[0] / 0.7, -1)
+    by_seed = draw(row.expand(n, VOCAB), [DrawParams(temperature=0.7, seed=s) for s in range(n)])
+    by_pos = draw(
+        row.expand(n, VOCAB), [DrawParams(temperature=0.7, seed=11)] * n, positions=list(range(n))
+    )
+    for out in (by_seed, by_pos):
+        freq = torch.bincount(out.token_ids, minlength=VOCAB).float() / n
+        assert (freq - expected).abs().max() < 0.03

@@ -63,6 +63,7 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
     "kvtier_act_mul": (None, (_P, _P, _I64, _I64, _INT, _INT, _INT)),
     "kvtier_argmax": (None, (_P, _I64, _I64, _I64, _P, _INT, _INT)),
     "kvtier_top_k_top_p": (_INT, (_P, _I64, _I64, _I64, _P, _P, _INT)),
+    "kvtier_draw": (None, (_P, _I64, _I64, _I64, _P, _P, _INT)),
     "kvtier_apply_bitmask": (None, (_P, _I64, _I64, _P, _I64, _P, _I64, _INT, _INT)),
     "kvtier_pool_yield": (None, (_INT,)),
     "kvtier_pool_stats": (None, (_P,)),

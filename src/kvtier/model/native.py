@@ -449,6 +449,24 @@ def top_k_top_p_(
     return x
 
 
+def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Each row's token of float32 logits x [n, vocab] (temperature applied, filtered tokens
+    -inf) for its uniform u [n] in (0, 1]: the first whose cumulative softmax reaches u (fused.c
+    `kvtier_draw`; a row with a NaN or +inf, or only -inf, its argmax). None, touching nothing,
+    where the kernels do not serve x (the caller takes torch's softmax and cumulative sum)."""
+    kernels = kernels_for(x) if x.dim() == 2 and x.dtype == torch.float32 else None
+    if kernels is None or x.stride(-1) != 1:
+        return None
+    u = u.to(CPU, torch.float32).contiguous()
+    _require(u.shape == (x.shape[0],),
+             f"u must have one value per row of x ({x.shape[0]}), got shape {tuple(u.shape)}")  # fmt: skip
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernels.lib.kvtier_draw(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), u.data_ptr(), out.data_ptr(), threads()
+    )
+    return out
+
+
 def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> bool:
     """`Kernels.apply_bitmask` where the kernels serve logits and mask (host CPU, float32 or
     bfloat16 rows contiguous, mask int32 contiguous): True once done; False, touching nothing,

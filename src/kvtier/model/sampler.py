@@ -134,11 +134,10 @@ def sample(
         tokens = native.argmax(logits)
         processed = logits
     else:
-        processed = processed_logits(logits, batch)
-        # softmax, not exp(log_softmax): torch's exp is slow on -inf, and after top-p most of
-        # a row's tokens are -inf
-        probs = torch.softmax(processed, dim=-1)  # [n, vocab]; 0 where filtered out
-        tokens = _inverse_cdf(probs, _uniforms(batch, generator, logits.device))
+        # in place where the ban's rule allows: a new [n, vocab] tensor costs its page faults
+        owned = (consume or logits is not given) and report is not logits
+        processed = processed_logits(logits, batch, in_place=owned)
+        tokens = _draw(processed, _uniforms(batch, generator, logits.device))
         if batch.any_greedy:
             tokens = torch.where(batch.greedy, native.argmax(logits), tokens)
     if not wanted:
@@ -163,9 +162,13 @@ def gather_logprobs(
     return chosen, top.values, top.indices
 
 
-def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf)."""
-    x = logits / batch.temperature[:, None]  # greedy rows carry temperature 1.0
+def processed_logits(
+    logits: torch.Tensor, batch: SamplingBatch, *, in_place: bool = False
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filters (filtered logits become -inf); with
+    `in_place` the temperature divides `logits` itself (greedy rows, at 1.0, keep their values)."""
+    t = batch.temperature[:, None]  # greedy rows carry temperature 1.0
+    x = logits.div_(t) if in_place else logits / t
     if batch.top_k is not None or batch.top_p is not None:
         filtered = native.top_k_top_p_(x, batch.top_k, batch.top_p)  # x is ours: in place
         if filtered is not None:
@@ -221,6 +224,19 @@ def _cut(
     return drop
 
 
+def _draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's token for its uniform: the native inverse CDF on the host, else torch's. A row
+    without a distribution (a NaN or +inf, or only -inf) draws its argmax either way."""
+    tokens = native.draw(processed, u)
+    if tokens is not None:
+        return tokens
+    # softmax, not exp(log_softmax): torch's exp is slow on -inf, and after top-p most of a
+    # row's tokens are -inf
+    tokens = _inverse_cdf(torch.softmax(processed, dim=-1), u)  # [n, vocab]; 0 where filtered
+    # a NaN softmax reaches no target: the search answers the vocabulary's size
+    return torch.where(tokens < processed.shape[-1], tokens, processed.argmax(dim=-1))
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token where its cumulative probability first reaches u (0, 1] of the row's
     mass: filtered tokens (probability 0) leave the sum flat, so they are never reached. One
@@ -236,9 +252,28 @@ def _uniforms(
 ) -> torch.Tensor:
     """[n] uniforms in (0, 1]: seeded rows from (seed, position) alone, others from `generator`."""
     u = 1.0 - torch.rand(len(batch.seeds), generator=generator, device=device)  # [0, 1) → (0, 1]
-    row_gen = torch.Generator(device=device)
-    for row, seed in enumerate(batch.seeds):
-        if seed is not None:
-            row_gen.manual_seed((seed * 1_000_003 + batch.positions[row]) % (1 << 63))
-            u[row] = 1.0 - torch.rand(1, generator=row_gen, device=device)[0]
+    rows = [row for row, seed in enumerate(batch.seeds) if seed is not None]
+    if rows:
+        values = [seeded_uniform(batch.seeds[r] or 0, batch.positions[r]) for r in rows]
+        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        u[index] = torch.tensor(values, dtype=u.dtype).to(device, non_blocking=True)
     return u
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit words whose every output bit depends on
+    every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform in (0, 1] a row seeded `seed` draws at `position`: a hash of the two, the same
+    on every device and in every batch. A torch generator seeded per row cost two calls a row
+    (a kernel launch each on a GPU), more than the rest of a step's draw."""
+    z = _mix64((_mix64(seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+    return ((z >> 11) + 1) / float(1 << 53)

@@ -497,3 +497,80 @@ int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t stride, const 
     parallel_rows(filter_rows, &a, rows, rows * n, 1 << 16, threads);
     return a.status;
 }
+
+/* ---- the random draw (sampling) --------------------------------------------------------------
+ * Each float32 row of processed logits (temperature applied, filtered tokens -inf) draws, for its
+ * uniform u in (0, 1], the first token at which the running sum of exp(x - max) reaches u times
+ * the row's sum: sampler.py's inverse CDF over the softmax, without writing the softmax, its
+ * cumulative sum or a search over it (three passes over the row, one of them sequential). Here
+ * one pass takes the maximum, one the sums of blocks of tokens (each block's a vector sum, the
+ * blocks added in double), and the walk adds block sums up to the block where the target falls,
+ * then that block's tokens one by one (a walk that ends past the block — its sum token by token
+ * rounds below its vector sum — goes on, and at the row's end takes its last token with any
+ * weight). A row holding a NaN or +inf, or only -inf, has no distribution: it draws its argmax,
+ * torch's answer (the first NaN, else the first maximum). A row's draw depends on its values
+ * and u alone, never on its batch or the threads. */
+
+#define DRAW_BLOCKS 1024 /* block sums a row keeps; blocks grow past 512 tokens to fit */
+
+typedef struct {
+    const float *x;
+    int64_t n, stride;
+    const float *u;
+    int64_t *out;
+} DrawArgs;
+
+static float draw_block_sum(const float *x, int64_t len, float m) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < len; i++) s += exp_approx(x[i] - m);
+    return s;
+}
+
+static int64_t draw_row(const float *x, int64_t n, float u) {
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    if (nan || m == INFINITY || m == -INFINITY) { /* no distribution: the argmax */
+        for (int64_t i = 0; i < n; i++)
+            if (nan ? x[i] != x[i] : x[i] == m) return i;
+        return 0;
+    }
+    int64_t block = (n + DRAW_BLOCKS - 1) / DRAW_BLOCKS;
+    block = block < 512 ? 512 : (block + 15) / 16 * 16;
+    const int64_t blocks = (n + block - 1) / block;
+    float sums[DRAW_BLOCKS];
+    double z = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t begin = b * block, len = begin + block < n ? block : n - begin;
+        sums[b] = draw_block_sum(x + begin, len, m);
+        z += sums[b];
+    }
+    const double target = (double)u * z; /* > 0: the maximum weighs 1 */
+    double cum = 0.0;
+    int64_t b = 0;
+    while (b < blocks - 1 && cum + sums[b] < target) cum += sums[b++];
+    int64_t last = -1;
+    for (int64_t i = b * block; i < n; i++) {
+        const float e = exp_approx(x[i] - m);
+        if (e > 0.0f) last = i;
+        cum += e;
+        if (cum >= target && e > 0.0f) return i;
+    }
+    return last;
+}
+
+static void draw_rows(const void *p, int64_t begin, int64_t end) {
+    const DrawArgs *a = (const DrawArgs *)p;
+    for (int64_t r = begin; r < end; r++) a->out[r] = draw_row(a->x + r * a->stride, a->n, a->u[r]);
+}
+
+void kvtier_draw(const float *x, int64_t rows, int64_t n, int64_t stride, const float *u,
+                 int64_t *out, int threads) {
+    DrawArgs a = {x, n, stride, u, out};
+    parallel_rows(draw_rows, &a, rows, rows * n, 1 << 16, threads);
+}

@@ -92,6 +92,9 @@ KVTIER_API void kvtier_argmax(const void *x, int64_t rows, int64_t n, int64_t st
                               int64_t *out, int dtype, int threads);
 KVTIER_API int kvtier_top_k_top_p(float *x, int64_t rows, int64_t n, int64_t stride,
                                   const int64_t *top_k, const float *top_p, int threads);
+/* each float32 row's token for its uniform u in (0, 1]: the inverse CDF of its softmax */
+KVTIER_API void kvtier_draw(const float *x, int64_t rows, int64_t n, int64_t stride,
+                            const float *u, int64_t *out, int threads);
 
 /* ---- the thread pool (pool.c) ------------------------------------------------------------- */
 

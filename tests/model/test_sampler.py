@@ -459,3 +459,14 @@ def test_seeded_draws_follow_the_softmax_across_seeds_and_positions():
     for out in (by_seed, by_pos):
         freq = torch.bincount(out.token_ids, minlength=VOCAB).float() / n
         assert (freq - expected).abs().max() < 0.03
+
+
+def test_min_p_filters_only_its_own_rows():
+    """min-p is a floor at max + ln(min_p) in each row's tempered logits: a row at 0 keeps every
+    token beside a row that filters, and a filtering row keeps exactly p ≥ min_p · p_max."""
+    logits = logits_rows(2, seed=12)
+    params = [DrawParams(temperature=0.8), DrawParams(temperature=0.8, min_p=0.3)]
+    processed = processed_logits(logits, SamplingBatch.from_params(params, [0, 0], VOCAB))
+    assert torch.isfinite(processed[0]).all()
+    probs = torch.softmax(logits[1].double() / 0.8, -1)
+    assert torch.equal(torch.isfinite(processed[1]), probs >= 0.3 * probs.max())

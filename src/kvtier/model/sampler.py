@@ -177,10 +177,9 @@ def processed_logits(
             x = _sorted_filter(x, batch.top_k, batch.top_p)
         else:
             x = _top_k_top_p(x, batch.top_k, batch.top_p)
-    if batch.min_p is not None:
-        probs = torch.softmax(x, dim=-1)
-        floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < floor, float("-inf"))
+    if batch.min_p is not None:  # p ≥ min_p · p_max ⇔ x ≥ max(x) + ln(min_p): no softmax
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(batch.min_p[:, None])  # -inf at 0
+        x = x.masked_fill_(x < floor, float("-inf"))  # x is ours (the division made or owns it)
     return x
 
 

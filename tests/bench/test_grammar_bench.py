@@ -25,4 +25,12 @@ def test_grammar_bench_decodes_every_token_in_both_modes(tmp_path: Path) -> None
         for mode in ("free", "json_schema"):
             run = row["rounds"][0][mode]
             assert run["output_tokens"] == 3 * 6 and run["finish_reasons"] == ["length"]
-        assert row["json_over_free"] > 0
+        low, high = row["json_over_free_quartiles"]
+        assert low == high == row["json_over_free"]  # one round: its ratio
+
+
+def test_quartiles_bracket_the_median() -> None:
+    from kvtier.bench.grammar import quartiles
+
+    assert quartiles([0.9]) == [0.9, 0.9]
+    assert quartiles([0.8, 0.9, 1.0, 1.1, 1.2]) == [0.9, 1.1]

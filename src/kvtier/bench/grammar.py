@@ -5,7 +5,8 @@ Every request decodes exactly `--output-len` tokens in both modes: free ones ign
 schema (an array of at least `--min-items` small objects) cannot end sooner, so the ratio is the
 grammar's cost per token (the mask fill, the logits mask, the sampled tokens read back inside
 the forward op). Both modes run on one engine, alternating for `--rounds` rounds on new prompts;
-the cost is the median of the paired ratios. Prints a table and saves JSON; asserts nothing.
+the cost is the median of the paired ratios, with their quartiles (the spread one run holds).
+Prints a table and saves JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -105,7 +106,21 @@ def run_one(path: str, vocab: int, depth: int, args: argparse.Namespace) -> dict
         x["json_schema"]["output_tokens_per_s"] / x["free"]["output_tokens_per_s"] for x in rounds
     ]
     llm.engine.close()
-    return {"async_depth": depth, "rounds": rounds, "json_over_free": statistics.median(ratios)}
+    return {
+        "async_depth": depth,
+        "rounds": rounds,
+        "json_over_free": statistics.median(ratios),
+        # the middle half of the paired ratios: how far one round's hiccup moves a ratio here
+        "json_over_free_quartiles": quartiles(ratios),
+    }
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles of `values` (both the value itself when there is one)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     if any(d not in (1, 2, 3) for d in depths) or args.concurrency < 1 or args.rounds < 1:
         raise ValueError("--depths takes 1, 2 or 3; --concurrency and --rounds must be ≥ 1")
     rows = []
-    print(f"{'model':>18} {'depth':>5} {'free tok/s':>10} {'json tok/s':>10} {'json/free':>9}")
+    print(
+        f"{'model':>18} {'depth':>5} {'free tok/s':>10} {'json tok/s':>10} {'json/free':>9} "
+        f"{'quartiles':>13}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = str(models.model_path(name, Path(tmp)))
@@ -128,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                     f"{row['model']:>18} {depth:>5} "
                     f"{last['free']['output_tokens_per_s']:>10.1f} "
                     f"{last['json_schema']['output_tokens_per_s']:>10.1f} "
-                    f"{row['json_over_free']:>9.3f}"
+                    f"{row['json_over_free']:>9.3f} "
+                    "{:>6.3f}–{:<6.3f}".format(*row["json_over_free_quartiles"])
                 )
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench")}
     saved = save_json({"config": config, "schema": schema(args.min_items), "rows": rows}, args.out)

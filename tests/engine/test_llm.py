@@ -99,6 +99,25 @@ def test_seeded_sampling_is_reproducible_across_modes(gemma3: Path) -> None:
     assert c != a
 
 
+def test_a_nan_logit_under_sampling_finishes_the_request(llama: Path) -> None:
+    """Logits holding a NaN (an overflow, a bad weight) have no distribution to draw from: a
+    sampled request draws the NaN's token, as a greedy one does, and finishes. The inverse CDF
+    alone drew the vocabulary's size, and the next step's embedding lookup failed the op."""
+    llm = LLM(str(llama), **SMALL)
+    with torch.no_grad():
+        llm.engine.model.decoder.lm_head.weight[5] = float("nan")
+    vocab = llm.engine.model_config.vocab_size
+    for params in (
+        SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    ):
+        out = llm.generate({"prompt_token_ids": [3, 4, 6, 7]}, params, use_tqdm=False)
+        got = out[0].outputs[0]
+        assert got.finish_reason == "length" and got.token_ids[0] == 5, params
+        assert all(0 <= t < vocab for t in got.token_ids), params
+
+
 def test_logprobs_are_returned(llama: Path) -> None:
     llm = LLM(str(llama), **SMALL)
     out = llm.generate(

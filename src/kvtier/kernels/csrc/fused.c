@@ -388,14 +388,23 @@ static int64_t gather(const float *x, const float *e, int64_t n, float floor, Fi
     return c;
 }
 
-static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s) {
+/* a float32 row's maximum, and in *nan whether it holds a NaN (the filter and the draw leave
+ * such a row to its argmax) */
+static float row_max(const float *x, int64_t n, int *nan) {
     float m = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
+    int any = 0;
+#pragma omp simd reduction(max : m) reduction(| : any)
     for (int64_t i = 0; i < n; i++) {
-        nan |= x[i] != x[i];
+        any |= x[i] != x[i];
         m = x[i] > m ? x[i] : m;
     }
+    *nan = any;
+    return m;
+}
+
+static void filter_row(float *x, int64_t n, int64_t k, float p, FilterScratch *s) {
+    int nan;
+    const float m = row_max(x, n, &nan);
     if (nan || m == -INFINITY) return;
     const int use_k = k >= 1 && k < n, use_p = p < 1.0f && m != INFINITY;
     if (!use_k && !use_p) return;
@@ -528,13 +537,8 @@ static float draw_block_sum(const float *x, int64_t len, float m) {
 }
 
 static int64_t draw_row(const float *x, int64_t n, float u) {
-    float m = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-    for (int64_t i = 0; i < n; i++) {
-        nan |= x[i] != x[i];
-        m = x[i] > m ? x[i] : m;
-    }
+    int nan;
+    const float m = row_max(x, n, &nan);
     if (nan || m == INFINITY || m == -INFINITY) { /* no distribution: the argmax */
         for (int64_t i = 0; i < n; i++)
             if (nan ? x[i] != x[i] : x[i] == m) return i;

@@ -1,7 +1,7 @@
 """The lab beside the product: kvtier against vLLM (`compare`, with the peer harness `peers/`),
 the roofline experiments (`roofline`) and the engine's own experiments (`device`, `preempt`,
-`overlap`). Not in the wheel and never imported by `kvtier` (docs/architecture.md §Shipping):
-run `python -m benchmarks.<name>` from a git checkout.
+`overlap`, `sampler`). Not in the wheel and never imported by `kvtier` (docs/architecture.md
+§Shipping): run `python -m benchmarks.<name>` from a git checkout.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ BENCHMARKS = (
     "overlap",
     "admission",
     "grammar",
+    "sampler",
 )
 
 

@@ -1,6 +1,6 @@
-"""`kvtier bench compare · roofline · device · preempt · overlap`: these live in the lab,
-`benchmarks/` of a git checkout, not in the package; from a checkout this hands the process to
-`python -m benchmarks.<name>` (docs/architecture.md §Shipping). Nothing here imports the lab."""
+"""`kvtier bench compare · roofline · device · preempt · overlap · sampler`: these live in the
+lab, `benchmarks/` of a git checkout, not in the package; from a checkout this hands the process
+to `python -m benchmarks.<name>` (docs/architecture.md §Shipping). Nothing here imports the lab."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-LAB_BENCHMARKS = ("compare", "roofline", "device", "preempt", "overlap")
+LAB_BENCHMARKS = ("compare", "roofline", "device", "preempt", "overlap", "sampler")
 
 
 def checkout_root(package: Path | None = None) -> Path | None:

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier.bench import models, save_json
 from kvtier.bench.throughput import random_prompts
 
@@ -116,11 +118,8 @@ def run_one(path: str, vocab: int, depth: int, args: argparse.Namespace) -> dict
 
 
 def quartiles(values: list[float]) -> list[float]:
-    """The first and third quartiles of `values` (both the value itself when there is one)."""
-    if len(values) < 2:
-        return [values[0], values[0]]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return [q[0], q[2]]
+    """The first and third quartiles of `values`, interpolated as `bench serve`'s percentiles."""
+    return [float(q) for q in np.percentile(values, [25, 75])]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -100,9 +100,9 @@ def sample(
     leaves nothing to draw keeps its logits unadjusted (it never draws outside the vocabulary).
     Logprobs, for batches where a row asked, follow `logprobs_mode` (one of LOGPROBS_MODES): raw
     ones are taken from `logits` as given, before the ban, adjustments, temperature and filters.
-    With `consume` the caller hands `logits` over (it reads them no more): a ban writes -inf into
-    them in place instead of into a copy of the whole batch (0.5B shape at batch 64: 64 × 32,000
-    logits a step).
+    With `consume` the caller hands `logits` over (it reads them no more): a ban's -inf and the
+    temperature's division go into them in place instead of into copies of the whole batch (0.5B
+    shape at batch 64: 64 × 32,000 logits a step).
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
@@ -120,9 +120,7 @@ def sample(
             torch.tensor(b, dtype=torch.int64).to(logits.device, non_blocking=True) for b in banned
         )
         minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype)
-        # in place where nobody reads the unbanned values: the caller's tensor only if handed
-        # over, and never the one raw logits are reported from
-        owned = (consume or logits is not given) and report is not logits
+        owned = _owned(logits, given, report, consume)
         logits = (
             logits.index_put_(where, minus_inf) if owned else logits.index_put(where, minus_inf)
         )
@@ -134,8 +132,8 @@ def sample(
         tokens = native.argmax(logits)
         processed = logits
     else:
-        # in place where the ban's rule allows: a new [n, vocab] tensor costs its page faults
-        owned = (consume or logits is not given) and report is not logits
+        # in place where allowed: a new [n, vocab] tensor costs its page faults
+        owned = _owned(logits, given, report, consume)
         processed = processed_logits(logits, batch, in_place=owned)
         tokens = _draw(processed, _uniforms(batch, generator, logits.device))
         if batch.any_greedy:
@@ -148,6 +146,15 @@ def sample(
         report = torch.log_softmax(processed, dim=-1)  # only now: logprobs are wanted
     k = max(n for n in batch.num_logprobs if n is not None)
     return SamplerOutput(tokens, *gather_logprobs(report, tokens, k))
+
+
+def _owned(
+    logits: torch.Tensor, given: torch.Tensor, report: torch.Tensor | None, consume: bool
+) -> bool:
+    """Whether `sample` may write into `logits`: nobody reads their values after it. The
+    caller's tensor (`given`) only if handed over, and never the one raw logits are reported
+    from."""
+    return (consume or logits is not given) and report is not logits
 
 
 def gather_logprobs(
@@ -251,9 +258,10 @@ def _uniforms(
 ) -> torch.Tensor:
     """[n] uniforms in (0, 1]: seeded rows from (seed, position) alone, others from `generator`."""
     u = 1.0 - torch.rand(len(batch.seeds), generator=generator, device=device)  # [0, 1) → (0, 1]
-    rows = [row for row, seed in enumerate(batch.seeds) if seed is not None]
-    if rows:
-        values = [seeded_uniform(batch.seeds[r] or 0, batch.positions[r]) for r in rows]
+    seeded = [(row, seed) for row, seed in enumerate(batch.seeds) if seed is not None]
+    if seeded:
+        rows = [row for row, _ in seeded]
+        values = [seeded_uniform(seed, batch.positions[row]) for row, seed in seeded]
         index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         u[index] = torch.tensor(values, dtype=u.dtype).to(device, non_blocking=True)
     return u

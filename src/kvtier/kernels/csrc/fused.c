@@ -237,7 +237,19 @@ static inline float argmax_elem(const void *x, int64_t i, int dtype) {
     return dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-/* torch.argmax's answer: the first maximal element, or the first NaN if the row has one */
+/* torch.argmax's answer for a row of maximum m (`nan`: holding a NaN): the first NaN, else the
+ * first element equal to m */
+static int64_t argmax_find(const void *x, int64_t n, int dtype, float m, int nan) {
+    int64_t at = 0;
+    int64_t i = fused_argmax_find(x, n, dtype, m, nan, &at);
+    if (i < 0) return at;
+    for (; i < n; i++) {
+        const float v = argmax_elem(x, i, dtype);
+        if (nan ? v != v : v == m) return i;
+    }
+    return 0;
+}
+
 static void argmax_rows(const void *p, int64_t begin, int64_t end) {
     const ArgmaxArgs *a = (const ArgmaxArgs *)p;
     const int64_t n = a->n, size = a->dtype == 1 ? 2 : 4;
@@ -251,20 +263,7 @@ static void argmax_rows(const void *p, int64_t begin, int64_t end) {
             nan |= v != v;
             m = v > m ? v : m;
         }
-        int64_t at = 0;
-        i = fused_argmax_find(x, n, a->dtype, m, nan, &at);
-        if (i < 0) {
-            a->out[r] = at;
-            continue;
-        }
-        for (; i < n; i++) {
-            const float v = argmax_elem(x, i, a->dtype);
-            if (nan ? v != v : v == m) {
-                at = i;
-                break;
-            }
-        }
-        a->out[r] = at;
+        a->out[r] = argmax_find(x, n, a->dtype, m, nan);
     }
 }
 
@@ -539,11 +538,8 @@ static float draw_block_sum(const float *x, int64_t len, float m) {
 static int64_t draw_row(const float *x, int64_t n, float u) {
     int nan;
     const float m = row_max(x, n, &nan);
-    if (nan || m == INFINITY || m == -INFINITY) { /* no distribution: the argmax */
-        for (int64_t i = 0; i < n; i++)
-            if (nan ? x[i] != x[i] : x[i] == m) return i;
-        return 0;
-    }
+    if (nan || m == INFINITY || m == -INFINITY) /* no distribution */
+        return argmax_find(x, n, 0, m, nan);
     int64_t block = (n + DRAW_BLOCKS - 1) / DRAW_BLOCKS;
     block = block < 512 ? 512 : (block + 15) / 16 * 16;
     const int64_t blocks = (n + block - 1) / block;

@@ -127,10 +127,13 @@ def test_replica_and_router_command_lines(tmp_path: Path) -> None:
 
 def test_replicas_get_their_own_cpus_when_there_are_enough() -> None:
     """--replica-cpus split: disjoint equal shares (taskset on the command line; kvtier sizes its
-    threads from the affinity it starts with); fewer CPUs than replicas: no pinning."""
+    threads from the affinity it starts with); fewer CPUs than replicas: one CPU each, in turn,
+    so no replica starts a thread per core on cores the others use."""
     assert router.replica_cpus(2, [3, 1, 0, 2]) == [[0, 1], [2, 3]]
     assert router.replica_cpus(2, [0, 1, 2]) == [[0], [1]]
-    assert router.replica_cpus(4, [0, 1]) is None
+    assert router.replica_cpus(4, [1, 0]) == [[0], [1], [0], [1]]
+    assert router.replica_cpus(3, [5]) == [[5], [5], [5]]
+    assert router.replica_cpus(2, []) is None
 
 
 def test_a_pinned_replica_starts_under_taskset(tmp_path: Path) -> None:

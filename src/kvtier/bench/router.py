@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("split", "shared"),
         default="split",
         help="split: each replica pinned (taskset) to its own equal share of the usable CPUs, as "
-        "replicas get their own devices; shared: every replica on every CPU (default: %(default)s)",
+        "replicas get their own devices (with fewer CPUs than replicas, one CPU each, in turn); "
+        "shared: every replica on every CPU (default: %(default)s)",
     )
     parser.add_argument("--redis-server", default="redis-server", help="the binary to start")
     parser.add_argument("--vllm-router", default="vllm-router", help="the binary to start")
@@ -265,14 +266,18 @@ def _decision_outcomes(metrics_port: int) -> dict[str, float]:
 
 
 def replica_cpus(num_replicas: int, usable: list[int]) -> list[list[int]] | None:
-    """Each replica's own CPUs, an equal share of `usable` (the rest unused), or None where
-    there are fewer CPUs than replicas. Replicas sharing every CPU each start a thread per
-    core for the same cores, and their spinning kernel threads take turns on them: the run
-    then measures the oversubscription, not the routing."""
-    share = len(usable) // num_replicas
-    if share == 0:
+    """Each replica's own CPUs, an equal share of `usable` (the rest unused). With fewer CPUs
+    than replicas each replica gets one CPU, the replicas taking the CPUs in turn, so each runs
+    one thread and replicas on one CPU take turns on it as processes. Unpinned, they would
+    each start a thread per core for the same cores and their spinning kernel threads would take
+    turns on them: the run would measure that oversubscription, not the routing. None only
+    without any usable CPU."""
+    if not usable:
         return None
     ordered = sorted(usable)
+    share = len(ordered) // num_replicas
+    if share == 0:
+        return [[ordered[i % len(ordered)]] for i in range(num_replicas)]
     return [ordered[i * share : (i + 1) * share] for i in range(num_replicas)]
 
 

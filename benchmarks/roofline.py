@@ -10,7 +10,8 @@ A large batch is bound by arithmetic, not memory: every weight multiplies every 
 reports `compute_ms`, the step's multiply-adds (weights × rows, plus attention's) at this
 machine's measured bfloat16 matmul rate (the best of oneDNN's and the tile kernel's large linear,
 measured before every batch size: the best the CPU's matrix instructions gave in the run), and the
-fraction of the higher of the two bounds (`fraction_of_bound`). On a shared machine either
+fraction of the higher of the two bounds (`fraction_of_bound`); the linears with int8 activations
+(`w8a8_macs`) count at the W8A8 kernel's rate, measured the same way. On a shared machine either
 measurement can catch a slow minute; the best of the run is the closest to what the hardware gives.
 
 Where a step's time goes is the question a missed roofline raises, so each batch size also times
@@ -24,8 +25,10 @@ step's one-call layers do not).
 `--weights` compares weight formats in one run, each batch size's rows side by side (the box's
 load moves from minute to minute): bfloat16, `int8` (the model written as a compressed-tensors
 int8 checkpoint, W8A16, its LM head in bfloat16 as llm-compressor leaves it) and `int8-all`
-(that folder with `--quantization int8`, the LM head too); `speedup` is a row's tok/s over the
-first format's at its batch size."""
+(that folder with `--quantization int8`, the LM head too), `w8a8` (the model written as a
+compressed-tensors W8A8 checkpoint, activations int8 per token, LM head in bfloat16) and
+`w8a8-int8-head` (that folder with `--quantization int8`: the LM head int8, its inputs
+bfloat16); `speedup` is a row's tok/s over the first format's at its batch size."""
 
 from __future__ import annotations
 
@@ -46,11 +49,11 @@ from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.model import native
 from kvtier.model.layers import Linear
-from kvtier.model.quant import Int8Linear
+from kvtier.model.quant import W8A8_ACTIVATIONS, Int8Linear, w8a8_reference
 from kvtier.model.served import ServedDecoder
 from kvtier.model.testing import write_int8_model
 
-WEIGHTS = ("bfloat16", "int8", "int8-all")  # --weights: the formats a run compares
+WEIGHTS = ("bfloat16", "int8", "int8-all", "w8a8", "w8a8-int8-head")  # --weights: compared
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["bfloat16"],
         choices=WEIGHTS,
         help="weight formats compared in one run: bfloat16 (the model's dtype), int8 (a "
-        "compressed-tensors W8A16 copy, LM head in --dtype), int8-all (the LM head too)",
+        "compressed-tensors W8A16 copy, LM head in --dtype), int8-all (the LM head too), w8a8 (a "
+        "W8A8 copy: int8 activations per token, LM head in --dtype), w8a8-int8-head (its LM "
+        "head int8 with --dtype inputs)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=128)
@@ -120,6 +125,33 @@ def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
                 path()
                 best = min(best, time.perf_counter() - t0)
     return x.shape[0] * w.numel() / best
+
+
+def w8a8_rate(repeats: int = 5) -> float:
+    """Multiply-adds per second of the best of `repeats` large W8A8 linears (as `matmul_rate`'s,
+    int8 weights, bfloat16 activations quantized per row) through what runs them here: the W8A8
+    kernel where it is built (VPDPBUSD does twice VDPBF16PS's multiply-adds an instruction, so a
+    W8A8 linear's arithmetic is bounded at this rate, not at the bfloat16 one), else the torch
+    reference (oneDNN's integer GEMM)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 4096, generator=gen).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (4096, 4096), generator=gen, dtype=torch.int8)
+    scale = torch.full((4096,), 1e-3)
+    kernels = native.kernels()
+    packed = kernels.pack_linear_w8a8(q) if kernels is not None and kernels.w8a8_linear else None
+
+    def path() -> object:
+        if kernels is not None and packed is not None:
+            return kernels.linear_w8a8(x, packed, scale, 4096, None)
+        return w8a8_reference(x, q, scale, None)
+
+    path()  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        path()
+        best = min(best, time.perf_counter() - t0)
+    return x.shape[0] * q.numel() / best
 
 
 def linears(model: torch.nn.Module) -> list[Linear | Int8Linear]:
@@ -178,10 +210,11 @@ def weights_folder(path: Path, weights: str, tmp: Path) -> tuple[Path, str | Non
     """The folder and `--quantization` of a `--weights` format for the model at `path`."""
     if weights == "bfloat16":
         return path, None
-    folder = tmp / "int8"
+    w8a8 = weights.startswith("w8a8")
+    folder = tmp / ("w8a8" if w8a8 else "int8")
     if not folder.is_dir():
-        write_int8_model(path, folder)
-    return folder, "int8" if weights == "int8-all" else None
+        write_int8_model(path, folder, activations=dict(W8A8_ACTIVATIONS) if w8a8 else None)
+    return folder, "int8" if weights in ("int8-all", "w8a8-int8-head") else None
 
 
 def kv_bytes(model: Any, batch: int, context: float, element_bytes: int) -> float:
@@ -219,12 +252,18 @@ def decode_step_s(llm: Any, batch: int, args: argparse.Namespace, vocab: int, se
     return elapsed / max(tokens / batch, 1.0)
 
 
-def with_bounds(row: dict[str, Any], bandwidth: float, rate: float) -> dict[str, Any]:
+def with_bounds(
+    row: dict[str, Any], bandwidth: float, rate: float, int8_rate: float | None = None
+) -> dict[str, Any]:
     """`row`'s timings (step, linears) against the bounds at the run's best copy bandwidth and
-    matmul rate: the roofline, the compute bound, and the fractions of them reached."""
+    matmul rates (bfloat16, and W8A8's for the linears with int8 activations): the roofline, the
+    compute bound, and the fractions of them reached."""
     step, linear = row["step_ms"] / 1e3, row["linear_ms"] / 1e3
     roofline = (row["weight_bytes"] + row["kv_bytes"]) / bandwidth
-    compute = row["macs"] / rate
+    int8_macs = row.get("w8a8_macs", 0.0)
+    if int8_macs and int8_rate is None:
+        raise ValueError("rows with W8A8 linears need the W8A8 kernel's rate")
+    compute = (row["macs"] - int8_macs) / rate + (int8_macs / int8_rate if int8_macs else 0.0)
     return row | {
         "roofline_ms": roofline * 1e3,
         "fraction_of_roofline": roofline / step,
@@ -268,6 +307,7 @@ def measure(
         passes.append(linear_pass_s(layers, batch, dtype))
     step, linear = statistics.median(steps), statistics.median(passes)
     scales = [m.weight_scale for m in layers if isinstance(m, Int8Linear)]
+    int8_acts = [m for m in layers if isinstance(m, Int8Linear) and m.int8_activations]
     linear_bytes = sum(p.numel() * p.element_size() for p in [m.weight for m in layers] + scales)
     return {
         "batch": batch,
@@ -276,6 +316,7 @@ def measure(
         "step_ms": step * 1e3,
         "step_ms_rounds": [s * 1e3 for s in steps],
         "macs": step_macs(model, batch, weight_bytes(model, tied, elements=True), kv, kv_element),
+        "w8a8_macs": float(batch * sum(m.weight.numel() for m in int8_acts)),
         "linear_bytes": linear_bytes,
         "linear_ms": linear * 1e3,
         "linear_ms_rounds": [s * 1e3 for s in passes],
@@ -291,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     bandwidths: list[float] = []
     rates: list[float] = []
+    int8_rates: list[float] = []  # the W8A8 kernel's, where a format runs it
+    w8a8 = any(w.startswith("w8a8") for w in args.weights)
     with tempfile.TemporaryDirectory() as tmp:
         path = models.model_path(args.model, Path(tmp))
         threads = configure_torch_threads(args.threads, path)  # the engine's choice unless told
@@ -300,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
             # batch size and the best of the run taken for all (after the loop)
             bandwidths.append(copy_bandwidth(args.copy_mib))
             rates.append(matmul_rate(dtype))
+            if w8a8:
+                int8_rates.append(w8a8_rate())
             base = None  # the first format's row at this batch size
             for weights in args.weights:
                 folder, quantization = weights_folder(path, weights, Path(tmp))
@@ -311,9 +356,11 @@ def run(args: argparse.Namespace) -> int:
                       f"({row['output_tok_s']:.0f} tok/s, ×{rows[-1]['speedup']:.2f}), linears "
                       f"alone {row['linear_ms']:7.2f} ms", flush=True)  # fmt: skip
     bandwidth, rate = max(bandwidths), max(rates)
+    int8_rate = max(int8_rates) if int8_rates else None
     print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {threads} thread(s)); "
-          f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s (the best of the run)")  # fmt: skip
-    rows = [with_bounds(row, bandwidth, rate) for row in rows]
+          f"{args.dtype} matmul {2 * rate / 1e12:.2f} TFLOP/s (the best of the run)"
+          + (f"; W8A8 {2 * int8_rate / 1e12:.2f} TOP/s" if int8_rate else ""))  # fmt: skip
+    rows = [with_bounds(row, bandwidth, rate, int8_rate) for row in rows]
     for row in rows:
         print(
             f"batch {row['batch']:3d} {row['weights']}: {(row['weight_bytes'] + row['kv_bytes']) / 1e6:7.1f} MB/step "
@@ -334,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
         "copy_bandwidth_samples": bandwidths,
         "matmul_macs_s": rate,
         "matmul_macs_s_samples": rates,
+        "w8a8_macs_s": int8_rate,
+        "w8a8_macs_s_samples": int8_rates,
         "rows": rows,
     }
     print(f"saved {save_json(payload, args.out)}")

@@ -34,7 +34,11 @@ KV_DTYPES = ("float64", "float32", "bfloat16", "float16")  # a model's or KV poo
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # --kv-cache-dtype: auto is the model's (run) dtype; the resolved fp8 names are accepted too
 KV_CACHE_DTYPES = ("auto", *KV_DTYPES, *FP8_KV_DTYPES, *sorted(set(FP8_KV_DTYPES.values())))
-QUANTIZATIONS = ("compressed-tensors", "int8")  # --quantization (model/quant.py); None: config's
+QUANTIZATIONS = (
+    "compressed-tensors",
+    "int8",
+    "w8a8",
+)  # --quantization (model/quant.py); None: config's
 
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
 MAX_ASYNC_DEPTH = 3  # unprocessed steps at once (the runner's result ring is sized by it)

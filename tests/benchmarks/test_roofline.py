@@ -89,6 +89,32 @@ def test_bounds_from_one_row_s_timings() -> None:
     assert out["linear_roofline_ms"] == pytest.approx(8.0)
     assert out["linear_fraction_of_roofline"] == pytest.approx(0.2)
     assert out.items() >= row.items()
+    # W8A8 linears' multiply-adds count at their own rate
+    w8a8 = roofline.with_bounds(row | {"w8a8_macs": 1e6}, bandwidth=1e5, rate=1e8, int8_rate=2e8)
+    assert w8a8["compute_ms"] == pytest.approx(15.0)
+    with pytest.raises(ValueError, match="W8A8 kernel's rate"):
+        roofline.with_bounds(row | {"w8a8_macs": 1e6}, bandwidth=1e5, rate=1e8)
+
+
+def test_the_w8a8_rate_is_a_positive_rate() -> None:
+    assert roofline.w8a8_rate(repeats=1) > 0
+
+
+def test_a_w8a8_row_counts_its_int8_linears_at_the_w8a8_rate(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(roofline, "w8a8_rate", lambda: 4e9)
+    monkeypatch.setattr(roofline, "matmul_rate", lambda dtype: 1e9)
+    out = tmp_path / "rl.json"
+    rc = main(roofline, ["--model", "tiny-llama", "--batch-sizes", "2", "--weights", "bfloat16",
+                         "w8a8", "--input-len", "8", "--output-len", "3", "--rounds", "1",
+                         "--copy-mib", "8", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    base, w8a8 = res["rows"]
+    assert base["weights"] == "bfloat16" and base["w8a8_macs"] == 0
+    assert w8a8["weights"] == "w8a8" and 0 < w8a8["w8a8_macs"] < w8a8["macs"]
+    rest = w8a8["macs"] - w8a8["w8a8_macs"]
+    assert w8a8["compute_ms"] == pytest.approx((rest / 1e9 + w8a8["w8a8_macs"] / 4e9) * 1e3)
+    assert res["w8a8_macs_s"] == 4e9
 
 
 def test_linears_are_every_weight_once_and_a_pass_runs_them_all(tmp_path: Path) -> None:

@@ -46,15 +46,22 @@ def decode(model, steps: int, seqs: int = 5, block_size: int = 8) -> list[torch.
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_same_bits_as_the_python_layers(tiny_model_dir, served, arch, monkeypatch):
-    model = load_model(tiny_model_dir(arch), dtype="bfloat16")
-    fused = decode(model, steps=30)  # past the sliding windows (mistral, gemma2/3)
-    assert all(served), served  # the prompts' chunks too
+def assert_fused_bits(model, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """Every step of `decode` in one call a layer (the prompts' chunks too), with the bits of the
+    same steps on the layers' Python path."""
+    served = record_fused_runs(monkeypatch)
+    fused = decode(model, steps=steps)
+    assert all(served), served
     python_layers(monkeypatch)
-    python = decode(model, steps=30)
+    python = decode(model, steps=steps)
     for a, b in zip(fused, python, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_same_bits_as_the_python_layers(tiny_model_dir, arch, monkeypatch):
+    model = load_model(tiny_model_dir(arch), dtype="bfloat16")
+    assert_fused_bits(model, monkeypatch, steps=30)  # past the sliding windows (mistral, gemma)
 
 
 def test_batches_it_does_not_serve_take_the_python_path(tiny_model_dir, served, monkeypatch):

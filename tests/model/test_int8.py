@@ -22,7 +22,7 @@ from kvtier.model.testing import write_int8_model
 from tests.model.int8_reference import linear_i8_bits
 from tests.model.paged import PagedKV, record_fused_runs
 from tests.model.reference import hf_logits, hf_model
-from tests.model.test_fused_layer import decode, python_layers
+from tests.model.test_fused_layer import assert_fused_bits
 from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt
 
 kernels = native.kernels()
@@ -214,14 +214,7 @@ def test_bfloat16_int8_is_as_accurate_as_transformers_bfloat16(int8_dir, arch, m
 @needs_int8_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_the_one_call_layers_give_the_python_layers_bits(int8_dir, arch, monkeypatch):
-    model = load_model(int8_dir(arch), dtype="bfloat16")
-    served = record_fused_runs(monkeypatch)
-    fused = decode(model, steps=12)
-    assert all(served), served
-    python_layers(monkeypatch)
-    python = decode(model, steps=12)
-    for a, b in zip(fused, python, strict=True):
-        assert torch.equal(a, b)
+    assert_fused_bits(load_model(int8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
 
 
 def test_quantization_int8_quantizes_every_linear_as_it_loads(tiny_model_dir, int8_dir):
@@ -266,10 +259,7 @@ def _edit_config(folder: Path, dst: Path, **group: object) -> Path:
 
 
 def test_what_the_loader_refuses_names_the_fix(tiny_model_dir, int8_dir, tmp_path):
-    folder = int8_dir("qwen2")
-    w8a8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-    with pytest.raises(ValueError, match=r"quantizes activations \(W8A8\).*W8A16"):
-        load_model(_edit_config(folder, tmp_path / "a", input_activations=w8a8))
+    folder = int8_dir("qwen2")  # W8A8's refusals: tests/model/test_w8a8.py
     int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     with pytest.raises(ValueError, match="kvtier runs int8 symmetric channel-wise"):
         load_model(_edit_config(folder, tmp_path / "b", weights=int4))

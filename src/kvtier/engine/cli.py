@@ -37,7 +37,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=QUANTIZATIONS,
         help="weights' quantization (default: the checkpoint's config.json): compressed-tensors "
-        "int8 weights, or int8 to quantize a float checkpoint's linears as it loads (W8A16)",
+        "int8 weights (W8A16 or W8A8), or int8 to quantize a float checkpoint's linears as it "
+        "loads (W8A16), or w8a8 to quantize them and their activations per token (W8A8)",
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "sim", "cuda"])
     parser.add_argument("--seed", type=int, default=0)

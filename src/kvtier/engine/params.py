@@ -176,7 +176,7 @@ class EngineArgs:
 
     model: str | None = None  # local HF folder; None = the embedded default model
     dtype: str = "auto"  # float32, bfloat16, float64, or auto (the checkpoint's)
-    # int8 weights: "compressed-tensors" or "int8" (model/loader.py); None: as config.json says
+    # int8 weights: "compressed-tensors", "int8" or "w8a8" (model/loader.py); None: config.json's
     quantization: str | None = None
     device: str = "cpu"  # cpu, sim (virtual device + sanitizer), cuda
     seed: int = 0

@@ -73,6 +73,9 @@ SIGNATURES: dict[str, tuple[CType | None, tuple[CType, ...]]] = {
     "kvtier_linear_i8_available": (_INT, ()),
     "kvtier_linear_i8_pack": (None, (_P, _I64, _I64, _P)),
     "kvtier_linear_i8": (_INT, (_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT)),
+    "kvtier_linear_w8a8_available": (_INT, ()),
+    "kvtier_linear_w8a8_pack": (None, (_P, _I64, _I64, _P)),
+    "kvtier_linear_w8a8": (_INT, (_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT)),
     "kvtier_linear_f32_available": (_INT, ()),
     "kvtier_linear_f32_pack": (None, (_P, _I64, _I64, _P)),
     "kvtier_linear_f32": (_INT, (_P, _I64, _I64, _P, _I64, _I64, _P, _P, _INT)),
@@ -90,7 +93,7 @@ LAYER_FIELDS: list[tuple[str, Any]] = [
     *((name, _P) for name in ("qkv_scale", "o_scale", "gate_up_scale", "down_scale")),
     *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
     *((name, _F) for name in ("eps", "scale", "softcap", "k_scale", "v_scale")),
-    *((name, _INT) for name in ("gemma", "qk_gemma", "act", "kv_dtype")),
+    *((name, _INT) for name in ("gemma", "qk_gemma", "act", "kv_dtype", "w8a8")),
 ]
 STEP_FIELDS: list[tuple[str, Any]] = [
     ("tables", _P),

@@ -66,6 +66,7 @@ class _Built:
         s.head_dim, s.inter = attn.head_dim, mlp.down_proj.in_features
         s.eps, s.scale, s.softcap = layer.input_layernorm.eps, attn.scale, attn.softcap or 0.0
         s.gemma, s.act = int(layer.input_layernorm.gemma), native.ACTIVATIONS[mlp.activation]
+        s.w8a8 = int(any(isinstance(lin, Int8Linear) and lin.int8_activations for lin in linears))
         self.kv_scales = (attn.k_scale, attn.v_scale)  # an fp8 cache's (`run` sets them)
         self.struct = s
         self.address = ctypes.addressof(s)
@@ -101,7 +102,12 @@ def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
     if attn.head_dim > native.MAX_HEAD_DIM or mlp.activation not in native.ACTIVATIONS:
         return False
     int8 = [m for m in layer.modules() if isinstance(m, Int8Linear)]
-    if int8 and not kernels.i8_linear:
+    w8a8 = {m.int8_activations for m in int8}
+    if len(w8a8) > 1:  # the struct says W8A16 or W8A8 for all of a layer's int8 linears
+        return False
+    if int8 and not (kernels.w8a8_linear if True in w8a8 else kernels.i8_linear):
+        return False
+    if True in w8a8 and any(m.in_features >= native.W8A8_MAX_K for m in int8):
         return False
     scaled = {id(p) for m in int8 for p in (m.weight, m.weight_scale)}
     return all(

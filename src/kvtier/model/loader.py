@@ -19,7 +19,14 @@ from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.hf_config import load_model_config
 from kvtier.model.kv_scales import apply_kv_scales, check_kv_cache_scheme, take_kv_scales
-from kvtier.model.quant import QUANTIZATIONS, Int8Linear, int8_config, int8_tensors, quantize_int8
+from kvtier.model.quant import (
+    QUANTIZATIONS,
+    Int8Linear,
+    int8_activations,
+    int8_config,
+    int8_tensors,
+    quantize_int8,
+)
 from kvtier.model.tokenizer import Tokenizer, load_tokenizer
 from kvtier.model.transformer import CausalLM
 
@@ -138,14 +145,18 @@ def load_model(
     check_kv_cache_scheme(config.hf_config, folder)
     kv_scales = take_kv_scales(raw, config.num_layers, folder)
     int8 = _fused_int8(int8_tensors(raw, folder), config.num_layers, folder)
+    qc = int8_config(config.hf_config, folder)
+    w8a8 = set(int8) if qc is not None and int8_activations(qc) else set()  # as checkpointed
     state = _fused_state(raw, config.num_layers, torch_dtype, folder)
-    if method == "int8":  # every linear the checkpoint holds in float, quantized as it loads
+    if method in ("int8", "w8a8"):  # every linear the checkpoint holds in float, quantized
         for name in [*_decoder_linears(config.num_layers), "lm_head"]:
             if name not in int8:  # a tied head gets its own int8 copy; lookups keep the table
                 w = state.pop(f"{name}.weight", None)
                 int8[name] = quantize_int8(state[_EMBED] if w is None else w)
+    if method == "w8a8":  # the decoder's linears; the head's logits keep bfloat16 inputs
+        w8a8 |= set(_decoder_linears(config.num_layers)) & set(int8)
     for name, (q, scale) in int8.items():
-        _make_int8(model, name)
+        _make_int8(model, name, int8_activations=name in w8a8)
         state[f"{name}.weight"], state[f"{name}.weight_scale"] = q, scale
     tied = spec.tie_word_embeddings and "lm_head" not in int8
     expected = set(model.state_dict())
@@ -171,7 +182,9 @@ def resolve_quantization(quantization: str | None, folder: Path) -> str | None:
     """What `--quantization` means for a folder: None follows its config.json (int8 weights where
     it has a compressed-tensors `quantization_config`); "compressed-tensors" requires one;
     "int8" takes a checkpoint's int8 weights as they are and quantizes every other linear as it
-    loads (symmetric, per output channel), the LM head included: decode reads it every step."""
+    loads (symmetric, per output channel), the LM head included: decode reads it every step;
+    "w8a8" does the same and runs every decoder linear on int8 activations, quantized a row at a
+    time as they arrive (the LM head's stay bfloat16: its logits are what is sampled)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization (--quantization) {quantization!r} is not supported; use one of "
@@ -303,15 +316,16 @@ def _fused_int8(
     return int8
 
 
-def _make_int8(model: nn.Module, name: str) -> None:
-    """Replace the linear `name` of `model` by an `Int8Linear` of its shape."""
+def _make_int8(model: nn.Module, name: str, int8_activations: bool) -> None:
+    """Replace the linear `name` of `model` by an `Int8Linear` of its shape (W8A8 with
+    `int8_activations`)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child, None)
     if not isinstance(old, nn.Linear):
         raise ValueError(f"{name} has int8 weights in the checkpoint but is not a linear here")
     with torch.device("meta"):
-        new = Int8Linear(old.in_features, old.out_features, bias=old.bias is not None)
+        new = Int8Linear(old.in_features, old.out_features, old.bias is not None, int8_activations)
     setattr(parent, child, new)
 
 

@@ -67,13 +67,15 @@ class Kernels:
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
     the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
     `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`: the
-    int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512)."""
+    int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512);
+    `w8a8_linear`: the int8 linear with int8 activations (W8A8) is built (AVX512-VNNI)."""
 
     lib: ctypes.CDLL
     path: Path
     tile_linear: str | None
     f32_linear: bool
     i8_linear: bool = False
+    w8a8_linear: bool = False
 
     def attention_tiles(self, use: bool | None = None) -> bool:
         """Whether the attention kernel runs its small work items (≤ 16 query rows: decodes and
@@ -282,16 +284,28 @@ class Kernels:
 
     def pack_linear_i8(self, weight: torch.Tensor) -> torch.Tensor:
         """An int8 weight [n, k] in the tiles of the int8 linear (needs `i8_linear`)."""
+        _require(self.i8_linear, "the int8 linear kernel is not built here (it needs AVX512-BF16 "
+                 "or AVX2): dequantize the weight and use F.linear")  # fmt: skip
+        return self._pack_int8(weight, self.lib.kvtier_linear_i8_pack, torch.int8)
+
+    def pack_linear_w8a8(self, weight: torch.Tensor) -> torch.Tensor:
+        """An int8 weight [n, k] in the tiles of the W8A8 linear, uint8 (needs `w8a8_linear`)."""
+        _require(self.w8a8_linear, "the W8A8 linear kernel is not built here (it needs "
+                 "AVX512-VNNI): use quant.w8a8_reference")  # fmt: skip
+        return self._pack_int8(weight, self.lib.kvtier_linear_w8a8_pack, torch.uint8)
+
+    @staticmethod
+    def _pack_int8(
+        weight: torch.Tensor, pack: Callable[..., None], dtype: torch.dtype
+    ) -> torch.Tensor:
         _host("weight", weight, torch.int8)
         _contiguous("weight", weight)
         _require(
             weight.dim() == 2, lambda: f"weight must be [n, k], got shape {tuple(weight.shape)}"
         )
-        _require(self.i8_linear, "the int8 linear kernel is not built here (it needs AVX512-BF16 "
-                 "or AVX2): dequantize the weight and use F.linear")  # fmt: skip
         n, k = weight.shape
-        packed = torch.empty(_packed_size(torch.int8, n, k), dtype=torch.int8)
-        self.lib.kvtier_linear_i8_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        packed = torch.empty(_packed_size(dtype, n, k), dtype=dtype)
+        pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
     def linear_i8(
@@ -305,20 +319,53 @@ class Kernels:
         """x [m, k] bfloat16 (rows contiguous) times the int8 weight [n, k]ᵀ packed by
         `pack_linear_i8`, column j scaled by scales[j] (float32 [n]), (+ bias) → [m, n]
         bfloat16."""
-        m = self._linear_inputs(x, packed, n, bias, torch.bfloat16, torch.int8)
+        return self._int8_linear(self.lib.kvtier_linear_i8, torch.int8, x, packed, scales, n,
+                                 bias, "dequantize, F.linear")  # fmt: skip
+
+    def linear_w8a8(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [m, k] bfloat16 (rows contiguous), each row quantized to int8 with its own scale,
+        times the int8 weight [n, k]ᵀ packed by `pack_linear_w8a8`, column j scaled by scales[j]
+        (float32 [n]), (+ bias) → [m, n] bfloat16; the bits of `quant.w8a8_reference`."""
+        _require(x.dim() < 2 or x.shape[1] < W8A8_MAX_K,
+                 lambda: f"the W8A8 linear sums k < {W8A8_MAX_K} products exactly in int32, "
+                 f"got k = {x.shape[1]}: use quant.w8a8_reference")  # fmt: skip
+        return self._int8_linear(self.lib.kvtier_linear_w8a8, torch.uint8, x, packed, scales, n,
+                                 bias, "quant.w8a8_reference")  # fmt: skip
+
+    def _int8_linear(
+        self,
+        fn: Callable[..., int],
+        weight_dtype: torch.dtype,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        instead: str,
+    ) -> torch.Tensor:
+        """One call of an int8-weight linear (`fn`, of kvtier.h's signature), its inputs checked;
+        `instead`: what to use where it is not built."""
+        m = self._linear_inputs(x, packed, n, bias, torch.bfloat16, weight_dtype)
         _host("scales", scales, torch.float32)
         _contiguous("scales", scales)
         _require(scales.numel() == n,
                  lambda: f"scales must have {n} elements, got {scales.numel()}")  # fmt: skip
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        status = self.lib.kvtier_linear_i8(
+        status = fn(
             x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(), n, x.shape[1],
             None if bias is None else bias.data_ptr(), out.data_ptr(), threads(),
         )  # fmt: skip
         if status == -2:
-            raise ValueError("the int8 linear kernel is not built here: dequantize, F.linear")
+            raise ValueError(f"{fn.__name__}: the kernel is not built here: {instead}")
         if status != 0:
-            raise MemoryError("kvtier_linear_i8: no scratch memory")
+            raise MemoryError(f"{fn.__name__}: no scratch memory")
         return out
 
     def linear_f32(
@@ -376,7 +423,7 @@ class Kernels:
         _require(packed.numel() == want,
                  lambda: f"packed has {packed.numel()} elements, a [{n}, {x.shape[1]}] weight "
                  f"packs into {want}: pack the weight with "
-                 f"{'pack_linear_i8' if weight_dtype == torch.int8 else 'pack_linear'}, and pass "
+                 f"{PACKERS.get(weight_dtype, 'pack_linear')}, and pass "
                  "its n")  # fmt: skip
         if bias is not None:
             _host("bias", bias, dtype)
@@ -385,9 +432,13 @@ class Kernels:
         return int(x.shape[0])
 
 
+PACKERS = {torch.int8: "pack_linear_i8", torch.uint8: "pack_linear_w8a8"}
+W8A8_MAX_K = 65536  # kvtier_linear_w8a8's int32 sums: 255 × 128 × k stays below 2^31
+
+
 def _packed_size(dtype: torch.dtype, n: int, k: int) -> int:
     """Elements of a [n, k] weight packed for the linear kernel of its dtype (kvtier.h): int8
-    and bfloat16 share the tiles."""
+    (W8A16), uint8 (W8A8) and bfloat16 share the tiles."""
     if dtype == torch.float32:
         return -(-n // 16) * k * 16
     return -(-n // 16) * -(-k // 32) * 512
@@ -552,4 +603,5 @@ def build(isa: str | None = None) -> Kernels | None:
         LINEAR_KINDS[lib.kvtier_linear_available()],
         lib.kvtier_linear_f32_available() == 1,
         lib.kvtier_linear_i8_available() == 1,
+        lib.kvtier_linear_w8a8_available() == 1,
     )

@@ -1,7 +1,8 @@
-"""Int8 weights with bfloat16 or float32 activations (W8A16): the linear that runs them, the one
+"""Int8 weights, with bfloat16 or float32 activations (W8A16) or with activations quantized to int8
+a row at a time as they arrive (W8A8, dynamic per token): the linear that runs them, the one
 checkpoint format read (compressed-tensors, symmetric per-output-channel int8, as llm-compressor
-writes it) and the quantizer both the `int8` load option and the test models use. It owns no
-model structure: the loader decides which linears are int8 (docs/kernels.md, "Linear layers,
+writes it) and the quantizer the `int8` and `w8a8` load options and the test models use. It owns
+no model structure: the loader decides which linears are int8 (docs/kernels.md, "Linear layers,
 int8 weights")."""
 
 from __future__ import annotations
@@ -16,9 +17,20 @@ from torch import nn
 from kvtier.config import QUANTIZATIONS
 from kvtier.model import native as native_kernels
 
-__all__ = ["QUANTIZATIONS", "Int8Linear", "int8_config", "int8_tensors", "quantize_int8"]
+__all__ = [
+    "QUANTIZATIONS",
+    "Int8Linear",
+    "int8_config",
+    "int8_tensors",
+    "quantize_int8",
+    "w8a8_reference",
+]
 CT_FORMATS = ("int-quantized", "pack-quantized")  # compressed-tensors' formats of int8 weights
 QMAX = 127  # symmetric int8: the scale maps a channel's largest |w| to 127
+# compressed-tensors' W8A8 activations that kvtier runs: int8, symmetric, one scale a token,
+# computed as each batch arrives (llm-compressor's W8A8 recipe; vLLM's dynamic per-token int8)
+W8A8_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                    "dynamic": True}  # fmt: skip
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,19 +47,55 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq int8 [m, k], scale float32 [m]) with x ≈ xq * scale[:, None]: each row's largest
+    magnitude over 127, x times the scale's inverse (taken in float64) rounded to nearest even
+    and clamped to [-128, 127], as vLLM's dynamic per-token int8 does it (compressed-tensors'
+    own fake quantization divides by 127.5). A row of zeros has scale 0; a row with a NaN or an
+    infinity has scale NaN (its outputs are NaN) and zeros."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    bad = ~torch.isfinite(amax)
+    scale = amax / QMAX
+    inverse = (1.0 / scale.double()).to(torch.float32)
+    q = torch.round(xf * inverse[:, None]).clamp(-QMAX - 1, QMAX)
+    q[bad | (amax == 0)] = 0
+    return q.to(torch.int8), scale.masked_fill(bad, float("nan"))
+
+
+def w8a8_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The W8A8 linear in torch ops, the kernel's bits (`native.linear_w8a8`): x's rows
+    quantized (`quantize_rows`), int32 sums of int8 products (exact), then (sum × column scale) ×
+    row scale in float32, the bias, one rounding to x's dtype."""
+    xq, xs = quantize_rows(x)
+    acc = torch._int_mm(xq, q.t())  # int8 × int8 → int32, exact (oneDNN's integer GEMM)
+    out = (acc.to(torch.float32) * scale.to(torch.float32)[None, :]) * xs[:, None]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A linear layer of int8 weights [n, k] and float32 scales [n] (weight = q * scale), any
-    activation dtype. bfloat16 rows on the host CPU go to the int8 tile kernel (linear_i8*.c:
-    int8 widened in registers, one float32 sum a column, scaled once) where it is built; anything
-    else multiplies a bfloat16/float32 copy dequantized per call (`dequantize`), which is what
-    the kernel computes up to the order of float32 sums and the weight's one rounding."""
+    activation dtype. W8A16: bfloat16 rows on the host CPU go to the int8 tile kernel
+    (linear_i8*.c: int8 widened in registers, one float32 sum a column, scaled once) where it is
+    built; anything else multiplies a bfloat16/float32 copy dequantized per call (`dequantize`),
+    which is what the kernel computes up to the order of float32 sums and the weight's one
+    rounding. W8A8 (`int8_activations`): each row of x is quantized to int8 first, on the W8A8
+    kernel (linear_w8a8_avx512.c) where it is built, else in torch ops with its bits
+    (`w8a8_reference`)."""
 
     _tiles: tuple[torch.Tensor, torch.Tensor] | None = None
     _tiles_of: tuple[int, int] | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, int8_activations: bool = False
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.int8_activations = int8_activations
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
         )
@@ -59,37 +107,54 @@ class Int8Linear(nn.Module):
         bias = self.bias
         if kernels is not None and (bias is None or bias.dtype == torch.bfloat16):
             packed, scale = self.tiles(kernels)
+            if self.int8_activations:
+                return kernels.linear_w8a8(x, packed, scale, self.out_features, bias)
             return kernels.linear_i8(x, packed, scale, self.out_features, bias)
+        if self.int8_activations:
+            rows = x.reshape(-1, self.in_features)
+            out = w8a8_reference(rows, self.weight, self.weight_scale, bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
         w = dequantize(self.weight, self.weight_scale, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     def _kernels(self, x: torch.Tensor) -> native_kernels.Kernels | None:
         """The native kernels where they take x's rows: bfloat16 [m, k] with contiguous rows, on
-        the host CPU, with the int8 linear built."""
+        the host CPU, with this linear's kernel (W8A16 or W8A8) built."""
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
             return None
         if x.device != native_kernels.CPU or self.weight.device != native_kernels.CPU:
             return None
+        if self.int8_activations and self.in_features >= native_kernels.W8A8_MAX_K:
+            return None
         kernels = native_kernels.kernels()
-        return kernels if kernels is not None and kernels.i8_linear else None
+        if kernels is None:
+            return None
+        return (
+            kernels
+            if (kernels.w8a8_linear if self.int8_activations else kernels.i8_linear)
+            else None
+        )
 
     def tiles(self, kernels: native_kernels.Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the int8 weight in the kernel's tiles, float32 scales), made on first use and again
-        whenever the weight or scale tensor is another one."""
+        """(the int8 weight in the kernel's tiles, W8A16's or W8A8's, float32 scales), made on
+        first use and again whenever the weight or scale tensor is another one."""
         key = (self.weight.data_ptr(), self.weight_scale.data_ptr())
         if self._tiles is None or self._tiles_of != key:
-            packed = kernels.pack_linear_i8(self.weight.detach().contiguous())
+            weight = self.weight.detach().contiguous()
+            pack = kernels.pack_linear_w8a8 if self.int8_activations else kernels.pack_linear_i8
+            packed = pack(weight)
             scale = self.weight_scale.detach().to(torch.float32).contiguous()
             self._tiles, self._tiles_of = (packed, scale), key
         return self._tiles
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int8 per-channel"
+        acts = ", int8 activations per token" if self.int8_activations else ""
+        return f"in={self.in_features}, out={self.out_features}, int8 per-channel{acts}"
 
 
 def int8_config(config: Mapping[str, Any], source: object) -> dict[str, Any] | None:
-    """A config.json's `quantization_config` if it is compressed-tensors int8 weight-only (the
-    scheme and format kvtier runs); None without one, or with only a `kv_cache_scheme` (KV
+    """A config.json's `quantization_config` if it is compressed-tensors int8 weights, weight-only
+    or with int8 activations per token (the schemes and formats kvtier runs); None without one, or with only a `kv_cache_scheme` (KV
     scales, model/kv_scales.py); a ValueError naming what is not supported otherwise."""
     qc = config.get("quantization_config")
     if qc is None:
@@ -98,8 +163,8 @@ def int8_config(config: Mapping[str, Any], source: object) -> dict[str, Any] | N
     if method != "compressed-tensors":
         raise ValueError(
             f"{source}: quantization_config.quant_method {method!r} is not supported; kvtier "
-            "loads compressed-tensors int8 weights (W8A16, channel-wise), or the unquantized "
-            "checkpoint with --quantization int8"
+            "loads compressed-tensors int8 weights (W8A16 or W8A8, channel-wise), or the "
+            "unquantized checkpoint with --quantization int8 or w8a8"
         )
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
@@ -114,16 +179,35 @@ def int8_config(config: Mapping[str, Any], source: object) -> dict[str, Any] | N
                 f"{fmt_here!r}; kvtier runs int8 symmetric channel-wise weights ({want}) in "
                 f"{list(CT_FORMATS)}"
             )
-        if group.get("input_activations") is not None:
-            raise ValueError(
-                f"{source}: quantization_config.config_groups.{name} quantizes activations "
-                "(W8A8); kvtier runs weight-only int8 (W8A16): use a W8A16 checkpoint"
-            )
+        acts = group.get("input_activations")
+        if acts is not None:
+            got = {key: acts.get(key) for key in W8A8_ACTIVATIONS}
+            if got != W8A8_ACTIVATIONS:
+                raise ValueError(
+                    f"{source}: quantization_config.config_groups.{name}.input_activations is "
+                    f"{got}; kvtier runs int8 activations quantized per token as they arrive "
+                    f"({W8A8_ACTIVATIONS}), or weight-only int8 (no input_activations)"
+                )
+    if len({_acts_int8(g) for g in groups.values()}) > 1:
+        raise ValueError(
+            f"{source}: quantization_config.config_groups mix int8 and unquantized activations; "
+            "kvtier runs one scheme a checkpoint (W8A16 or W8A8)"
+        )
     if not groups:
         if qc.get("kv_cache_scheme") is not None:  # KV scales only: the weights are as they are
             return None
         raise ValueError(f"{source}: quantization_config has no config_groups")
     return dict(qc)
+
+
+def int8_activations(config: Mapping[str, Any]) -> bool:
+    """Whether a checked `int8_config` quantizes the activations (W8A8, dynamic per token)."""
+    groups = config.get("config_groups") or {}
+    return any(_acts_int8(g) for g in groups.values())
+
+
+def _acts_int8(group: Mapping[str, Any]) -> bool:
+    return group.get("input_activations") is not None
 
 
 def unpack_int8(packed: torch.Tensor, shape: torch.Tensor | tuple[int, int]) -> torch.Tensor:

@@ -197,12 +197,18 @@ INT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def write_int8_model(
-    source: str | Path, folder: str | Path, fmt: str = "int-quantized", lm_head: bool = False
+    source: str | Path,
+    folder: str | Path,
+    fmt: str = "int-quantized",
+    lm_head: bool = False,
+    activations: dict[str, Any] | None = None,
 ) -> Path:
     """Copy the model folder `source` into `folder` with its decoder linears (and the lm_head if
     asked and untied) quantized to int8 in compressed-tensors' layout, as llm-compressor writes a
     W8A16 channel-wise scheme: `fmt` "int-quantized" (`weight` int8) or "pack-quantized"
-    (`weight_packed` int32 + `weight_shape`), `weight_scale` [n, 1] in the checkpoint's dtype."""
+    (`weight_packed` int32 + `weight_shape`), `weight_scale` [n, 1] in the checkpoint's dtype.
+    `activations`: the group's `input_activations` (W8A8_ACTIVATIONS: llm-compressor's W8A8
+    scheme, int8 per token, dynamic), None for weight-only."""
     from kvtier.model.quant import CT_FORMATS, pack_int8, quantize_int8
 
     if fmt not in CT_FORMATS:
@@ -238,7 +244,7 @@ def write_int8_model(
             "group_0": {
                 "targets": ["Linear"],
                 "weights": scheme,
-                "input_activations": None,
+                "input_activations": activations,
                 "output_activations": None,
                 "format": fmt,
             },

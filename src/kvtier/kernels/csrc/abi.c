@@ -23,7 +23,7 @@ static const Field layer_fields[] = {
     F(Layer, gate_up_scale), F(Layer, down_scale), F(Layer, hidden),
     F(Layer, heads), F(Layer, kv_heads), F(Layer, head_dim), F(Layer, inter), F(Layer, eps),
     F(Layer, scale), F(Layer, softcap), F(Layer, k_scale), F(Layer, v_scale), F(Layer, gemma),
-    F(Layer, qk_gemma), F(Layer, act), F(Layer, kv_dtype),
+    F(Layer, qk_gemma), F(Layer, act), F(Layer, kv_dtype), F(Layer, w8a8),
 };
 
 static const Field step_fields[] = {

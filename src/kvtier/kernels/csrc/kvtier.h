@@ -33,6 +33,7 @@ typedef struct { /* one layer: its weights (linears packed by kvtier_linear_pack
     float k_scale, v_scale;    /* an fp8 cache's per-tensor scales (1 for a bfloat16 one) */
     int gemma, qk_gemma, act;  /* norm flavours; act as kvtier_act_mul's */
     int kv_dtype;              /* the cache's elements: 1 bfloat16, 2 fp8 e4m3, 3 fp8 e5m2 */
+    int w8a8; /* 1: the int8 linears take int8 activations (kvtier_linear_w8a8_pack's tiles) */
 } Layer;
 
 typedef struct { /* one forward's attention inputs for one KV group (model/paged.py NativePlan) */
@@ -131,6 +132,11 @@ KVTIER_API void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int
 KVTIER_API int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m,
                                 const int8_t *packed, const float *scales, int64_t n, int64_t k,
                                 const uint16_t *bias, uint16_t *out, int threads);
+KVTIER_API int kvtier_linear_w8a8_available(void);
+KVTIER_API void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed);
+KVTIER_API int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m,
+                                  const uint8_t *packed, const float *scales, int64_t n, int64_t k,
+                                  const uint16_t *bias, uint16_t *out, int threads);
 /* 1: the batch-invariant float32 linear is built (AVX-512F), 0: not */
 KVTIER_API int kvtier_linear_f32_available(void);
 KVTIER_API void kvtier_linear_f32_pack(const float *w, int64_t n, int64_t k, float *packed);

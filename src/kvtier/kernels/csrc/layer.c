@@ -19,9 +19,13 @@ int64_t kvtier_layer_work(const Layer *L) {
     return elements * 2;
 }
 
-/* one of the layer's linears: int8 tiles where it has scales, else bfloat16 ones */
-static int linear(const void *w, const float *scale, const uint16_t *x, int64_t rows, int64_t n,
-                  int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
+/* one of the layer's linears: int8 tiles where it has scales (W8A8's where the layer says so),
+ * else bfloat16 ones */
+static int linear(const Layer *L, const void *w, const float *scale, const uint16_t *x,
+                  int64_t rows, int64_t n, int64_t k, const uint16_t *bias, uint16_t *out,
+                  int threads) {
+    if (scale && L->w8a8)
+        return kvtier_linear_w8a8(x, k, rows, (const uint8_t *)w, scale, n, k, bias, out, threads);
     if (scale) return kvtier_linear_i8(x, k, rows, (const int8_t *)w, scale, n, k, bias, out, threads);
     return kvtier_linear(x, k, rows, (const uint16_t *)w, n, k, bias, out, threads);
 }
@@ -43,7 +47,7 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
 
     kvtier_rms_norm(x, hid, 1, 0, first ? NULL : residual, L->input_norm, h, rows, hid, eps, gemma,
                     bf16, threads);
-    status |= linear(L->qkv, L->qkv_scale, h, rows, width, hid, L->qkv_bias, qkv, threads);
+    status |= linear(L, L->qkv, L->qkv_scale, h, rows, width, hid, L->qkv_bias, qkv, threads);
     const uint16_t *q = qkv, *k = qkv + qd, *v = qkv + qd + kvd;
     int64_t q_stride = width, k_stride = width;
     if (L->q_norm) {
@@ -76,7 +80,7 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
                                      S->seq_token, S->seq_qlen, S->seq_row, S->lo, S->hi,
                                      S->num_seqs, H, KVH, D, S->block_size, L->scale, L->softcap,
                                      bf16, L->kv_dtype, L->k_scale, L->v_scale, threads);
-    status |= linear(L->o, L->o_scale, attn, rows, hid, qd, L->o_bias, o, threads);
+    status |= linear(L, L->o, L->o_scale, attn, rows, hid, qd, L->o_bias, o, threads);
     if (L->pre_ff_norm) {
         kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_attn_norm, o2, rows, hid, eps, gemma, bf16,
                         threads);
@@ -87,15 +91,15 @@ static int layer_step(const Layer *L, const Step *S, const void *cos, const void
                         threads);
     }
     const int64_t inter = L->inter;
-    status |= linear(L->gate_up, L->gate_up_scale, h, rows, 2 * inter, hid, L->gate_up_bias,
+    status |= linear(L, L->gate_up, L->gate_up_scale, h, rows, 2 * inter, hid, L->gate_up_bias,
                      gate_up, threads);
     kvtier_act_mul(gate_up, act, rows, inter, L->act, bf16, threads);
     if (L->post_ff_norm) {
-        status |= linear(L->down, L->down_scale, act, rows, hid, inter, L->down_bias, o, threads);
+        status |= linear(L, L->down, L->down_scale, act, rows, hid, inter, L->down_bias, o, threads);
         kvtier_rms_norm(o, hid, 1, 0, NULL, L->post_ff_norm, out, rows, hid, eps, gemma, bf16,
                         threads);
     } else {
-        status |= linear(L->down, L->down_scale, act, rows, hid, inter, L->down_bias, out, threads);
+        status |= linear(L, L->down, L->down_scale, act, rows, hid, inter, L->down_bias, out, threads);
     }
     return status ? -1 : 0;
 }

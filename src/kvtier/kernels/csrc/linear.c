@@ -216,6 +216,53 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
     return status;
 }
 
+/* W8A8 (linear_w8a8_avx512.c), wherever AVX512-VNNI is built: int8 weights packed into the int8
+ * tiles' places as 8 quads of k by 16 columns a tile, each byte w + 128 (VPDPBUSD's unsigned
+ * operand), zero weights (128) past n and k. */
+int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8; }
+
+void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed) {
+    const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
+    for (int64_t nb = 0; nb < nbs; nb++)
+        for (int64_t kb = 0; kb < kbs; kb++)
+            for (int r = 0; r < 8; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int e = 0; e < 4; e++) {
+                        const int64_t col = nb * 16 + c, kk = kb * 32 + 4 * r + e;
+                        const int v = col < n && kk < k ? w[col * k + kk] : 0;
+                        packed[(nb * kbs + kb) * 512 + (r * 16 + c) * 4 + e] = (uint8_t)(v + 128);
+                    }
+}
+
+/* x as kvtier_linear's; packed by kvtier_linear_w8a8_pack; scales [n] float32 (column j's
+ * weights are its int8 values × scales[j]). Each row of x is quantized to int8 with its own
+ * scale first. k < 65536 (the int32 sums stay exact). Returns as kvtier_linear (-2: AVX512-VNNI
+ * not built, -3: k too large). */
+int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *packed,
+                       const float *scales, int64_t n, int64_t k, const uint16_t *bias,
+                       uint16_t *out, int threads) {
+    if (!LINEAR_W8A8) return -2;
+    if (k >= 65536) return -3;
+    Job job = {.x = x, .packed8 = (const int8_t *)packed, .scales = scales, .bias = bias,
+               .out = out, .m = m, .n = n, .k = k, .x_stride = x_stride};
+    const int64_t kpad = (k + 31) / 32 * 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((m * kpad + 63) / 64 * 64));
+    float *xs = malloc((size_t)m * sizeof(float));
+    int32_t *xsum = malloc((size_t)m * sizeof(int32_t));
+    int status = -1;
+    if (xq && xs && xsum) {
+        linear_w8a8_quantize_x(&job, xq, xs, xsum);
+        job.xq8 = xq, job.xs = xs, job.xsum = xsum;
+        int tiles, rows;
+        avx_block_shape(m, &tiles, &rows);
+        status = run_tiles(linear_w8a8_groups, job, tiles, rows, 1, 0, threads);
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+    return status;
+}
+
 /* float32 linears at any row count where AVX-512F or AVX2 is built (linear_f32_avx512.c says
  * why; linear_f32_avx2.c has its bits): the weight packed once as [Nb][K][16] (16 output
  * columns a vector, zero past N). */

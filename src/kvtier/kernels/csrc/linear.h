@@ -1,6 +1,6 @@
 /* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
  * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h; the int8
- * weights' paths are linear_i8_*.c;
+ * weights' paths are linear_i8_*.c, with int8 activations linear_w8a8_avx512.c;
  * docs/architecture.md §Kernels): a call's job and its items, and the float32 linear's job
  * (linear_f32_avx512.c, linear_f32_avx2.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
@@ -15,6 +15,9 @@ typedef struct {
     const int16_t *xq; /* int8 on VNNI: x in int16 [m][k blocks][32] and each block's scale */
     const float *xs;
     const float *xf; /* AVX2: x widened to float32, [m][k blocks × 32], zero past k */
+    const int8_t *xq8; /* W8A8: x's rows in int8 [m][k blocks × 32], zero past k; xs: a scale
+                        * a row; xsum: each row's sum of its int8 values */
+    const int32_t *xsum;
     uint16_t *out;
     int64_t m, n, k, x_stride;
     int tiles, rows; /* 16-column tiles per column group, rows per block (avx_groups) */
@@ -130,6 +133,18 @@ void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8_AVX2 0
 NO_GROUPS(linear_i8_avx2_groups)
+#endif
+
+#if defined(KVTIER_AVX512VNNI)
+#define LINEAR_W8A8 1 /* linear_w8a8_avx512.c */
+void linear_w8a8_quantize_x(const Job *a, int8_t *xq, float *xs, int32_t *xsum);
+void linear_w8a8_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_W8A8 0
+static inline void linear_w8a8_quantize_x(const Job *a, int8_t *xq, float *xs, int32_t *xsum) {
+    (void)a, (void)xq, (void)xs, (void)xsum;
+}
+NO_GROUPS(linear_w8a8_groups)
 #endif
 
 #if defined(KVTIER_AMX) && defined(KVTIER_AVX512VNNI)

@@ -1,0 +1,246 @@
+"""Int8 weights with int8 activations (W8A8, dynamic per token): the native W8A8 linear gives the
+bits of its torch reference (`w8a8_reference`: exact int32 sums, then the scales) at every row
+count, which is the dequantized product up to the rounding of x to int8; the compressed-tensors
+W8A8 folders `write_int8_model` writes load as W8A8 and run as transformers runs them (its
+compressed-tensors integration quantizes the activations as it goes); the one-call layers give
+the Python layers' bits; `--quantization w8a8`; what the loader refuses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine import LLM, SamplingParams
+from kvtier.model import native
+from kvtier.model.loader import load_model
+from kvtier.model.quant import (
+    W8A8_ACTIVATIONS,
+    Int8Linear,
+    quantize_int8,
+    quantize_rows,
+    w8a8_reference,
+)
+from kvtier.model.testing import write_int8_model
+from tests.model.reference import hf_logits, hf_model
+from tests.model.test_fused_layer import assert_fused_bits
+from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt
+from tests.model.test_int8 import _edit_config
+
+kernels = native.kernels()
+needs_w8a8_kernel = pytest.mark.skipif(
+    kernels is None or not kernels.w8a8_linear, reason="no W8A8 linear kernel here (AVX512-VNNI)"
+)
+ct = pytest.importorskip("compressed_tensors")  # the format's own reader (the dev extra has it)
+logging.getLogger("compressed_tensors").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="module")
+def w8a8_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
+    cache: dict[tuple[object, ...], Path] = {}
+
+    def make(arch: str, **config: object) -> Path:
+        key = (arch, tuple(sorted(config.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-w8a8")
+            source = tiny_model_dir(arch, **config)
+            cache[key] = write_int8_model(source, out, activations=dict(W8A8_ACTIVATIONS))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def int8_only(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
+    """The same weights, W8A16: the activations stay float."""
+
+    def make(arch: str) -> Path:
+        return write_int8_model(tiny_model_dir(arch), tmp_path_factory.mktemp(f"{arch}-w8a16"))
+
+    return make
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    q, scale = quantize_int8(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, q, scale, b
+
+
+@needs_w8a8_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 17, 64, 70])
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (200, 96, False), (33, 1000, True)])
+def test_the_w8a8_kernel_gives_the_reference_bits_at_every_batch(rows, n, k, bias) -> None:
+    assert kernels is not None
+    x, q, scale, b = _case(rows, n, k, bias)
+    out = kernels.linear_w8a8(x, kernels.pack_linear_w8a8(q), scale, n, b)
+    assert torch.equal(out, w8a8_reference(x, q, scale, b))
+    # a row's bits never depend on its batch
+    one = kernels.linear_w8a8(x[-1:].contiguous(), kernels.pack_linear_w8a8(q), scale, n, b)
+    assert torch.equal(one, out[-1:])
+
+
+@needs_w8a8_kernel
+def test_extreme_values_keep_the_sums_exact_and_strided_rows_are_read() -> None:
+    """Every weight and activation at its largest magnitude: the int32 sums are exact (the
+    kernel's unsigned offset included); a row view with a stride is read as its rows."""
+    assert kernels is not None
+    n, k = 48, 4000
+    q = torch.full((n, k), -127, dtype=torch.int8)
+    q[::2] = 127
+    scale = torch.full((n,), 0.01)
+    wide = torch.full((3, 2 * k), -1.0, dtype=torch.bfloat16)
+    x = wide[:, :k]
+    x[1] = 1.0
+    out = kernels.linear_w8a8(x, kernels.pack_linear_w8a8(q), scale, n, None)
+    assert torch.equal(out, w8a8_reference(x, q, scale, None))
+    assert out[0, 0].item() == pytest.approx(-127 * 127 * k * 0.01 / 127, rel=1e-2)
+
+
+@needs_w8a8_kernel
+def test_the_boundary_checks_the_w8a8_linear_inputs() -> None:
+    assert kernels is not None
+    x, q, scale, b = _case(2, 16, 64, True)
+    packed = kernels.pack_linear_w8a8(q)
+    assert packed.dtype == torch.uint8
+    with pytest.raises(ValueError, match=r"packed must be torch\.uint8"):  # W8A16 tiles: not these
+        kernels.linear_w8a8(x, kernels.pack_linear_i8(q), scale, 16, b)
+    with pytest.raises(ValueError, match="scales must have 16 elements"):
+        kernels.linear_w8a8(x, packed, scale[:8], 16, b)
+    wide = torch.zeros(1, 65536, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k < 65536 .* got k = 65536"):
+        kernels.linear_w8a8(wide, packed, scale, 16, None)
+    # such a linear runs on the reference instead
+    lin = Int8Linear(65536, 16, bias=False, int8_activations=True)
+    lin.weight.data = torch.ones(16, 65536, dtype=torch.int8)
+    lin.weight_scale.data = torch.ones(16)
+    assert lin(wide + 1).float().eq(65536).all()
+
+
+def test_the_reference_is_the_product_of_the_dequantized_operands() -> None:
+    """The reference multiplies x rounded to int8 per row by the dequantized weight: in float64
+    the same, to the output's bfloat16 rounding."""
+    x, q, scale, b = _case(9, 50, 300, True, seed=3)
+    xq, xs = quantize_rows(x)
+    assert xq.abs().max() <= 127 and torch.equal(xs, x.float().abs().amax(1) / 127)
+    exact = (xq.double() * xs.double()[:, None]) @ (q.double() * scale.double()[:, None]).T
+    got = w8a8_reference(x, q, scale, b).double()
+    torch.testing.assert_close(got, exact + b.double(), rtol=1e-2, atol=1e-2)
+    # and the activations' rounding is small next to x itself
+    assert ((xq.float() * xs[:, None]) - x.float()).abs().max() <= xs.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("native_path", [True, False])
+def test_a_nan_reaches_its_row_only_and_zeros_give_the_bias(native_path, monkeypatch) -> None:
+    if native_path and (kernels is None or not kernels.w8a8_linear):
+        pytest.skip("no W8A8 linear kernel here")
+    if not native_path:  # what runs where the kernel is not built: the reference
+        monkeypatch.setattr(native, "kernels", lambda: None)
+    x, q, scale, b = _case(4, 24, 64, True)
+    x[1, 5] = float("nan")
+    x[2] = 0.0
+    x[3, 0] = float("inf")
+    lin = Int8Linear(64, 24, bias=True, int8_activations=True)
+    lin.weight.data, lin.weight_scale.data, lin.bias.data = q, scale, b  # type: ignore[union-attr]
+    out = lin(x)
+    assert out[[1, 3]].isnan().all() and not out[[0, 2]].isnan().any()
+    assert torch.equal(out[2], b)
+    assert torch.equal(out[0], w8a8_reference(x[:1], q, scale, b)[0])
+
+
+def _quantizing_inputs(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' model with each decoder linear's input rounded to int8 per token by the
+    rule vLLM and kvtier use (`quantize_rows`), as a forward pre-hook."""
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((xq.to(x.dtype) * xs.to(x.dtype)[:, None]).reshape(x.shape),)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_float32_goldens_against_transformers(w8a8_dir, int8_only, arch):
+    """Golden: transformers' model of the same int8 weights (the W8A16 folder, dequantized by
+    compressed-tensors) with every decoder linear's input rounded to int8 per token as vLLM
+    does: the same logits up to float32's rounding and the same greedy tokens. transformers
+    running the W8A8 folder itself quantizes with compressed-tensors' scale (the largest
+    magnitude over 127.5), so its logits differ from ours by its activations' other rounding:
+    the greedy tokens of these random models, near ties among 256, mostly agree."""
+    folder = w8a8_dir(arch)
+    ours = load_model(folder, dtype=torch.float32)
+    lin = ours.model.layers[0].self_attn.qkv_proj
+    assert isinstance(lin, Int8Linear) and lin.int8_activations
+    assert not getattr(ours.lm_head, "int8_activations", False)  # the recipe leaves the head
+    prefill, decoded, tokens = generate_paged(ours, prompt(seed=1))
+    logits = torch.cat([prefill, decoded[:-1]])
+    golden = hf_logits(_quantizing_inputs(hf_model(int8_only(arch), torch.float32)), tokens)
+    torch.testing.assert_close(logits, golden[:-1], atol=1e-3, rtol=1e-3)
+    assert tokens[PROMPT_LEN:] == golden[PROMPT_LEN - 1 : -1].argmax(dim=-1).tolist()
+    theirs = hf_logits(hf_model(folder, torch.float32), tokens)
+    agree = torch.tensor(tokens[PROMPT_LEN:]) == theirs[PROMPT_LEN - 1 : -1].argmax(dim=-1)
+    assert agree.float().mean() >= 0.75
+
+
+@needs_w8a8_kernel
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_the_one_call_layers_give_the_python_layers_bits(w8a8_dir, arch, monkeypatch):
+    assert_fused_bits(load_model(w8a8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
+
+
+def test_the_engine_serves_a_w8a8_folder_as_the_golden_does(w8a8_dir, int8_only):
+    """Greedy tokens of the engine on the folder (by its config.json, and by the flag on the
+    W8A16 folder) are the golden's: transformers with vLLM's per-token rounding of each linear's
+    input."""
+    ids = prompt(seed=1)
+    ref = _quantizing_inputs(hf_model(int8_only("qwen2"), torch.float32))
+    expected = list(ids)
+    for _ in range(8):
+        expected.append(int(hf_logits(ref, expected)[-1].argmax()))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for folder, quantization in ((w8a8_dir("qwen2"), None), (int8_only("qwen2"), "w8a8")):
+        llm = LLM(str(folder), dtype="float32", max_model_len=64, num_device_blocks=32,
+                  quantization=quantization)  # fmt: skip
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == expected[len(ids) :]
+
+
+def test_quantization_w8a8_quantizes_the_decoder_and_the_head_weights(tiny_model_dir, w8a8_dir):
+    """`--quantization w8a8` on a float checkpoint: the decoder's linears are the W8A8 folder's,
+    the LM head int8 with bfloat16 inputs (its logits are what is sampled)."""
+    online = load_model(tiny_model_dir("llama"), dtype=torch.float32, quantization="w8a8")
+    stored = load_model(w8a8_dir("llama"), dtype=torch.float32)
+    lin = online.model.layers[0].mlp.down_proj
+    assert isinstance(lin, Int8Linear) and lin.int8_activations
+    assert isinstance(online.lm_head, Int8Linear) and not online.lm_head.int8_activations
+    a, b = online.state_dict(), stored.state_dict()
+    shared = [k for k in b if k.startswith("model.")]
+    assert shared and all(torch.equal(a[k], b[k]) for k in shared)
+    # --quantization int8 on the W8A8 folder keeps its scheme
+    kept = load_model(w8a8_dir("llama"), dtype=torch.float32, quantization="int8")
+    assert kept.model.layers[0].mlp.down_proj.int8_activations
+
+
+def test_what_the_loader_refuses_names_the_scheme(w8a8_dir, tmp_path):
+    folder = w8a8_dir("qwen2")
+    static = dict(W8A8_ACTIVATIONS, dynamic=False)
+    with pytest.raises(ValueError, match=r"input_activations is .*'dynamic': False.*per token"):
+        load_model(_edit_config(folder, tmp_path / "a", input_activations=static))
+    per_tensor = dict(W8A8_ACTIVATIONS, strategy="tensor")
+    with pytest.raises(ValueError, match=r"input_activations is .*'tensor'"):
+        load_model(_edit_config(folder, tmp_path / "b", input_activations=per_tensor))
+    mixed = _edit_config(folder, tmp_path / "c")
+    cfg = json.loads((mixed / "config.json").read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_1"] = dict(groups["group_0"], input_activations=None, targets=["re:.*down"])
+    (mixed / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mix int8 and unquantized activations"):
+        load_model(mixed)

@@ -67,14 +67,8 @@ static inline __attribute__((always_inline)) void avx_block(const Job *a, const 
     }
 }
 
-#define AVX_CASES3(R) BLOCK_CASE(avx_block, R, 1) BLOCK_CASE(avx_block, R, 2) BLOCK_CASE(avx_block, R, 3)
-#define AVX_CASES(R) AVX_CASES3(R) BLOCK_CASE(avx_block, R, 4)
-
 void linear_avx512bf16_block(const Job *a, const Block *b) {
-    switch (BLOCK_KEY(b->rows, b->tiles)) {
-        AVX_CASES(1) AVX_CASES(2) AVX_CASES(3) AVX_CASES(4) AVX_CASES(5) AVX_CASES(6)
-        AVX_CASES3(7) AVX_CASES3(8) /* 8 × 4 accumulators would not fit 32 registers */
-    }
+    switch (BLOCK_KEY(b->rows, b->tiles)) { BLOCK_CASES_8X4(avx_block) }
 }
 
 /* output column groups of a->tiles 16-column tiles, every row block of a->rows (linear_blocks) */

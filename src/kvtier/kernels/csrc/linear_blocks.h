@@ -35,6 +35,15 @@ void linear_avx512bf16_block(const Job *a, const Block *b);
         body(a, b, (R), (T));      \
         break;
 
+/* every register block the bfloat16 path's shapes make (linear.c avx_block_shape): 1-6 rows by
+ * 1-4 tiles, 7-8 rows by 1-3 (8 × 4 accumulators would not fit 32 registers) */
+#define BLOCK_CASES_T3(body, R) BLOCK_CASE(body, R, 1) BLOCK_CASE(body, R, 2) BLOCK_CASE(body, R, 3)
+#define BLOCK_CASES_T4(body, R) BLOCK_CASES_T3(body, R) BLOCK_CASE(body, R, 4)
+#define BLOCK_CASES_8X4(body)                                                                   \
+    BLOCK_CASES_T4(body, 1) BLOCK_CASES_T4(body, 2) BLOCK_CASES_T4(body, 3)                     \
+    BLOCK_CASES_T4(body, 4) BLOCK_CASES_T4(body, 5) BLOCK_CASES_T4(body, 6)                     \
+    BLOCK_CASES_T3(body, 7) BLOCK_CASES_T3(body, 8)
+
 #define BLOCK_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
 
 /* The block's prefetch share for k block kb of kbs: spread evenly over its k blocks */

@@ -116,14 +116,8 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, const
     }
 }
 
-#define W8A8_CASES3(R) BLOCK_CASE(w8a8_block, R, 1) BLOCK_CASE(w8a8_block, R, 2) BLOCK_CASE(w8a8_block, R, 3)
-#define W8A8_CASES(R) W8A8_CASES3(R) BLOCK_CASE(w8a8_block, R, 4)
-
 static void w8a8_run(const Job *a, const Block *b) {
-    switch (BLOCK_KEY(b->rows, b->tiles)) {
-        W8A8_CASES(1) W8A8_CASES(2) W8A8_CASES(3) W8A8_CASES(4) W8A8_CASES(5) W8A8_CASES(6)
-        W8A8_CASES3(7) W8A8_CASES3(8) /* 8 × 4 accumulators would not fit 32 registers */
-    }
+    switch (BLOCK_KEY(b->rows, b->tiles)) { BLOCK_CASES_8X4(w8a8_block) }
 }
 
 /* items [i0, i1) as the bfloat16 path runs them (linear_blocks), on the W8A8 tiles */

@@ -79,6 +79,19 @@ def test_model_labels_are_file_names() -> None:
     assert models.label("/data/models/Qwen2.5 0.5B/") == "Qwen2.5_0.5B"
 
 
+def test_a_w8a8_builtin_is_the_model_as_a_w8a8_checkpoint(tmp_path: Path) -> None:
+    from kvtier.bench import models
+    from kvtier.model.loader import load_model
+    from kvtier.model.quant import Int8Linear
+
+    folder = models.model_path("tiny-llama-w8a8", tmp_path)
+    assert models.label("tiny-llama-w8a8") == "tiny-llama-w8a8"
+    groups = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert groups["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    lin = load_model(folder, dtype="bfloat16").model.layers[0].mlp.down_proj
+    assert isinstance(lin, Int8Linear) and lin.int8_activations
+
+
 def test_profile_writes_the_functions_by_own_time(tmp_path: Path) -> None:
     prof = tmp_path / "profile.txt"
     rc = main(

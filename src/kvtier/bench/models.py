@@ -11,11 +11,14 @@ from typing import Any
 TINY_LLAMA = "tiny-llama"
 QWEN2_05B = "qwen2-0.5b-shape"
 DEFAULT = "default"
-BUILTIN = (TINY_LLAMA, QWEN2_05B, DEFAULT)
+W8A8 = "-w8a8"  # a built-in name's suffix: that model as a compressed-tensors W8A8 checkpoint
+BUILTIN = (TINY_LLAMA, QWEN2_05B, DEFAULT, TINY_LLAMA + W8A8, QWEN2_05B + W8A8)
 HELP = (
     f"{TINY_LLAMA} (hidden 256, 4 layers, vocab 1024), {QWEN2_05B} (Qwen2-0.5B's shape: hidden "
     f"896, 24 layers, 14/2 heads, intermediate 4864, vocab 32000, tied; random bf16 weights), "
-    f"{DEFAULT} (the embedded Gemma3), or model folders"
+    f"{DEFAULT} (the embedded Gemma3), {TINY_LLAMA}{W8A8} and {QWEN2_05B}{W8A8} (those written as "
+    "compressed-tensors W8A8 checkpoints: int8 weights, int8 activations per token, the LM head "
+    "bf16, as vLLM and kvtier both load them), or model folders"
 )
 
 
@@ -23,6 +26,11 @@ def model_path(name: str, tmp: Path) -> Path:
     """The folder of model `name`, writing a built-in one under `tmp` (a path is returned as is)."""
     from kvtier.model import testing
 
+    if name in (TINY_LLAMA + W8A8, QWEN2_05B + W8A8):
+        from kvtier.model.quant import W8A8_ACTIVATIONS
+
+        source = model_path(name.removesuffix(W8A8), tmp)
+        return testing.write_int8_model(source, tmp / name, activations=dict(W8A8_ACTIVATIONS))
     if name == TINY_LLAMA:
         return testing.write_tiny_model(
             tmp / name, "llama", hidden_size=256, num_layers=4, vocab_size=1024

@@ -251,8 +251,9 @@ int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m, const uin
     int32_t *xsum = malloc((size_t)m * sizeof(int32_t));
     int status = -1;
     if (xq && xs && xsum) {
-        linear_w8a8_quantize_x(&job, xq, xs, xsum);
         job.xq8 = xq, job.xs = xs, job.xsum = xsum;
+        pool_run(linear_w8a8_quantize_rows, &job, m, m / (4 * threads),
+                 m * k < (1 << 16) ? 1 : threads);
         int tiles, rows;
         avx_block_shape(m, &tiles, &rows);
         status = run_tiles(linear_w8a8_groups, job, tiles, rows, 1, 0, threads);

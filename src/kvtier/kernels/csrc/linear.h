@@ -137,13 +137,12 @@ NO_GROUPS(linear_i8_avx2_groups)
 
 #if defined(KVTIER_AVX512VNNI)
 #define LINEAR_W8A8 1 /* linear_w8a8_avx512.c */
-void linear_w8a8_quantize_x(const Job *a, int8_t *xq, float *xs, int32_t *xsum);
+/* rows [r0, r1) of a job's x quantized into its xq8, xs, xsum (a pool's chunk function) */
+void linear_w8a8_quantize_rows(const void *job, int64_t r0, int64_t r1);
 void linear_w8a8_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_W8A8 0
-static inline void linear_w8a8_quantize_x(const Job *a, int8_t *xq, float *xs, int32_t *xsum) {
-    (void)a, (void)xq, (void)xs, (void)xsum;
-}
+NO_GROUPS(linear_w8a8_quantize_rows)
 NO_GROUPS(linear_w8a8_groups)
 #endif
 

@@ -18,9 +18,13 @@
 #if defined(KVTIER_AVX512VNNI)
 #include "linear_blocks.h"
 
-void linear_w8a8_quantize_x(const Job *a, int8_t *xq, float *xs, int32_t *xsum) {
+void linear_w8a8_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
+    const Job *a = ctx;
     const int64_t kpad = (a->k + 31) / 32 * 32;
-    for (int64_t row = 0; row < a->m; row++) {
+    int8_t *xq = (int8_t *)a->xq8; /* the call's scratch, each row written by one thread */
+    float *xs = (float *)a->xs;
+    int32_t *xsum = (int32_t *)a->xsum;
+    for (int64_t row = r0; row < r1; row++) {
         const uint16_t *x = a->x + row * a->x_stride;
         int8_t *q = xq + row * kpad;
         __m512 vmax = _mm512_setzero_ps();

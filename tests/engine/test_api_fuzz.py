@@ -264,7 +264,7 @@ def test_generate_refuses_a_batch_whole_or_runs_it(
 
 ENGINE_PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "dtype": st.sampled_from(["auto", "float32"]),
-    "quantization": st.sampled_from([None, "int8", "compressed-tensors"]),  # the last: refused
+    "quantization": st.sampled_from([None, "int8", "w8a8", "compressed-tensors"]),  # last: refused
     "enable_kv_cache_events": st.booleans(),
     "device": st.sampled_from(["cpu", "sim"]),
     "seed": st.integers(0, 2**32),

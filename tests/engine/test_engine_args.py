@@ -185,7 +185,8 @@ def check_torch_threads(c: Ctx) -> None:
 
 def check_quantization(c: Ctx) -> None:
     """int8 quantizes every linear as the model loads (logits move, greedy tokens mostly not);
-    compressed-tensors needs a quantized checkpoint; unset keeps the float weights."""
+    w8a8 too, the decoder's linears on int8 activations; compressed-tensors needs a quantized
+    checkpoint; unset keeps the float weights."""
     from kvtier.model.quant import Int8Linear
 
     eng = c.engine(quantization="int8")
@@ -193,6 +194,9 @@ def check_quantization(c: Ctx) -> None:
     assert isinstance(decoder.lm_head, Int8Linear)
     assert not isinstance(c.engine().model.decoder.lm_head, Int8Linear)  # type: ignore[attr-defined]
     assert len(c.run(eng).token_ids) == len(c.tokens())
+    w8a8 = c.engine(quantization="w8a8").model.decoder  # type: ignore[attr-defined]
+    assert w8a8.model.layers[0].mlp.down_proj.int8_activations
+    assert not w8a8.lm_head.int8_activations  # the head's inputs stay in the model's dtype
     with pytest.raises(ValueError, match="no compressed-tensors quantization_config"):
         c.engine(quantization="compressed-tensors")
 

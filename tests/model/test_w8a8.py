@@ -229,6 +229,16 @@ def test_quantization_w8a8_quantizes_the_decoder_and_the_head_weights(tiny_model
     assert kept.model.layers[0].mlp.down_proj.int8_activations
 
 
+def test_without_the_kernel_the_loader_says_w8a8_runs_in_torch_ops(w8a8_dir, monkeypatch, caplog):
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="kvtier.model"):
+        model = load_model(w8a8_dir("qwen2"), dtype="bfloat16")
+    assert "W8A8 linear kernel is not built here" in caplog.text
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    lin = model.model.layers[0].mlp.gate_up_proj
+    assert torch.equal(lin(x), w8a8_reference(x, lin.weight, lin.weight_scale, lin.bias))
+
+
 def test_what_the_loader_refuses_names_the_scheme(w8a8_dir, tmp_path):
     folder = w8a8_dir("qwen2")
     static = dict(W8A8_ACTIVATIONS, dynamic=False)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvtier.model import native as native_kernels
 from kvtier.model.arch import arch_spec
 from kvtier.model.generation import GenerationDefaults, load_generation_defaults
 from kvtier.model.hf_config import load_model_config
@@ -158,6 +159,8 @@ def load_model(
     for name, (q, scale) in int8.items():
         _make_int8(model, name, int8_activations=name in w8a8)
         state[f"{name}.weight"], state[f"{name}.weight_scale"] = q, scale
+    if w8a8 and native:
+        _say_where_w8a8_runs(folder)
     tied = spec.tie_word_embeddings and "lm_head" not in int8
     expected = set(model.state_dict())
     if tied:
@@ -314,6 +317,19 @@ def _fused_int8(
                     qs, scales = zip(*(int8.pop(n) for n in names), strict=True)
                     int8[prefix + fused] = (torch.cat(qs), torch.cat(scales))
     return int8
+
+
+def _say_where_w8a8_runs(folder: Path) -> None:
+    """A warning where the W8A8 kernel is not built (no AVX512-VNNI, no compiler): its linears
+    then run in torch ops (`quant.w8a8_reference`), right but slower than bfloat16's kernels."""
+    kernels = native_kernels.kernels()
+    if kernels is None or not kernels.w8a8_linear:
+        log.warning(
+            "%s: the W8A8 linear kernel is not built here (it needs AVX512-VNNI): its linears "
+            "run in torch ops, slower than bfloat16; --quantization int8 keeps the activations "
+            "in bfloat16 and has a kernel on AVX2 CPUs too",
+            folder,
+        )
 
 
 def _make_int8(model: nn.Module, name: str, int8_activations: bool) -> None:

@@ -49,7 +49,7 @@ from kvtier.bench.throughput import random_prompts
 from kvtier.engine.threads import configure_torch_threads
 from kvtier.model import native
 from kvtier.model.layers import Linear
-from kvtier.model.quant import W8A8_ACTIVATIONS, Int8Linear, w8a8_reference
+from kvtier.model.quant import W8A8_ACTIVATIONS, Int8Linear
 from kvtier.model.served import ServedDecoder
 from kvtier.model.testing import write_int8_model
 
@@ -101,6 +101,18 @@ def copy_bandwidth(mib: int, repeats: int = 5) -> float:
     return 2 * src.numel() / best
 
 
+def _best_seconds(paths: list[Callable[[], object]], repeats: int) -> float:
+    """The fastest of `repeats` calls of each path, after one call each (packing, warm-up)."""
+    best = float("inf")
+    for path in paths:
+        path()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            path()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
     """Multiply-adds per second of the best of `repeats` large linears ([512, 4096] by a
     [4096, 4096] weight) through `Linear` as the model's run (bfloat16: oneDNN's prepacked layout
@@ -117,41 +129,24 @@ def matmul_rate(dtype: torch.dtype, repeats: int = 5) -> float:
         if dtype == torch.bfloat16 and kernels is not None and kernels.tile_linear:
             tiles = layer.tiles(kernels)
             paths.append(lambda: kernels.linear_bf16(x, tiles, 4096, None))
-        best = float("inf")
-        for path in paths:
-            path()  # pack the weight, warm the kernel
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                path()
-                best = min(best, time.perf_counter() - t0)
+        best = _best_seconds(paths, repeats)
     return x.shape[0] * w.numel() / best
 
 
 def w8a8_rate(repeats: int = 5) -> float:
     """Multiply-adds per second of the best of `repeats` large W8A8 linears (as `matmul_rate`'s,
-    int8 weights, bfloat16 activations quantized per row) through what runs them here: the W8A8
-    kernel where it is built (VPDPBUSD does twice VDPBF16PS's multiply-adds an instruction, so a
-    W8A8 linear's arithmetic is bounded at this rate, not at the bfloat16 one), else the torch
-    reference (oneDNN's integer GEMM)."""
+    int8 weights, bfloat16 activations quantized per row) through `Int8Linear`, as the model's
+    run: on the W8A8 kernel where it is built (VPDPBUSD does twice VDPBF16PS's multiply-adds an
+    instruction, so a W8A8 linear's arithmetic is bounded at this rate, not at the bfloat16
+    one), else in torch ops."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 4096, generator=gen).to(torch.bfloat16)
-    q = torch.randint(-127, 128, (4096, 4096), generator=gen, dtype=torch.int8)
-    scale = torch.full((4096,), 1e-3)
-    kernels = native.kernels()
-    packed = kernels.pack_linear_w8a8(q) if kernels is not None and kernels.w8a8_linear else None
-
-    def path() -> object:
-        if kernels is not None and packed is not None:
-            return kernels.linear_w8a8(x, packed, scale, 4096, None)
-        return w8a8_reference(x, q, scale, None)
-
-    path()  # warm
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        path()
-        best = min(best, time.perf_counter() - t0)
-    return x.shape[0] * q.numel() / best
+    layer = Int8Linear(4096, 4096, bias=False, int8_activations=True)
+    layer.weight.data = torch.randint(-127, 128, (4096, 4096), generator=gen, dtype=torch.int8)
+    layer.weight_scale.data = torch.full((4096,), 1e-3)
+    with torch.no_grad():
+        best = _best_seconds([lambda: layer(x)], repeats)
+    return x.shape[0] * layer.weight.numel() / best
 
 
 def linears(model: torch.nn.Module) -> list[Linear | Int8Linear]:

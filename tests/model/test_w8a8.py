@@ -196,6 +196,21 @@ def test_the_one_call_layers_give_the_python_layers_bits(w8a8_dir, arch, monkeyp
     assert_fused_bits(load_model(w8a8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
 
 
+@needs_w8a8_kernel
+def test_a_layer_takes_the_one_call_path_only_where_its_int8_kernel_serves_it(w8a8_dir):
+    import dataclasses
+
+    from kvtier.model.fused_layer import servable
+
+    assert kernels is not None
+    layer = load_model(w8a8_dir("qwen2"), dtype="bfloat16").model.layers[0]
+    assert servable(layer, kernels)
+    assert not servable(layer, dataclasses.replace(kernels, w8a8_linear=False))
+    assert servable(layer, dataclasses.replace(kernels, i8_linear=False))  # W8A16's: not needed
+    layer.mlp.down_proj.int8_activations = False  # one scheme a layer, as the struct says
+    assert not servable(layer, kernels)
+
+
 def test_the_engine_serves_a_w8a8_folder_as_the_golden_does(w8a8_dir, int8_only):
     """Greedy tokens of the engine on the folder (by its config.json, and by the flag on the
     W8A16 folder) are the golden's: transformers with vLLM's per-token rounding of each linear's

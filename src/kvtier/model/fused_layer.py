@@ -102,12 +102,9 @@ def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
     if attn.head_dim > native.MAX_HEAD_DIM or mlp.activation not in native.ACTIVATIONS:
         return False
     int8 = [m for m in layer.modules() if isinstance(m, Int8Linear)]
-    w8a8 = {m.int8_activations for m in int8}
-    if len(w8a8) > 1:  # the struct says W8A16 or W8A8 for all of a layer's int8 linears
+    if len({m.int8_activations for m in int8}) > 1:  # the struct says one for the layer
         return False
-    if int8 and not (kernels.w8a8_linear if True in w8a8 else kernels.i8_linear):
-        return False
-    if True in w8a8 and any(m.in_features >= native.W8A8_MAX_K for m in int8):
+    if not all(m.kernel_serves(kernels) for m in int8):
         return False
     scaled = {id(p) for m in int8 for p in (m.weight, m.weight_scale)}
     return all(

@@ -70,8 +70,10 @@ def w8a8_reference(
     quantized (`quantize_rows`), int32 sums of int8 products (exact), then (sum × column scale) ×
     row scale in float32, the bias, one rounding to x's dtype."""
     xq, xs = quantize_rows(x)
-    acc = torch._int_mm(xq, q.t())  # int8 × int8 → int32, exact (oneDNN's integer GEMM)
-    out = (acc.to(torch.float32) * scale.to(torch.float32)[None, :]) * xs[:, None]
+    # float64 holds every sum exactly (|sum| ≤ 128 · 127 · k, far below 2^53), then float32 as
+    # the kernel's int32 → float32 conversion rounds it
+    acc = (xq.to(torch.float64) @ q.to(torch.float64).t()).to(torch.float32)
+    out = (acc * scale.to(torch.float32)[None, :]) * xs[:, None]
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)
@@ -124,16 +126,14 @@ class Int8Linear(nn.Module):
             return None
         if x.device != native_kernels.CPU or self.weight.device != native_kernels.CPU:
             return None
-        if self.int8_activations and self.in_features >= native_kernels.W8A8_MAX_K:
-            return None
         kernels = native_kernels.kernels()
-        if kernels is None:
-            return None
-        return (
-            kernels
-            if (kernels.w8a8_linear if self.int8_activations else kernels.i8_linear)
-            else None
-        )
+        return kernels if kernels is not None and self.kernel_serves(kernels) else None
+
+    def kernel_serves(self, kernels: native_kernels.Kernels) -> bool:
+        """Whether `kernels` has this linear's kernel (W8A16's or W8A8's) for its shape."""
+        if self.int8_activations:
+            return kernels.w8a8_linear and self.in_features < native_kernels.W8A8_MAX_K
+        return kernels.i8_linear
 
     def tiles(self, kernels: native_kernels.Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """(the int8 weight in the kernel's tiles, W8A16's or W8A8's, float32 scales), made on

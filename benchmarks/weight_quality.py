@@ -10,13 +10,13 @@ bfloat16's). Prints a table, saves JSON."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
 import torch
 
 from benchmarks import main
+from benchmarks.kv_quality import goldens
 from kvtier.bench import save_json
 
 FORMATS = ("bfloat16", "int8", "w8a8")  # bfloat16: no --quantization
@@ -47,7 +47,7 @@ def _continuations(llm: Any, prompts: list[str], max_tokens: int) -> list[list[i
 def _logprobs(model: Any, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Each sequence's log-probabilities at every position: one prefill each through the paged
     forward the goldens drive (tests/model/paged.py; this lab tool runs from a checkout)."""
-    paged = importlib.import_module("tests.model.paged")
+    paged = goldens("paged")
     blocks = sum(-(-len(s) // 16) for s in seqs) * len(model.kv_groups) + 1  # + the null block
     kv = paged.PagedKV(model, num_blocks=blocks, block_size=16)
     return [kv.step([(f"s{i}", s)])[0].float().log_softmax(-1) for i, s in enumerate(seqs)]

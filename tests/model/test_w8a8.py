@@ -1,6 +1,6 @@
 """Int8 weights with int8 activations (W8A8, dynamic per token): the native W8A8 linear gives the
 bits of its torch reference (`w8a8_reference`: exact int32 sums, then the scales) at every row
-count, which is the dequantized product up to the rounding of x to int8; the compressed-tensors
+count, in this CPU's build and in the AVX2 build (x86-64-v3, linear_w8a8_avx2.c), which is the dequantized product up to the rounding of x to int8; the compressed-tensors
 W8A8 folders `write_int8_model` writes load as W8A8 and run as transformers runs them (its
 compressed-tensors integration quantizes the activations as it goes); the one-call layers give
 the Python layers' bits; `--quantization w8a8`; what the loader refuses."""
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,8 @@ from tests.model.test_int8 import _edit_config
 
 kernels = native.kernels()
 needs_w8a8_kernel = pytest.mark.skipif(
-    kernels is None or not kernels.w8a8_linear, reason="no W8A8 linear kernel here (AVX512-VNNI)"
+    kernels is None or not kernels.w8a8_linear,
+    reason="no W8A8 linear kernel here (AVX512-VNNI or AVX2)",
 )
 ct = pytest.importorskip("compressed_tensors")  # the format's own reader (the dev extra has it)
 logging.getLogger("compressed_tensors").setLevel(logging.WARNING)
@@ -63,6 +67,23 @@ def int8_only(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
     return make
 
 
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def built(request: pytest.FixtureRequest) -> native.Kernels:
+    """The W8A8 kernel of this CPU's build (on AVX512-VNNI linear_w8a8_avx512.c), and of the AVX2
+    build (x86-64-v3: linear_w8a8_avx2.c, other tiles, the same bits) whatever this CPU has."""
+    if request.param == "native":
+        got = kernels
+    elif platform.machine() != "x86_64" or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("the AVX2 build needs an x86-64 CPU and a C compiler")
+    else:
+        got = native.build(request.param)
+        assert got is not None, f"the {request.param} build failed (its log says why)"
+        assert got.w8a8_linear, "the AVX2 build has no W8A8 linear"
+    if got is None or not got.w8a8_linear:
+        pytest.skip(f"no W8A8 linear kernel in the {request.param} build")
+    return got
+
+
 def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
@@ -71,49 +92,63 @@ def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
     return x, q, scale, b
 
 
-@needs_w8a8_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 17, 64, 70])
-@pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (200, 96, False), (33, 1000, True)])
-def test_the_w8a8_kernel_gives_the_reference_bits_at_every_batch(rows, n, k, bias) -> None:
-    assert kernels is not None
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 64, 70])
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(40, 70, True), (200, 96, False), (33, 1000, True), (80, 31, False)]
+)
+def test_the_w8a8_kernel_gives_the_reference_bits_at_every_batch(built, rows, n, k, bias) -> None:
+    """Row counts through every register block of both builds; k below, across and far past one
+    32-element block; more columns than one AVX2 column group."""
     x, q, scale, b = _case(rows, n, k, bias)
-    out = kernels.linear_w8a8(x, kernels.pack_linear_w8a8(q), scale, n, b)
+    out = built.linear_w8a8(x, built.pack_linear_w8a8(q), scale, n, b)
     assert torch.equal(out, w8a8_reference(x, q, scale, b))
     # a row's bits never depend on its batch
-    one = kernels.linear_w8a8(x[-1:].contiguous(), kernels.pack_linear_w8a8(q), scale, n, b)
+    one = built.linear_w8a8(x[-1:].contiguous(), built.pack_linear_w8a8(q), scale, n, b)
     assert torch.equal(one, out[-1:])
 
 
-@needs_w8a8_kernel
-def test_extreme_values_keep_the_sums_exact_and_strided_rows_are_read() -> None:
-    """Every weight and activation at its largest magnitude: the int32 sums are exact (the
-    kernel's unsigned offset included); a row view with a stride is read as its rows."""
-    assert kernels is not None
+def test_extreme_values_keep_the_sums_exact_and_strided_rows_are_read(built) -> None:
+    """Every weight and activation at its largest magnitude (-128 weights too): the int32 sums
+    are exact (the VNNI kernel's unsigned offset included); a row view with a stride is read as
+    its rows."""
     n, k = 48, 4000
-    q = torch.full((n, k), -127, dtype=torch.int8)
+    q = torch.full((n, k), -128, dtype=torch.int8)
     q[::2] = 127
     scale = torch.full((n,), 0.01)
     wide = torch.full((3, 2 * k), -1.0, dtype=torch.bfloat16)
     x = wide[:, :k]
     x[1] = 1.0
-    out = kernels.linear_w8a8(x, kernels.pack_linear_w8a8(q), scale, n, None)
+    out = built.linear_w8a8(x, built.pack_linear_w8a8(q), scale, n, None)
     assert torch.equal(out, w8a8_reference(x, q, scale, None))
     assert out[0, 0].item() == pytest.approx(-127 * 127 * k * 0.01 / 127, rel=1e-2)
 
 
-@needs_w8a8_kernel
-def test_the_boundary_checks_the_w8a8_linear_inputs() -> None:
-    assert kernels is not None
+def test_a_nan_or_inf_row_gives_nan_outputs_and_a_zero_row_the_bias(built) -> None:
+    x, q, scale, b = _case(5, 24, 70, True)
+    x[1, 5] = float("nan")
+    x[2] = 0.0
+    x[3, 69] = float("inf")  # in the last, partial k block
+    out = built.linear_w8a8(x, built.pack_linear_w8a8(q), scale, 24, b)
+    assert out[[1, 3]].isnan().all() and not out[[0, 2, 4]].isnan().any()
+    assert torch.equal(out[2], b)
+    assert torch.equal(out[[0, 4]], w8a8_reference(x[[0, 4]], q, scale, b))
+
+
+def test_the_boundary_checks_the_w8a8_linear_inputs(built) -> None:
     x, q, scale, b = _case(2, 16, 64, True)
-    packed = kernels.pack_linear_w8a8(q)
+    packed = built.pack_linear_w8a8(q)
     assert packed.dtype == torch.uint8
     with pytest.raises(ValueError, match=r"packed must be torch\.uint8"):  # W8A16 tiles: not these
-        kernels.linear_w8a8(x, kernels.pack_linear_i8(q), scale, 16, b)
+        built.linear_w8a8(x, built.pack_linear_i8(q), scale, 16, b)
     with pytest.raises(ValueError, match="scales must have 16 elements"):
-        kernels.linear_w8a8(x, packed, scale[:8], 16, b)
+        built.linear_w8a8(x, packed, scale[:8], 16, b)
     wide = torch.zeros(1, 65536, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"k < 65536 .* got k = 65536"):
-        kernels.linear_w8a8(wide, packed, scale, 16, None)
+        built.linear_w8a8(wide, packed, scale, 16, None)
+
+
+def test_the_boundary_sends_a_k_of_65536_to_the_reference() -> None:
+    wide = torch.zeros(1, 65536, dtype=torch.bfloat16)
     # such a linear runs on the reference instead
     lin = Int8Linear(65536, 16, bias=False, int8_activations=True)
     lin.weight.data = torch.ones(16, 65536, dtype=torch.int8)
@@ -190,9 +225,10 @@ def test_float32_goldens_against_transformers(w8a8_dir, int8_only, arch):
     assert agree.float().mean() >= 0.75
 
 
-@needs_w8a8_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_the_one_call_layers_give_the_python_layers_bits(w8a8_dir, arch, monkeypatch):
+def test_the_one_call_layers_give_the_python_layers_bits(built, w8a8_dir, arch, monkeypatch):
+    """Both paths on one build (on x86-64-v3 layer.c calls linear_w8a8_avx2.c's linear)."""
+    monkeypatch.setattr(native, "kernels", lambda: built)
     assert_fused_bits(load_model(w8a8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
 
 

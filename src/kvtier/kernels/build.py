@@ -46,6 +46,7 @@ SOURCES: dict[str, tuple[str, ...]] = {  # every object of the library and its o
     "linear_i8_avx512.c": (),
     "linear_i8_avx2.c": (),
     "linear_w8a8_avx512.c": (),
+    "linear_w8a8_avx2.c": (),
     "linear_f32_avx512.c": (),
     "linear_f32_avx2.c": (),
 }

@@ -320,14 +320,15 @@ def _fused_int8(
 
 
 def _say_where_w8a8_runs(folder: Path) -> None:
-    """A warning where the W8A8 kernel is not built (no AVX512-VNNI, no compiler): its linears
-    then run in torch ops (`quant.w8a8_reference`), right but slower than bfloat16's kernels."""
+    """A warning where the W8A8 kernel is not built (neither AVX512-VNNI nor AVX2, or no
+    compiler): its linears then run in torch ops (`quant.w8a8_reference`), right but many times
+    slower than bfloat16's."""
     kernels = native_kernels.kernels()
     if kernels is None or not kernels.w8a8_linear:
         log.warning(
-            "%s: the W8A8 linear kernel is not built here (it needs AVX512-VNNI): its linears "
-            "run in torch ops, slower than bfloat16; --quantization int8 keeps the activations "
-            "in bfloat16 and has a kernel on AVX2 CPUs too",
+            "%s: the W8A8 linear kernel is not built here (it needs AVX512-VNNI or AVX2 and a C "
+            "compiler): its linears run in torch ops, many times slower than bfloat16; load a "
+            "bfloat16 checkpoint instead",
             folder,
         )
 

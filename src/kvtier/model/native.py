@@ -68,7 +68,7 @@ class Kernels:
     the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
     `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`: the
     int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512);
-    `w8a8_linear`: the int8 linear with int8 activations (W8A8) is built (AVX512-VNNI)."""
+    `w8a8_linear`: the int8 linear with int8 activations (W8A8) is built (AVX512-VNNI or AVX2)."""
 
     lib: ctypes.CDLL
     path: Path
@@ -291,7 +291,7 @@ class Kernels:
     def pack_linear_w8a8(self, weight: torch.Tensor) -> torch.Tensor:
         """An int8 weight [n, k] in the tiles of the W8A8 linear, uint8 (needs `w8a8_linear`)."""
         _require(self.w8a8_linear, "the W8A8 linear kernel is not built here (it needs "
-                 "AVX512-VNNI): use quant.w8a8_reference")  # fmt: skip
+                 "AVX512-VNNI or AVX2): use quant.w8a8_reference")  # fmt: skip
         return self._pack_int8(weight, self.lib.kvtier_linear_w8a8_pack, torch.uint8)
 
     @staticmethod

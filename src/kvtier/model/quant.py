@@ -86,7 +86,7 @@ class Int8Linear(nn.Module):
     built; anything else multiplies a bfloat16/float32 copy dequantized per call (`dequantize`),
     which is what the kernel computes up to the order of float32 sums and the weight's one
     rounding. W8A8 (`int8_activations`): each row of x is quantized to int8 first, on the W8A8
-    kernel (linear_w8a8_avx512.c) where it is built, else in torch ops with its bits
+    kernel (linear_w8a8_avx512.c, linear_w8a8_avx2.c) where it is built, else in torch ops with its bits
     (`w8a8_reference`)."""
 
     _tiles: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -216,12 +216,17 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
     return status;
 }
 
-/* W8A8 (linear_w8a8_avx512.c), wherever AVX512-VNNI is built: int8 weights packed into the int8
+/* W8A8 wherever AVX512-VNNI is built (linear_w8a8_avx512.c): int8 weights packed into the int8
  * tiles' places as 8 quads of k by 16 columns a tile, each byte w + 128 (VPDPBUSD's unsigned
- * operand), zero weights (128) past n and k. */
-int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8; }
+ * operand), zero weights (128) past n and k. With AVX2 and no AVX-512 (linear_w8a8_avx2.c, the
+ * same bits): the W8A16 int8 tiles (kvtier_linear_i8_pack), zero past n and k. */
+int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8 || LINEAR_W8A8_AVX2; }
 
 void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed) {
+    if (LINEAR_W8A8_AVX2) {
+        kvtier_linear_i8_pack(w, n, k, (int8_t *)packed);
+        return;
+    }
     const int64_t nbs = (n + 15) / 16, kbs = (k + 31) / 32;
     for (int64_t nb = 0; nb < nbs; nb++)
         for (int64_t kb = 0; kb < kbs; kb++)
@@ -234,17 +239,36 @@ void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *pac
                     }
 }
 
+/* The AVX2 path's call: x's rows quantized into int16 on the pool, then blocks of up to 6 rows
+ * in column groups of l2_tiles */
+static int w8a8_avx2(Job job, int threads) {
+    const int64_t m = job.m, kpad = (job.k + 31) / 32 * 32;
+    int16_t *xq = malloc((size_t)(m * kpad) * sizeof(int16_t));
+    float *xs = malloc((size_t)m * sizeof(float));
+    int status = -1;
+    if (xq && xs) {
+        job.xq = xq, job.xs = xs;
+        pool_run(linear_w8a8_avx2_quantize_rows, &job, m, m / (4 * threads),
+                 m * job.k < (1 << 16) ? 1 : threads);
+        status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 6, 1, 0, threads);
+    }
+    free(xq);
+    free(xs);
+    return status;
+}
+
 /* x as kvtier_linear's; packed by kvtier_linear_w8a8_pack; scales [n] float32 (column j's
  * weights are its int8 values × scales[j]). Each row of x is quantized to int8 with its own
- * scale first. k < 65536 (the int32 sums stay exact). Returns as kvtier_linear (-2: AVX512-VNNI
- * not built, -3: k too large). */
+ * scale first. k < 65536 (the int32 sums stay exact). Returns as kvtier_linear (-2: neither
+ * AVX512-VNNI nor AVX2 built, -3: k too large). */
 int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *packed,
                        const float *scales, int64_t n, int64_t k, const uint16_t *bias,
                        uint16_t *out, int threads) {
-    if (!LINEAR_W8A8) return -2;
+    if (!LINEAR_W8A8 && !LINEAR_W8A8_AVX2) return -2;
     if (k >= 65536) return -3;
     Job job = {.x = x, .packed8 = (const int8_t *)packed, .scales = scales, .bias = bias,
                .out = out, .m = m, .n = n, .k = k, .x_stride = x_stride};
+    if (LINEAR_W8A8_AVX2) return w8a8_avx2(job, threads);
     const int64_t kpad = (k + 31) / 32 * 32;
     int8_t *xq = aligned_alloc(64, (size_t)((m * kpad + 63) / 64 * 64));
     float *xs = malloc((size_t)m * sizeof(float));

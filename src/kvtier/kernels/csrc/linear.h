@@ -1,6 +1,6 @@
 /* What the bfloat16 linear's paths share (linear.c dispatches; linear_amx.c, linear_avx512bf16.c
  * and linear_avx2.c run the column groups, the AVX-512 ones over linear_blocks.h; the int8
- * weights' paths are linear_i8_*.c, with int8 activations linear_w8a8_avx512.c;
+ * weights' paths are linear_i8_*.c, with int8 activations linear_w8a8_*.c;
  * docs/architecture.md §Kernels): a call's job and its items, and the float32 linear's job
  * (linear_f32_avx512.c, linear_f32_avx2.c). Internal to the library. */
 #ifndef KVTIER_LINEAR_H
@@ -12,7 +12,8 @@ typedef struct {
     const uint16_t *x, *packed, *bias, *tail; /* tail: x's last k block, zero padded [m][32] */
     const int8_t *packed8; /* int8 tiles (W8A16) instead of `packed`, with their column scales */
     const float *scales;
-    const int16_t *xq; /* int8 on VNNI: x in int16 [m][k blocks][32] and each block's scale */
+    const int16_t *xq; /* W8A16: x in int16 [m][k blocks][32] and each block's scale; W8A8 on
+                        * AVX2: x's int8 rows in int16, [m][k blocks × 32], and a row's scale */
     const float *xs;
     const float *xf; /* AVX2: x widened to float32, [m][k blocks × 32], zero past k */
     const int8_t *xq8; /* W8A8: x's rows in int8 [m][k blocks × 32], zero past k; xs: a scale
@@ -144,6 +145,17 @@ void linear_w8a8_groups(const void *job, int64_t i0, int64_t i1);
 #define LINEAR_W8A8 0
 NO_GROUPS(linear_w8a8_quantize_rows)
 NO_GROUPS(linear_w8a8_groups)
+#endif
+
+#if defined(KVTIER_AVX2)
+#define LINEAR_W8A8_AVX2 1 /* linear_w8a8_avx2.c */
+/* rows [r0, r1) of a job's x quantized into its xq (int16 [m][k blocks × 32]) and xs */
+void linear_w8a8_avx2_quantize_rows(const void *job, int64_t r0, int64_t r1);
+void linear_w8a8_avx2_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_W8A8_AVX2 0
+NO_GROUPS(linear_w8a8_avx2_quantize_rows)
+NO_GROUPS(linear_w8a8_avx2_groups)
 #endif
 
 #if defined(KVTIER_AMX) && defined(KVTIER_AVX512VNNI)

@@ -89,14 +89,31 @@ def test_the_int16_blocks_give_the_reference_bits_at_every_batch(rows, n, k, bia
     assert kernels is not None
     if rows > int16_block_rows():
         pytest.skip(f"{rows} rows run on widened weights here ({kernels.tile_linear})")
+    _assert_reference_bits(kernels, rows, n, k, bias)
+
+
+@pytest.mark.parametrize("isa", ["x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (72, 1000, True)])
+def test_builds_without_the_vnni_paths_run_the_int16_blocks_at_every_batch(
+    isa_build, isa, rows, n, k, bias
+) -> None:
+    """AVX2 (x86-64-v3) and AVX-512 without BF16 (skylake-avx512) build linear_i8_avx2.c: the
+    reference's bits at every row count, whatever this CPU builds natively."""
+    built = isa_build(isa)
+    assert built.i8_linear, f"the {isa} build has no int8 linear"
+    _assert_reference_bits(built, rows, n, k, bias)
+
+
+def _assert_reference_bits(built: native.Kernels, rows: int, n: int, k: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * n)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))
     x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
     x[0, : k // 2] *= 1e-30  # a row with tiny and ordinary blocks side by side
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    out = kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, n, b)
+    out = built.linear_i8(x, built.pack_linear_i8(q), scale, n, b)
     assert torch.equal(out, linear_i8_bits(x, q, scale, b))
-    alone = kernels.linear_i8(x[-1:].contiguous(), kernels.pack_linear_i8(q), scale, n, b)
+    alone = built.linear_i8(x[-1:].contiguous(), built.pack_linear_i8(q), scale, n, b)
     assert torch.equal(alone[0], out[-1])
 
 

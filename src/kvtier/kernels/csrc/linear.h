@@ -106,7 +106,7 @@ void linear_avx2_groups(const void *job, int64_t i0, int64_t i1);
 NO_GROUPS(linear_avx2_groups)
 #endif
 
-#if defined(KVTIER_AVX512VNNI) || defined(KVTIER_AVX2)
+#if defined(KVTIER_AVX512VNNI) || defined(KVTIER_INT8_AVX2)
 #define LINEAR_I8 1
 /* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks), the same bits on
  * either ISA (linear_i8_avx512.c, linear_i8_avx2.c) */
@@ -128,7 +128,7 @@ NO_GROUPS(linear_i8_avx512_groups)
 NO_GROUPS(linear_i8_wide_groups)
 #endif
 
-#if defined(KVTIER_AVX2)
+#if defined(KVTIER_INT8_AVX2)
 #define LINEAR_I8_AVX2 1
 void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
 #else
@@ -147,7 +147,7 @@ NO_GROUPS(linear_w8a8_quantize_rows)
 NO_GROUPS(linear_w8a8_groups)
 #endif
 
-#if defined(KVTIER_AVX2)
+#if defined(KVTIER_INT8_AVX2)
 #define LINEAR_W8A8_AVX2 1 /* linear_w8a8_avx2.c */
 /* rows [r0, r1) of a job's x quantized into its xq (int16 [m][k blocks × 32]) and xs */
 void linear_w8a8_avx2_quantize_rows(const void *job, int64_t r0, int64_t r1);

@@ -190,3 +190,19 @@ def test_f32_linear_rows_do_not_depend_on_the_batch_and_strided_rows() -> None:
             assert torch.equal(layer(x[:m]), whole[:m]), m
         wide = torch.randn(9, 300, generator=gen)
         assert torch.equal(layer(wide[:, 20:276]), layer(wide[:, 20:276].contiguous()))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 37])
+@pytest.mark.parametrize(("k", "n"), [(100, 77), (896, 1152)])
+def test_the_avx2_build_gives_the_in_order_bits(isa_build, rows: int, k: int, n: int) -> None:
+    """The AVX2 path (linear_avx2.c, the x86-64-v3 build) whatever this CPU builds natively:
+    VDPBF16PS's sums by FMA, each row block and column group, with and without a bias."""
+    built = isa_build("x86-64-v3")
+    assert built.tile_linear == "avx2"
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    packed = built.pack_linear(w)
+    for bias in (None, b):
+        assert torch.equal(built.linear_bf16(x, packed, n, bias), in_order(x, w, bias))

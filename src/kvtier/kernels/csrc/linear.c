@@ -240,8 +240,8 @@ void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *pac
                     }
 }
 
-/* The AVX2 path's call: x's rows quantized into int16 on the pool, then blocks of up to 6 rows
- * in column groups of l2_tiles */
+/* The AVX2 path's call: x's rows quantized into int16 on the pool, then blocks of up to 4 rows
+ * in column groups of l2_tiles (6-row blocks ran slower) */
 static int w8a8_avx2(Job job, int threads) {
     const int64_t m = job.m, kpad = (job.k + 31) / 32 * 32;
     int16_t *xq = malloc((size_t)(m * kpad) * sizeof(int16_t));
@@ -251,7 +251,7 @@ static int w8a8_avx2(Job job, int threads) {
         job.xq = xq, job.xs = xs;
         pool_run(linear_w8a8_avx2_quantize_rows, &job, m, m / (4 * threads),
                  m * job.k < (1 << 16) ? 1 : threads);
-        status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 6, 1, 0, threads);
+        status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 4, 1, 0, threads);
     }
     free(xq);
     free(xs);

@@ -11,16 +11,6 @@
 #if defined(KVTIER_AVX2)
 #include <immintrin.h>
 
-/* Rows [m0, m0 + R) of float32 sums [R][16] (+ bias) rounded into out's columns n0.. */
-static void avx2_store(const Job *a, const float *acc, int64_t m0, int R, int64_t n0) {
-    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
-    for (int r = 0; r < R; r++) {
-        uint16_t *o = a->out + (m0 + r) * a->n + n0;
-        for (int c = 0; c < cols; c++)
-            o[c] = f32_to_bf16(acc[r * 16 + c] + (a->bias ? bf16_to_f32(a->bias[n0 + c]) : 0.0f));
-    }
-}
-
 /* R rows from m0 by T column tiles from nb0: R × T × 2 eight-column float32 accumulators; per k
  * pair each tile row is loaded and widened once and multiplied by every row's pair broadcast */
 static inline __attribute__((always_inline)) void avx2_block(const Job *a, int64_t m0,
@@ -69,7 +59,7 @@ static inline __attribute__((always_inline)) void avx2_block(const Job *a, int64
             _mm256_store_ps(out + i * 16, acc[i][t][0]);
             _mm256_store_ps(out + i * 16 + 8, acc[i][t][1]);
         }
-        avx2_store(a, out, m0, R, (nb0 + t) * 16);
+        linear_store_rows(a, out, m0, R, (nb0 + t) * 16);
     }
 }
 

@@ -127,42 +127,21 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
                     acc[i][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][t][h]), s, acc[i][t][h]);
         }
     }
+    float out[4 * 16];
     for (int t = 0; t < T; t++) {
         const int64_t n0 = (nb0 + t) * 16;
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
         float scales[16] = {0};
         memcpy(scales, a->scales + n0, (size_t)cols * sizeof(float));
-        for (int i = 0; i < R; i++) {
-            float out[16];
+        for (int i = 0; i < R; i++)
             for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(out + h * 8,
+                _mm256_storeu_ps(out + i * 16 + h * 8,
                                  _mm256_mul_ps(acc[i][t][h], _mm256_loadu_ps(scales + h * 8)));
-            uint16_t *o = a->out + (m0 + i) * a->n + n0;
-            for (int c = 0; c < cols; c++)
-                o[c] = f32_to_bf16(out[c] + (a->bias ? bf16_to_f32(a->bias[n0 + c]) : 0.0f));
-        }
+        linear_store_rows(a, out, m0, R, n0);
     }
 }
 
-/* A block of up to 4 rows: 3-4 rows one tile at a time, 2 rows two, 1 row up to four (its
- * widened tile rows used once each, so only the sums stay in registers) */
-static void i8_rows(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {
-    for (int t = 0; t < tiles;) {
-        const int left = tiles - t;
-        const int T = rows == 1 ? (left < 4 ? left : 4) : rows == 2 ? (left < 2 ? left : 2) : 1;
-        switch (rows * 4 + T) {
-        case 5: i8_block(a, m0, nb0 + t, 1, 1); break;
-        case 6: i8_block(a, m0, nb0 + t, 1, 2); break;
-        case 7: i8_block(a, m0, nb0 + t, 1, 3); break;
-        case 8: i8_block(a, m0, nb0 + t, 1, 4); break;
-        case 9: i8_block(a, m0, nb0 + t, 2, 1); break;
-        case 10: i8_block(a, m0, nb0 + t, 2, 2); break;
-        case 13: i8_block(a, m0, nb0 + t, 3, 1); break;
-        default: i8_block(a, m0, nb0 + t, 4, 1); break;
-        }
-        t += T;
-    }
-}
+INT8_AVX2_ROWS(i8_rows, i8_block)
 
 /* Items [i0, i1): column groups by row blocks (item_row_blocks) */
 void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1) {

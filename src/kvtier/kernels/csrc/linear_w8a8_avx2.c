@@ -1,14 +1,14 @@
 /* The W8A8 linear on AVX2 with FMA where the VNNI paths are not built (x86-64-v3, and AVX-512
- * CPUs without AVX512-BF16: KVTIER_INT8_AVX2): linear_w8a8_avx512.c's bits without VPDPBUSD. Each row of x is quantized to int8 by the same rule (its largest magnitude
- * over 127; x times the scale's inverse taken in double, rounded to nearest even and clamped),
- * kept as int16; the weights are the W8A16 int8 tiles (kvtier_linear_i8_pack's: a tile row holds
- * 16 columns' k pair), sign-extended to int16 as they are loaded; VPMADDWD + VPADDD sum each
- * column's products exactly in int32 over all of k (a pair is at most 2 × 128 × 128, and
- * k < 2^16 keeps a sum below 2^31), then (sum × column scale) × row scale, the bias, one
- * bfloat16 rounding. An int16 pair product is two multiply-adds an instruction, as in the W8A16
- * AVX2 path (linear_i8_avx2.c), whose blocks and column groups this runs in; against it the
- * sums stay in registers over all of k instead of being scaled into float32 every k block
- * (linear.c dispatches; docs/kernels.md). */
+ * CPUs without AVX512-BF16: KVTIER_INT8_AVX2): linear_w8a8_avx512.c's bits without VPDPBUSD.
+ * Each row of x is quantized to int8 by the same rule (its largest magnitude over 127; x times
+ * the scale's inverse taken in double, rounded to nearest even and clamped), kept as int16; the
+ * weights are the W8A16 int8 tiles (kvtier_linear_i8_pack's: a tile row holds 16 columns' k
+ * pair), sign-extended to int16 as they are loaded; VPMADDWD + VPADDD sum each column's
+ * products exactly in int32 (a pair is at most 2 × 128 × 128, and k < 2^16 keeps a sum below
+ * 2^31), then (sum × column scale) × row scale, the bias, one bfloat16 rounding. An int16 pair
+ * product is two multiply-adds an instruction, as in the W8A16 AVX2 path (linear_i8_avx2.c),
+ * whose register blocks and column groups this shares; where that path scales each k block's
+ * sums into float32, this adds them into int32 totals (linear.c dispatches; docs/kernels.md). */
 #include <math.h>
 
 #include "linear.h"
@@ -84,23 +84,29 @@ void linear_w8a8_avx2_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* R rows from m0 by T column tiles from nb0: R × T × 2 eight-column int32 sums in registers
- * over all of k; per k pair each tile row is loaded and sign-extended once and multiplied by
- * every row's pair broadcast */
+/* R rows from m0 by T column tiles from nb0: per k block R × T × 2 eight-column int32 sums in
+ * registers (each tile row loaded and sign-extended once, multiplied by every row's k pair
+ * broadcast), then added into the int32 totals. Summing all of k in registers instead ran 1.4×
+ * slower: GCC kept those sums on the stack across the k loop. */
 static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64_t m0, int64_t nb0,
                                                               const int R, const int T) {
     const int64_t kbs = (a->k + 31) / 32;
     const int8_t *w = a->packed8 + nb0 * kbs * 512;
-    __m256i sum[6][4][2];
-#pragma GCC unroll 6
+    __m256i tot[4][4][2]; /* the sums over the k blocks done (touched once a block) */
+#pragma GCC unroll 4
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
-    const int32_t *xp[6]; /* a row's int16 values as k pairs */
-#pragma GCC unroll 6
-    for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + (m0 + i) * kbs * 32);
+        for (int t = 0; t < T; t++) tot[i][t][0] = tot[i][t][1] = _mm256_setzero_si256();
     for (int64_t kb = 0; kb < kbs; kb++) {
         const int8_t *wk = w + kb * 512;
+        const int32_t *xp[4]; /* a row's int16 values in this k block, as k pairs */
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + (m0 + i) * kbs * 32 + kb * 32);
+        __m256i sum[4][4][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int r = 0; r < 16; r++) {
             __m256i wt[4][2];
@@ -110,9 +116,9 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64
                 for (int h = 0; h < 2; h++)
                     wt[t][h] = _mm256_cvtepi8_epi16(
                         _mm_loadu_si128((const __m128i *)(wk + t * kbs * 512 + r * 32 + h * 16)));
-#pragma GCC unroll 6
+#pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const __m256i xb = _mm256_set1_epi32(xp[i][kb * 16 + r]);
+                const __m256i xb = _mm256_set1_epi32(xp[i][r]);
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
@@ -121,51 +127,35 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64
                             _mm256_add_epi32(sum[i][t][h], _mm256_madd_epi16(xb, wt[t][h]));
             }
         }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) tot[i][t][h] = _mm256_add_epi32(tot[i][t][h], sum[i][t][h]);
     }
+    float out[4 * 16];
 #pragma GCC unroll 4 /* constant indices: the sums stay in registers */
     for (int t = 0; t < T; t++) {
         const int64_t n0 = (nb0 + t) * 16;
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
         float scales[16] = {0};
         memcpy(scales, a->scales + n0, (size_t)cols * sizeof(float));
-#pragma GCC unroll 6
+#pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m256 xs = _mm256_set1_ps(a->xs[m0 + i]);
-            float out[16];
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(out + h * 8,
-                                 _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum[i][t][h]),
+                _mm256_storeu_ps(out + i * 16 + h * 8,
+                                 _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(tot[i][t][h]),
                                                              _mm256_loadu_ps(scales + h * 8)),
                                                xs));
-            uint16_t *o = a->out + (m0 + i) * a->n + n0;
-            for (int c = 0; c < cols; c++)
-                o[c] = f32_to_bf16(out[c] + (a->bias ? bf16_to_f32(a->bias[n0 + c]) : 0.0f));
         }
+        linear_store_rows(a, out, m0, R, n0);
     }
 }
 
-/* A block of up to 6 rows: 3-6 rows one tile at a time, 2 rows two, 1 row up to four (its
- * widened tile rows used once each, so only the sums stay in registers) */
-static void w8a8_rows(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {
-    for (int t = 0; t < tiles;) {
-        const int left = tiles - t;
-        const int T = rows == 1 ? (left < 4 ? left : 4) : rows == 2 ? (left < 2 ? left : 2) : 1;
-        switch (rows * 4 + T) {
-        case 5: w8a8_block(a, m0, nb0 + t, 1, 1); break;
-        case 6: w8a8_block(a, m0, nb0 + t, 1, 2); break;
-        case 7: w8a8_block(a, m0, nb0 + t, 1, 3); break;
-        case 8: w8a8_block(a, m0, nb0 + t, 1, 4); break;
-        case 9: w8a8_block(a, m0, nb0 + t, 2, 1); break;
-        case 10: w8a8_block(a, m0, nb0 + t, 2, 2); break;
-        case 13: w8a8_block(a, m0, nb0 + t, 3, 1); break;
-        case 17: w8a8_block(a, m0, nb0 + t, 4, 1); break;
-        case 21: w8a8_block(a, m0, nb0 + t, 5, 1); break;
-        default: w8a8_block(a, m0, nb0 + t, 6, 1); break;
-        }
-        t += T;
-    }
-}
+INT8_AVX2_ROWS(w8a8_rows, w8a8_block)
 
 /* Items [i0, i1): column groups by row blocks (item_row_blocks) */
 void linear_w8a8_avx2_groups(const void *job, int64_t i0, int64_t i1) {

@@ -25,6 +25,7 @@ from kvtier.model.quant import (
     w8a8_reference,
 )
 from kvtier.model.testing import write_int8_model
+from tests.model.conftest import ISA_FLAGS, cpu_flags
 from tests.model.reference import hf_logits, hf_model
 from tests.model.test_fused_layer import assert_fused_bits
 from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt
@@ -64,11 +65,11 @@ def int8_only(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
     return make
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3", "skylake-avx512"])
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "skylake-avx512", "cascadelake"])
 def built(request: pytest.FixtureRequest, isa_build) -> native.Kernels:
-    """The W8A8 kernel of this CPU's build (on AVX512-VNNI with BF16 linear_w8a8_avx512.c), and
-    linear_w8a8_avx2.c (other tiles, the same bits) where the VNNI paths are not built: the AVX2
-    build (x86-64-v3) and an AVX-512 CPU without BF16 (skylake-avx512)."""
+    """The W8A8 kernel of this CPU's build; linear_w8a8_avx2.c (other tiles, the same bits) where
+    AVX512-VNNI is not built: the AVX2 build (x86-64-v3) and an AVX-512 CPU without it
+    (skylake-avx512); linear_w8a8_avx512.c without BF16 (cascadelake: its scalar store)."""
     if request.param == "native":
         if kernels is None or not kernels.w8a8_linear:
             pytest.skip("no W8A8 linear kernel in this CPU's build")
@@ -301,3 +302,14 @@ def test_what_the_loader_refuses_names_the_scheme(w8a8_dir, tmp_path):
     (mixed / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mix int8 and unquantized activations"):
         load_model(mixed)
+
+
+def test_each_build_runs_its_w8a8_kernel(built, request: pytest.FixtureRequest) -> None:
+    """VPDPBUSD's tiles hold w + 128 (a zero weight packs as 128), the AVX2 path's the int8
+    values: AVX512-VNNI builds run linear_w8a8_avx512.c, BF16 or not (cascadelake), the others
+    linear_w8a8_avx2.c."""
+    isa = request.node.callspec.params["built"]
+    flags = cpu_flags() if isa == "native" else ISA_FLAGS[isa]
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    packed = built.pack_linear_w8a8(torch.zeros(16, 32, dtype=torch.int8))
+    assert packed.unique().tolist() == ([128] if vnni else [0])

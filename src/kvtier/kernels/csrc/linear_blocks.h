@@ -2,7 +2,8 @@
  * linear_i8_avx512.c: int8 weights; docs/kernels.md): both walk a call's items as register blocks
  * of a->rows rows by a->tiles column tiles and plan the same prefetch of the next column group;
  * only a block's arithmetic differs, which each file writes once as its BlockFn. Included by
- * those two files, which are compiled with AVX-512. */
+ * those two files and the W8A8 one (linear_w8a8_avx512.c, also built with AVX512-VNNI alone),
+ * which are compiled with AVX-512. */
 #ifndef KVTIER_LINEAR_BLOCKS_H
 #define KVTIER_LINEAR_BLOCKS_H
 
@@ -53,6 +54,7 @@ static inline __attribute__((always_inline)) void block_prefetch(const Block *b,
         _mm_prefetch(b->pf + l * 64, _MM_HINT_T1);
 }
 
+#if defined(KVTIER_AVX512BF16)
 /* `count` int8 weights (a multiple of 32) as bfloat16, which holds every int8 exactly */
 static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
     for (int64_t i = 0; i < count; i += 32) {
@@ -62,6 +64,14 @@ static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
         _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
+#else
+/* Without AVX512-BF16 only the W8A8 path includes this file, and it never widens (the W8A16
+ * widened path is built with BF16 only) */
+static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
+    (void)w, (void)count, (void)out;
+    __builtin_trap();
+}
+#endif
 
 /* Items [i0, i1) of a call (item_span) on tiles packed `elem` bytes an element from `packed`:
  * output column groups of a->tiles tiles, every row block of a->rows rows, each run by `run`. The

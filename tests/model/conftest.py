@@ -20,16 +20,8 @@ ISA_FLAGS = {
     "x86-64": set(),
     "x86-64-v3": {"avx2", "fma", "f16c", "bmi2"},
     "skylake-avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"},
-    "cascadelake": {
-        "avx2",
-        "fma",
-        "avx512f",
-        "avx512bw",
-        "avx512dq",
-        "avx512vl",
-        "avx512cd",
-        "avx512_vnni",
-    },
+    "cascadelake": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+    | {"avx512_vnni"},
 }
 
 

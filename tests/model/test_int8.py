@@ -92,14 +92,16 @@ def test_the_int16_blocks_give_the_reference_bits_at_every_batch(rows, n, k, bia
     _assert_reference_bits(kernels, rows, n, k, bias)
 
 
-@pytest.mark.parametrize("isa", ["x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize("isa", ["x86-64-v3", "skylake-avx512", "cascadelake"])
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize(("n", "k", "bias"), [(40, 70, True), (72, 1000, True)])
-def test_builds_without_the_vnni_paths_run_the_int16_blocks_at_every_batch(
+def test_builds_without_bf16_run_the_int16_blocks_at_every_batch(
     isa_build, isa, rows, n, k, bias
 ) -> None:
-    """AVX2 (x86-64-v3) and AVX-512 without BF16 (skylake-avx512) build linear_i8_avx2.c: the
-    reference's bits at every row count, whatever this CPU builds natively."""
+    """Without AVX512-BF16 there is no widened side: AVX2 (x86-64-v3) and AVX-512 without VNNI
+    (skylake-avx512) run linear_i8_avx2.c, AVX512-VNNI without BF16 (cascadelake) the VNNI int16
+    blocks (their store in integer code): the reference's bits at every row count, whatever this
+    CPU builds natively."""
     built = isa_build(isa)
     assert built.i8_linear, f"the {isa} build has no int8 linear"
     _assert_reference_bits(built, rows, n, k, bias)

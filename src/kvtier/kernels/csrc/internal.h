@@ -26,16 +26,14 @@
 #define KVTIER_AVX2 1 /* x86-64-v3 without AVX-512: the bfloat16 linear widened to float32 FMAs */
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVTIER_W8A8_VNNI 1 /* AVX512-VNNI, BF16 or not (Cascade Lake, Ice Lake): W8A8 by VPDPBUSD */
+/* AVX512-VNNI, BF16 or not (Cascade Lake and Ice Lake have no BF16): the int8 linears' VNNI
+ * blocks (linear_i8_avx512.c's int16 blocks, linear_w8a8_avx512.c) */
+#define KVTIER_AVX512_INT8 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(KVTIER_AVX512VNNI)
-/* AVX2 without the VNNI paths (x86-64-v3, and AVX-512 CPUs without AVX512-BF16: Skylake-SP to
- * Ice Lake): the int8 linears in int16 pair products (linear_i8_avx2.c; linear_w8a8_avx2.c where
- * VNNI is not there either) */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVTIER_AVX512_INT8)
+/* AVX2 without AVX512-VNNI (x86-64-v3, and AVX-512 CPUs without VNNI such as Skylake-SP): the
+ * int8 linears in int16 pair products (linear_i8_avx2.c, linear_w8a8_avx2.c) */
 #define KVTIER_INT8_AVX2 1
-#if !defined(KVTIER_W8A8_VNNI)
-#define KVTIER_W8A8_AVX2 1
-#endif
 #endif
 #if defined(KVTIER_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)

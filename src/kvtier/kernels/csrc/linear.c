@@ -175,9 +175,10 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
  * conversions and scaled adds per row block and k block; at 16 rows it cost more. The two sides
  * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
  * bound its batch is.
- * With AVX2 where the VNNI paths are not built (linear_i8_avx2.c: x86-64-v3, and AVX-512 CPUs
- * without AVX512-BF16) the int16 blocks serve every row count, with the VNNI path's bits, in the
- * AVX2 paths' row blocks and column groups. */
+ * With AVX512-VNNI but not AVX512-BF16 (Cascade Lake, Ice Lake) there is no widened side: the
+ * VNNI int16 blocks serve every row count. With AVX2 and no AVX512-VNNI (linear_i8_avx2.c:
+ * x86-64-v3, and AVX-512 CPUs such as Skylake-SP) the int16 blocks serve every row count, with the
+ * VNNI path's bits, in the AVX2 paths' row blocks and column groups. */
 #define I8_FEW_ROWS 4
 #define I8_WIDE_ROWS 16
 int kvtier_linear_i8_available(void) { return LINEAR_I8; }
@@ -219,8 +220,9 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
 
 /* W8A8 wherever AVX512-VNNI is built (linear_w8a8_avx512.c): int8 weights packed into the int8
  * tiles' places as 8 quads of k by 16 columns a tile, each byte w + 128 (VPDPBUSD's unsigned
- * operand), zero weights (128) past n and k. With AVX2 where the VNNI paths are not built
- * (linear_w8a8_avx2.c, the same bits): the W8A16 int8 tiles (kvtier_linear_i8_pack), zero past n and k. */
+ * operand), zero weights (128) past n and k; BF16 or not. With AVX2 and no AVX512-VNNI
+ * (linear_w8a8_avx2.c, the same bits): the W8A16 int8 tiles (kvtier_linear_i8_pack), zero past
+ * n and k. */
 int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8 || LINEAR_W8A8_AVX2; }
 
 void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed) {

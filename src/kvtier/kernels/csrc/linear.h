@@ -139,7 +139,7 @@ void linear_avx2_groups(const void *job, int64_t i0, int64_t i1);
 NO_GROUPS(linear_avx2_groups)
 #endif
 
-#if defined(KVTIER_AVX512VNNI) || defined(KVTIER_INT8_AVX2)
+#if defined(KVTIER_AVX512_INT8) || defined(KVTIER_INT8_AVX2)
 #define LINEAR_I8 1
 /* x's rows as int16 blocks (Job.xq: m × k blocks × 32, Job.xs: m × k blocks), the same bits on
  * either ISA (linear_i8_avx512.c, linear_i8_avx2.c) */
@@ -151,13 +151,17 @@ static inline void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
 }
 #endif
 
-#if defined(KVTIER_AVX512VNNI)
+#if defined(KVTIER_AVX512_INT8)
 #define LINEAR_I8_AVX512 1
 void linear_i8_avx512_groups(const void *job, int64_t i0, int64_t i1);
-void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_I8_AVX512 0
 NO_GROUPS(linear_i8_avx512_groups)
+#endif
+
+#if defined(KVTIER_AVX512VNNI) /* the widened weights run the bfloat16 blocks */
+void linear_i8_wide_groups(const void *job, int64_t i0, int64_t i1);
+#else
 NO_GROUPS(linear_i8_wide_groups)
 #endif
 
@@ -169,7 +173,7 @@ void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
 NO_GROUPS(linear_i8_avx2_groups)
 #endif
 
-#if defined(KVTIER_W8A8_VNNI)
+#if defined(KVTIER_AVX512_INT8)
 #define LINEAR_W8A8 1 /* linear_w8a8_avx512.c */
 /* rows [r0, r1) of a job's x quantized into its xq8, xs, xsum (a pool's chunk function) */
 void linear_w8a8_quantize_rows(const void *job, int64_t r0, int64_t r1);
@@ -180,7 +184,7 @@ NO_GROUPS(linear_w8a8_quantize_rows)
 NO_GROUPS(linear_w8a8_groups)
 #endif
 
-#if defined(KVTIER_W8A8_AVX2)
+#if defined(KVTIER_INT8_AVX2)
 #define LINEAR_W8A8_AVX2 1 /* linear_w8a8_avx2.c */
 /* rows [r0, r1) of a job's x quantized into its xq (int16 [m][k blocks × 32]) and xs */
 void linear_w8a8_avx2_quantize_rows(const void *job, int64_t r0, int64_t r1);

@@ -1,9 +1,9 @@
-/* The item loop the two AVX-512 tile linears share (linear_avx512bf16.c: bfloat16 weights,
- * linear_i8_avx512.c: int8 weights; docs/kernels.md): both walk a call's items as register blocks
- * of a->rows rows by a->tiles column tiles and plan the same prefetch of the next column group;
- * only a block's arithmetic differs, which each file writes once as its BlockFn. Included by
- * those two files and the W8A8 one (linear_w8a8_avx512.c, also built with AVX512-VNNI alone),
- * which are compiled with AVX-512. */
+/* The item loop the AVX-512 tile linears share (linear_avx512bf16.c: bfloat16 weights,
+ * linear_i8_avx512.c: int8 weights, linear_w8a8_avx512.c: int8 weights and activations;
+ * docs/kernels.md): each walks a call's items as register blocks of a->rows rows by a->tiles
+ * column tiles and plans the same prefetch of the next column group; only a block's arithmetic
+ * differs, which each file writes once as its BlockFn. Included by those files, which are
+ * compiled with AVX-512 (the int8 ones also with AVX512-VNNI alone, without BF16). */
 #ifndef KVTIER_LINEAR_BLOCKS_H
 #define KVTIER_LINEAR_BLOCKS_H
 
@@ -45,6 +45,32 @@ void linear_avx512bf16_block(const Job *a, const Block *b);
     BLOCK_CASES_T4(body, 4) BLOCK_CASES_T4(body, 5) BLOCK_CASES_T4(body, 6)                     \
     BLOCK_CASES_T3(body, 7) BLOCK_CASES_T3(body, 8)
 
+/* A block's rows of float32 [rows][16] (+ bias) rounded into out's columns n0..: linear_store
+ * (VCVTNEPS2BF16) with AVX512-BF16; without it (the int8 paths on Cascade Lake and Ice Lake)
+ * f32_to_bf16's integer rule, 16 a vector */
+static inline void block_store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
+#if defined(KVTIER_AVX512BF16)
+    linear_store(a, acc, m0, rows, n0);
+#else
+    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (a->bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+    for (int r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i even = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+        const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+        const __m512i h = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), even, quiet);
+        _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    }
+#endif
+}
+
 #define BLOCK_PREFETCH_MAX (256 << 10) /* a next group's bytes prefetched into L2, at most */
 
 /* The block's prefetch share for k block kb of kbs: spread evenly over its k blocks */
@@ -65,8 +91,8 @@ static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
     }
 }
 #else
-/* Without AVX512-BF16 only the W8A8 path includes this file, and it never widens (the W8A16
- * widened path is built with BF16 only) */
+/* Without AVX512-BF16 only the int8 VNNI blocks include this file, and they never widen (the
+ * W8A16 widened path is built with BF16 only) */
 static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
     (void)w, (void)count, (void)out;
     __builtin_trap();

@@ -1,4 +1,5 @@
-/* The int8-weight linear's column groups (W8A16) for a few rows, with AVX512-VNNI: each row of x
+/* The int8-weight linear's column groups (W8A16) for a few rows, with AVX512-VNNI (and every row
+ * count where AVX512-BF16 is not built: Cascade Lake, Ice Lake; KVTIER_AVX512_INT8): each row of x
  * is turned into int16 fixed point a k block of 32 at a time (the block's largest magnitude
  * sets its power-of-two scale, 2^14 ≤ that value's image < 2^15: every bfloat16 within 2^7 of the
  * block's largest is exact, the others off by at most 2^-15 of it), a tile row's int8 weights are
@@ -12,7 +13,7 @@
 
 #include "linear.h"
 
-#if defined(KVTIER_AVX512VNNI)
+#if defined(KVTIER_AVX512_INT8)
 #include "linear_blocks.h"
 
 void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
@@ -95,7 +96,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const B
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
         const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), a->scales + n0);
         for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, _mm512_mul_ps(acc[i][t], s));
-        linear_store(a, out[t], m0, R, n0);
+        block_store(a, out[t], m0, R, n0);
     }
 }
 
@@ -116,6 +117,7 @@ void linear_i8_avx512_groups(const void *ctx, int64_t i0, int64_t i1) {
     linear_blocks(a, i0, i1, a->packed8, 1, i8_run, NULL);
 }
 
+#if defined(KVTIER_AVX512VNNI) /* with AVX512-BF16 */
 /* A thread's widened column group, kept between calls and grown for a larger k; never freed
  * (the pool's helpers and the engine's worker live as long as the process; fused.c's filter
  * scratch is kept the same way) */
@@ -138,4 +140,5 @@ void linear_i8_wide_groups(const void *ctx, int64_t i0, int64_t i1) {
     }
     linear_blocks(a, i0, i1, a->packed8, 1, linear_avx512bf16_block, wide_mem);
 }
+#endif
 #endif

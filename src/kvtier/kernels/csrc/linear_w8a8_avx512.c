@@ -1,5 +1,5 @@
 /* The int8 linear with int8 activations (W8A8, compressed-tensors' dynamic per-token scheme),
- * with AVX512-VNNI, BF16 or not (KVTIER_W8A8_VNNI): each row of x is quantized on the fly to
+ * with AVX512-VNNI, BF16 or not (KVTIER_AVX512_INT8): each row of x is quantized on the fly to
  * int8 with one scale (its largest magnitude over 127; x times the scale's inverse, rounded to
  * nearest even and clamped: vLLM's dynamic per-token int8, step for step), and
  * VPDPBUSD multiplies four k at a time, 64 products an instruction against VPDPWSSD's 32 and
@@ -15,7 +15,7 @@
 
 #include "linear.h"
 
-#if defined(KVTIER_W8A8_VNNI)
+#if defined(KVTIER_AVX512_INT8)
 #include "linear_blocks.h"
 
 void linear_w8a8_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
@@ -63,29 +63,6 @@ void linear_w8a8_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
         xsum[row] = _mm512_reduce_add_epi32(sum);
     }
 }
-
-#if !defined(KVTIER_AVX512BF16)
-/* linear_store without VCVTNEPS2BF16 (AVX512-VNNI without BF16: Cascade Lake, Ice Lake): rows
- * of float32 [rows][16] (+ bias) rounded to bfloat16 by f32_to_bf16's integer rule, 16 a vector */
-static void store_rows(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
-    const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (a->bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
-    for (int r = 0; r < rows; r++) {
-        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        const __m512i even = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-        const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
-        const __m512i h = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), even, quiet);
-        _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
-    }
-}
-#endif
 
 /* acc += the products of w's unsigned bytes and x's signed ones, four a lane. In asm: with the
  * intrinsic GCC (12) copies accumulators between registers around each instruction and spills
@@ -139,11 +116,7 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, const
                                            _mm512_set1_ps(a->xs[m0 + i]));
             _mm512_store_ps(out + i * 16, v);
         }
-#if defined(KVTIER_AVX512BF16)
-        linear_store(a, out, m0, R, n0);
-#else
-        store_rows(a, out, m0, R, n0);
-#endif
+        block_store(a, out, m0, R, n0);
     }
 }
 

@@ -61,28 +61,6 @@ static inline void linear_store_rows(const Job *a, const float *acc, int64_t m0,
     }
 }
 
-/* The int8 AVX2 paths' row blocks (item_row_blocks' rows_fn `name`), `block`(a, m0, nb0, R, T)
- * for R rows by T tiles: 1 row by up to 4 tiles (only its sums stay in registers: each widened
- * tile row is used once), 2 rows by up to 2, 3-4 rows one tile at a time */
-#define INT8_AVX2_ROWS(name, block)                                                              \
-    static void name(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {               \
-        for (int t = 0; t < tiles;) {                                                            \
-            const int left = tiles - t;                                                          \
-            const int T = rows == 1 ? (left < 4 ? left : 4) : rows == 2 ? (left < 2 ? left : 2) : 1; \
-            switch (rows * 4 + T) {                                                              \
-            case 5: block(a, m0, nb0 + t, 1, 1); break;                                          \
-            case 6: block(a, m0, nb0 + t, 1, 2); break;                                          \
-            case 7: block(a, m0, nb0 + t, 1, 3); break;                                          \
-            case 8: block(a, m0, nb0 + t, 1, 4); break;                                          \
-            case 9: block(a, m0, nb0 + t, 2, 1); break;                                          \
-            case 10: block(a, m0, nb0 + t, 2, 2); break;                                         \
-            case 13: block(a, m0, nb0 + t, 3, 1); break;                                         \
-            default: block(a, m0, nb0 + t, 4, 1); break;                                         \
-            }                                                                                    \
-            t += T;                                                                              \
-        }                                                                                        \
-    }
-
 /* k block kb of x's row `row`: its 32 bf16, from x or the zero-padded tail */
 static inline const uint16_t *x_block(const Job *a, int64_t row, int64_t kb, int64_t full) {
     return kb < full ? a->x + row * a->x_stride + kb * 32 : a->tail + row * 32;

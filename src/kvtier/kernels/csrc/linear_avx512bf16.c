@@ -10,10 +10,7 @@
 void linear_store(const Job *a, const float *acc, int64_t m0, int rows, int64_t n0) {
     const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
     const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (a->bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+    const __m512 b = block_bias(a, mask, n0);
     for (int r = 0; r < rows; r++) {
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc + r * 16), b));
         _mm256_mask_storeu_epi16(a->out + (m0 + r) * a->n + n0, mask, h);

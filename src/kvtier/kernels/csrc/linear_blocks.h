@@ -45,6 +45,13 @@ void linear_avx512bf16_block(const Job *a, const Block *b);
     BLOCK_CASES_T4(body, 4) BLOCK_CASES_T4(body, 5) BLOCK_CASES_T4(body, 6)                     \
     BLOCK_CASES_T3(body, 7) BLOCK_CASES_T3(body, 8)
 
+/* The bias of output columns n0.. (the `mask` of them that exist) as float32, zero without one */
+static inline __m512 block_bias(const Job *a, __mmask16 mask, int64_t n0) {
+    if (!a->bias) return _mm512_setzero_ps();
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+}
+
 /* A block's rows of float32 [rows][16] (+ bias) rounded into out's columns n0..: linear_store
  * (VCVTNEPS2BF16) with AVX512-BF16; without it (the int8 paths on Cascade Lake and Ice Lake)
  * f32_to_bf16's integer rule, 16 a vector */
@@ -54,10 +61,7 @@ static inline void block_store(const Job *a, const float *acc, int64_t m0, int r
 #else
     const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
     const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (a->bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a->bias + n0)), 16));
+    const __m512 b = block_bias(a, mask, n0);
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
         const __m512i u = _mm512_castps_si512(v);

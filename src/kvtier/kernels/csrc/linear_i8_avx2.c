@@ -15,11 +15,7 @@
 #include "linear.h"
 
 #if defined(KVTIER_INT8_AVX2)
-#include <immintrin.h>
-
-static inline __m256 widen_bf16(__m128i h) { /* 8 bfloat16 → 8 float32, exactly */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#include "linear_int8_avx2.h"
 
 /* v * 2^s for s in [-150, 160], in two exact power-of-two steps (2^s alone may not be a float;
  * AVX-512's VSCALEFPS takes s as it is): the result is VSCALEFPS's wherever it rounds to a
@@ -76,8 +72,8 @@ void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
         }
 }
 
-/* R rows from m0 by T column tiles from nb0: per k block R × T × 2 eight-column int32 sums in
- * registers, then scaled into float32 accumulators (kept in memory: touched once a block) */
+/* R rows from m0 by T column tiles from nb0: each k block's int32 sums (kblock_sums) scaled into
+ * float32 accumulators (kept in memory: touched once a block) */
 static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t m0, int64_t nb0,
                                                             const int R, const int T) {
     const int64_t kbs = (a->k + 31) / 32;
@@ -88,35 +84,8 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < kbs; kb++) {
-        const int8_t *wk = w + kb * 512;
-        const int32_t *xp[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + ((m0 + i) * kbs + kb) * 32);
         __m256i sum[4][4][2];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-        for (int r = 0; r < 16; r++) {
-            __m256i wt[4][2];
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    wt[t][h] = _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)(wk + t * kbs * 512 + r * 32 + h * 16)));
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                const __m256i xb = _mm256_set1_epi32(xp[i][r]);
-#pragma GCC unroll 4
-                for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++)
-                        sum[i][t][h] =
-                            _mm256_add_epi32(sum[i][t][h], _mm256_madd_epi16(xb, wt[t][h]));
-            }
-        }
+        kblock_sums(a, w, m0, kb, R, T, sum);
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m256 s = _mm256_set1_ps(a->xs[(m0 + i) * kbs + kb]);

@@ -15,11 +15,7 @@
 #include "linear.h"
 
 #if defined(KVTIER_INT8_AVX2)
-#include <immintrin.h>
-
-static inline __m256 widen_bf16(__m128i h) { /* 8 bfloat16 → 8 float32, exactly */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+#include "linear_int8_avx2.h"
 
 /* k block kb of a row of x (32 bf16), zero past k */
 static inline const uint16_t *row_block(const uint16_t *x, int64_t k, int64_t kb, uint16_t *part) {
@@ -85,10 +81,9 @@ void linear_w8a8_avx2_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* R rows from m0 by T column tiles from nb0: per k block R × T × 2 eight-column int32 sums in
- * registers (each tile row loaded and sign-extended once, multiplied by every row's k pair
- * broadcast), then added into the int32 totals. Summing all of k in registers instead ran 1.4×
- * slower: GCC kept those sums on the stack across the k loop. */
+/* R rows from m0 by T column tiles from nb0: each k block's int32 sums (kblock_sums) added into
+ * int32 totals. Summing all of k in registers instead ran 1.4× slower: GCC kept those sums on
+ * the stack across the k loop. */
 static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64_t m0, int64_t nb0,
                                                               const int R, const int T) {
     const int64_t kbs = (a->k + 31) / 32;
@@ -99,35 +94,8 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) tot[i][t][0] = tot[i][t][1] = _mm256_setzero_si256();
     for (int64_t kb = 0; kb < kbs; kb++) {
-        const int8_t *wk = w + kb * 512;
-        const int32_t *xp[4]; /* a row's int16 values in this k block, as k pairs */
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) xp[i] = (const int32_t *)(a->xq + (m0 + i) * kbs * 32 + kb * 32);
         __m256i sum[4][4][2];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) sum[i][t][0] = sum[i][t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-        for (int r = 0; r < 16; r++) {
-            __m256i wt[4][2];
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    wt[t][h] = _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)(wk + t * kbs * 512 + r * 32 + h * 16)));
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                const __m256i xb = _mm256_set1_epi32(xp[i][r]);
-#pragma GCC unroll 4
-                for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++)
-                        sum[i][t][h] =
-                            _mm256_add_epi32(sum[i][t][h], _mm256_madd_epi16(xb, wt[t][h]));
-            }
-        }
+        kblock_sums(a, w, m0, kb, R, T, sum);
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++)
 #pragma GCC unroll 4

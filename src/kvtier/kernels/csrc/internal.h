@@ -20,7 +20,7 @@
 #define KVTIER_AVX512BF16 1 /* and its BF16 dot products and conversions: the bfloat16 paths */
 #endif
 #if defined(KVTIER_AVX512BF16) && defined(__AVX512VNNI__)
-#define KVTIER_AVX512VNNI 1 /* and int16 dot products: the int8-weight linear (every such CPU) */
+#define KVTIER_AVX512VNNI 1 /* and VNNI (every such CPU): W8A16's widened and AMX paths */
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define KVTIER_AVX2 1 /* x86-64-v3 without AVX-512: the bfloat16 linear widened to float32 FMAs */

@@ -277,6 +277,21 @@ def _edit_config(folder: Path, dst: Path, **group: object) -> Path:
     return dst
 
 
+def test_without_the_kernel_the_loader_says_int8_weights_dequantize_every_call(
+    int8_dir, monkeypatch, caplog
+):
+    """bfloat16 activations would take the int8 kernel: its absence is said; float32 ones take
+    torch ops anyway, so nothing is."""
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="kvtier.model"):
+        load_model(int8_dir("qwen2"), dtype="float32")
+        assert "kernel is not built here" not in caplog.text
+        load_model(int8_dir("qwen2"), dtype="bfloat16")
+    assert "the int8 linear kernel is not built here" in caplog.text
+    assert "dequantize their weights on every call" in caplog.text
+    assert "W8A8" not in caplog.text
+
+
 def test_what_the_loader_refuses_names_the_fix(tiny_model_dir, int8_dir, tmp_path):
     folder = int8_dir("qwen2")  # W8A8's refusals: tests/model/test_w8a8.py
     int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}

@@ -159,8 +159,8 @@ def load_model(
     for name, (q, scale) in int8.items():
         _make_int8(model, name, int8_activations=name in w8a8)
         state[f"{name}.weight"], state[f"{name}.weight_scale"] = q, scale
-    if w8a8 and native:
-        _say_where_w8a8_runs(folder)
+    if int8 and native and torch_dtype == torch.bfloat16:  # float32 inputs take torch ops anyway
+        _say_where_int8_runs(folder, w8a16=bool(set(int8) - w8a8), w8a8=bool(w8a8))
     tied = spec.tie_word_embeddings and "lm_head" not in int8
     expected = set(model.state_dict())
     if tied:
@@ -319,18 +319,26 @@ def _fused_int8(
     return int8
 
 
-def _say_where_w8a8_runs(folder: Path) -> None:
-    """A warning where the W8A8 kernel is not built (neither AVX512-VNNI nor AVX2, or no
-    compiler): its linears then run in torch ops (`quant.w8a8_reference`), right but many times
-    slower than bfloat16's."""
+def _say_where_int8_runs(folder: Path, *, w8a16: bool, w8a8: bool) -> None:
+    """A warning for each int8 scheme of the model whose kernel is not built here (both need
+    AVX2 or AVX512-VNNI, and a C compiler): W8A16 linears then dequantize their weights on every
+    call, W8A8 ones run in torch ops (`quant.w8a8_reference`); right, but many times slower than
+    bfloat16's."""
     kernels = native_kernels.kernels()
-    if kernels is None or not kernels.w8a8_linear:
-        log.warning(
-            "%s: the W8A8 linear kernel is not built here (it needs AVX512-VNNI or AVX2 and a C "
-            "compiler): its linears run in torch ops, many times slower than bfloat16; load a "
-            "bfloat16 checkpoint instead",
-            folder,
-        )
+    cases = (
+        (w8a16, "int8", "i8_linear", "dequantize their weights on every call"),
+        (w8a8, "W8A8", "w8a8_linear", "run in torch ops"),
+    )
+    for used, name, built, fallback in cases:
+        if used and (kernels is None or not getattr(kernels, built)):
+            log.warning(
+                "%s: the %s linear kernel is not built here (it needs AVX2 or AVX512-VNNI and a "
+                "C compiler): its linears %s, many times slower than bfloat16; load a bfloat16 "
+                "checkpoint instead",
+                folder,
+                name,
+                fallback,
+            )
 
 
 def _make_int8(model: nn.Module, name: str, int8_activations: bool) -> None:

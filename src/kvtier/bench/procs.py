@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,11 +39,38 @@ def exit_on_signals() -> None:
             signal.signal(sig, stop)
 
 
+EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default ip_local_port_range
+LOWEST_PORT = 10000  # below: ports services commonly claim
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range [lo, hi] the OS hands out to outgoing connections and to binds of port 0."""
+    try:
+        lo, hi = (
+            int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+    return lo, hi
+
+
 def free_port() -> int:
-    """A port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now, outside the OS's ephemeral range: a port from that range
+    may be taken by any process's outgoing connection (a replica's to Redis, a client's) between
+    this check and the bind of the server it is for, and the server then fails to start."""
+    lo, hi = ephemeral_ports()
+    spans = [(a, b) for a, b in ((LOWEST_PORT, lo - 1), (hi + 1, 65535)) if a <= b]
+    rng = random.Random()
+    for _ in range(100):
+        a, b = rng.choice(spans) if spans else (LOWEST_PORT, 65535)
+        port = rng.randint(a, b)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ProcessFailed(f"no free port on 127.0.0.1 outside the ephemeral range {lo}-{hi}")
 
 
 @dataclass

@@ -125,6 +125,11 @@ static int l2_tiles(int64_t k, int64_t elem) {
     return fit < 1 ? 1 : fit > 4 ? 4 : (int)fit;
 }
 
+/* x's rows prepared (widened or quantized) by `fn` on the pool, one thread below 64K elements */
+static void prepare_rows(ChunkFn fn, const Job *job, int threads) {
+    pool_run(fn, job, job->m, job->m / (4 * threads), job->m * job->k < (1 << 16) ? 1 : threads);
+}
+
 /* rows [r0, r1) of a job's x widened into its xf (calloc'd: zero past k) */
 static void widen_rows(const void *ctx, int64_t r0, int64_t r1) {
     const Job *a = ctx;
@@ -141,7 +146,7 @@ static int avx2_linear(ChunkFn run, Job job, int threads) {
     float *xf = calloc((size_t)(m * xs), sizeof(float));
     if (!xf) return -1;
     job.xf = xf;
-    pool_run(widen_rows, &job, m, m / (4 * threads), m * k < (1 << 16) ? 1 : threads);
+    prepare_rows(widen_rows, &job, threads);
     const int status = run_tiles(run, job, l2_tiles(k, 2), 4, 2, 0, threads);
     free(xf);
     return status;
@@ -251,8 +256,7 @@ static int w8a8_avx2(Job job, int threads) {
     int status = -1;
     if (xq && xs) {
         job.xq = xq, job.xs = xs;
-        pool_run(linear_w8a8_avx2_quantize_rows, &job, m, m / (4 * threads),
-                 m * job.k < (1 << 16) ? 1 : threads);
+        prepare_rows(linear_w8a8_avx2_quantize_rows, &job, threads);
         status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 4, 1, 0, threads);
     }
     free(xq);
@@ -279,8 +283,7 @@ int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m, const uin
     int status = -1;
     if (xq && xs && xsum) {
         job.xq8 = xq, job.xs = xs, job.xsum = xsum;
-        pool_run(linear_w8a8_quantize_rows, &job, m, m / (4 * threads),
-                 m * k < (1 << 16) ? 1 : threads);
+        prepare_rows(linear_w8a8_quantize_rows, &job, threads);
         int tiles, rows;
         avx_block_shape(m, &tiles, &rows);
         status = run_tiles(linear_w8a8_groups, job, tiles, rows, 1, 0, threads);

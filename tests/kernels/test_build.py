@@ -146,3 +146,12 @@ print("ok", path is not None)
 def test_the_kernels_package_builds_and_loads_with_torch_blocked():
     """kvtier.kernels knows C and ctypes only; the tensors are model/native.py's."""
     assert run_without_torch(TORCH_FREE).startswith("ok ")
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86-64 Linux"
+)
+def test_cpu_flags_are_the_words_of_cpuinfos_flags_line() -> None:
+    flags = build.cpu_flags()
+    assert "sse2" in flags and "flags" not in flags and ":" not in flags
+    assert all(f in build.cpu_signature() for f in flags)

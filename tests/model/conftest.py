@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.kernels.build import cpu_flags
 from kvtier.model import native
 from kvtier.model.testing import write_tiny_model
 
@@ -36,14 +37,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return cache[key]
 
     return make
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt
 kernels = native.kernels()
 needs_int8_kernel = pytest.mark.skipif(
     kernels is None or not kernels.i8_linear,
-    reason="no int8 linear kernel here (AVX512-BF16 or AVX2)",
+    reason="no int8 linear kernel here (AVX512-VNNI or AVX2)",
 )
 ct = pytest.importorskip("compressed_tensors")  # the format's own reader (the dev extra has it)
 logging.getLogger("compressed_tensors").setLevel(logging.WARNING)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvtier.engine import LLM, SamplingParams
+from kvtier.kernels.build import cpu_flags
 from kvtier.model import native
 from kvtier.model.loader import load_model
 from kvtier.model.quant import (
@@ -25,7 +26,7 @@ from kvtier.model.quant import (
     w8a8_reference,
 )
 from kvtier.model.testing import write_int8_model
-from tests.model.conftest import ISA_FLAGS, cpu_flags
+from tests.model.conftest import ISA_FLAGS
 from tests.model.reference import hf_logits, hf_model
 from tests.model.test_fused_layer import assert_fused_bits
 from tests.model.test_goldens import PROMPT_LEN, generate_paged, prompt

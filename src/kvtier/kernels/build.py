@@ -115,17 +115,26 @@ def cache_dir() -> Path:
     return Path(base) / "kvtier" / "kernels"
 
 
-def cpu_signature() -> str:
-    """What -march=native depends on: the machine and the CPU's feature flags."""
-    flags = ""
+def _flags_line() -> str:
+    """/proc/cpuinfo's first `flags` line ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return f"{platform.machine()} {flags}"
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, avx512_vnni, …); empty where
+    it cannot be read."""
+    return frozenset(_flags_line().partition(":")[2].split())
+
+
+def cpu_signature() -> str:
+    """What -march=native depends on: the machine and the CPU's feature flags."""
+    return f"{platform.machine()} {_flags_line()}"
 
 
 def build(

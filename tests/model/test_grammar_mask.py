@@ -104,3 +104,17 @@ def test_what_the_kernel_does_not_take_falls_back_to_torch() -> None:
     got = logits.clone()
     apply_mask(got, mask, [1, 3])
     assert torch.equal(got.isneginf(), _expected(logits, mask, [1, 3]).isneginf())
+
+
+@needs_kernels
+def test_a_strided_mask_falls_back_to_torch_with_the_same_bits() -> None:
+    """The kernel takes contiguous masks only (a copy would be one more torch call on the
+    forward's thread): a strided one is left to the torch path, which gives the same bits."""
+    logits, mask = _case(4, 300, 10, torch.float32, seed=4)
+    strided = torch.zeros(4, 20, dtype=torch.int32)[:, ::2]
+    strided.copy_(mask)
+    assert not strided.is_contiguous()
+    assert not native.apply_bitmask_(logits.clone(), strided, [0, 3])
+    got = logits.clone()
+    apply_mask(got, strided, [0, 3])
+    assert torch.equal(_bits(got), _bits(_expected(logits, mask, [0, 3])))

@@ -11,7 +11,7 @@ import ctypes
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,11 +234,13 @@ class Kernels:
         )  # fmt: skip
         return out
 
-    def apply_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
-        """Set to -inf, in place, every logit of the rows `rows` (int64 [n], each in range)
-        of logits [num_rows, vocab] (float32 or bfloat16, rows contiguous) whose bit in the
-        same row of `mask` (int32 [num_rows, words], contiguous; bit j of word w: token
-        32 w + j, llguidance's bitmask) is 0, and every token past 32 * words."""
+    def apply_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Set to -inf, in place, every logit of the rows `rows` (each in range) of logits
+        [num_rows, vocab] (float32 or bfloat16, rows contiguous) whose bit in the same row of
+        `mask` (int32 [num_rows, words], contiguous; bit j of word w: token 32 w + j,
+        llguidance's bitmask) is 0, and every token past 32 * words. `rows` are Python ints,
+        checked and passed without a torch call: each torch call releases the GIL, and the
+        sampler calls this on the forward op's thread while the engine loop waits for it."""
         _host("logits", logits)
         _require(logits.dim() == 2 and logits.stride(1) == 1,
                  lambda: f"logits must be [rows, vocab] with contiguous rows, got shape "
@@ -248,17 +250,15 @@ class Kernels:
         _require(mask.dim() == 2 and mask.shape[0] == logits.shape[0],
                  lambda: f"mask must be [{logits.shape[0]}, words] (a row per logits row), got "
                  f"shape {tuple(mask.shape)}")  # fmt: skip
-        _host("rows", rows, torch.int64)
-        _contiguous("rows", rows)
-        _require(rows.dim() == 1, lambda: f"rows must be 1-D, got shape {tuple(rows.shape)}")
-        if rows.numel():
-            low, high = int(rows.min()), int(rows.max())
-            _require(low >= 0 and high < logits.shape[0],
-                     lambda: f"rows must be in [0, {logits.shape[0]}), got {low} to "
-                     f"{high}")  # fmt: skip
+        if len(rows) == 0:
+            return
+        low, high = min(rows), max(rows)
+        _require(low >= 0 and high < logits.shape[0],
+                 lambda: f"rows must be in [0, {logits.shape[0]}), got {low} to {high}")  # fmt: skip
+        index = (ctypes.c_int64 * len(rows))(*rows)
         self.lib.kvtier_apply_bitmask(
             logits.data_ptr(), logits.stride(0), logits.shape[1], mask.data_ptr(), mask.shape[1],
-            rows.data_ptr(), rows.numel(), DTYPES[logits.dtype], threads(),
+            index, len(rows), DTYPES[logits.dtype], threads(),
         )  # fmt: skip
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
@@ -525,8 +525,9 @@ def apply_bitmask_(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) ->
     kernels = kernels_for(logits) if logits.dim() == 2 and logits.stride(-1) == 1 else None
     if kernels is None or mask.device != CPU or mask.dtype != torch.int32:
         return False
-    index = torch.tensor(rows, dtype=torch.int64)
-    kernels.apply_bitmask(logits, mask.contiguous(), index)
+    if not mask.is_contiguous():  # the fill's masks are; a copy would be a torch call
+        return False
+    kernels.apply_bitmask(logits, mask, rows)
     return True
 
 

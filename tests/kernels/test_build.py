@@ -59,7 +59,7 @@ assert torch.equal(kernels.linear_bf16(x, kernels.pack_linear(w), 40, None), acc
 from kvtier.model.quant import quantize_int8
 from tests.model.int8_reference import linear_i8_bits
 q, scale = quantize_int8(torch.randn(40, 100, generator=gen))
-assert kernels.i8_linear
+assert kernels.i8_linear == "avx2"
 assert torch.equal(kernels.linear_i8(x, kernels.pack_linear_i8(q), scale, 40, None),
                    linear_i8_bits(x, q, scale, None))
 # the AVX2 float32 linear: a row's bits alone are its bits in a batch

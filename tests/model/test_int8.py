@@ -98,12 +98,13 @@ def test_the_int16_blocks_give_the_reference_bits_at_every_batch(rows, n, k, bia
 def test_builds_without_bf16_run_the_int16_blocks_at_every_batch(
     isa_build, isa, rows, n, k, bias
 ) -> None:
-    """Without AVX512-BF16 there is no widened side: AVX2 (x86-64-v3) and AVX-512 without VNNI
-    (skylake-avx512) run linear_i8_avx2.c, AVX512-VNNI without BF16 (cascadelake) the VNNI int16
-    blocks (their store in integer code): the reference's bits at every row count, whatever this
-    CPU builds natively."""
+    """Without AVX512-BF16 there is no widened side: AVX2 (x86-64-v3) runs linear_i8_avx2.c,
+    AVX-512 without VNNI (skylake-avx512) the AVX-512 int16 blocks by VPMADDWD + VPADDD, and with
+    VNNI (cascadelake) by VPDPWSSD (both storing in integer code): the reference's bits at every
+    row count, whatever this CPU builds natively."""
     built = isa_build(isa)
-    assert built.i8_linear, f"the {isa} build has no int8 linear"
+    want = {"x86-64-v3": "avx2", "skylake-avx512": "avx512", "cascadelake": "avx512"}[isa]
+    assert built.i8_linear == want, f"the {isa} build's int8 linear: {built.i8_linear}"
     _assert_reference_bits(built, rows, n, k, bias)
 
 

@@ -330,7 +330,7 @@ def _say_where_int8_runs(folder: Path, *, w8a16: bool, w8a8: bool) -> None:
         (w8a8, "W8A8", "w8a8_linear", "run in torch ops"),
     )
     for used, name, built, fallback in cases:
-        if used and (kernels is None or not getattr(kernels, built)):
+        if used and (kernels is None or getattr(kernels, built) is None):
             log.warning(
                 "%s: the %s linear kernel is not built here (it needs AVX2 or AVX512-VNNI and a "
                 "C compiler): its linears %s, many times slower than bfloat16; load a bfloat16 "

@@ -28,6 +28,8 @@ KV_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers (kvtier.h)
 LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2"}  # kvtier_linear_available's answers
+I8_KINDS = {0: None, 1: "avx512", 2: "avx2"}  # kvtier_linear_i8_available's
+W8A8_KINDS = {0: None, 1: "avx512vnni", 2: "avx2"}  # kvtier_linear_w8a8_available's
 CPU = torch.device("cpu")
 
 
@@ -66,16 +68,18 @@ class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
     the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
-    `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`: the
-    int8-weight linear (W8A16) is built (AVX512-BF16 with VNNI, or AVX2 without AVX-512);
-    `w8a8_linear`: the int8 linear with int8 activations (W8A8) is built (AVX512-VNNI or AVX2)."""
+    `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`:
+    the int8-weight linear (W8A16)'s int16 blocks ("avx512": AVX-512 with BW, by VPDPWSSD or,
+    without VNNI, VPMADDWD; "avx2": AVX2 without AVX-512; None: not built); `w8a8_linear`: the
+    int8 linear with int8 activations (W8A8) ("avx512vnni": VPDPBUSD; "avx2": int16 pairs, no
+    AVX512-VNNI; None: not built)."""
 
     lib: ctypes.CDLL
     path: Path
     tile_linear: str | None
     f32_linear: bool
-    i8_linear: bool = False
-    w8a8_linear: bool = False
+    i8_linear: str | None = None
+    w8a8_linear: str | None = None
 
     def attention_tiles(self, use: bool | None = None) -> bool:
         """Whether the attention kernel runs its small work items (≤ 16 query rows: decodes and
@@ -284,13 +288,13 @@ class Kernels:
 
     def pack_linear_i8(self, weight: torch.Tensor) -> torch.Tensor:
         """An int8 weight [n, k] in the tiles of the int8 linear (needs `i8_linear`)."""
-        _require(self.i8_linear, "the int8 linear kernel is not built here (it needs AVX512-BF16 "
-                 "or AVX2): dequantize the weight and use F.linear")  # fmt: skip
+        _require(self.i8_linear is not None, "the int8 linear kernel is not built here (it "
+                 "needs AVX-512 or AVX2): dequantize the weight and use F.linear")  # fmt: skip
         return self._pack_int8(weight, self.lib.kvtier_linear_i8_pack, torch.int8)
 
     def pack_linear_w8a8(self, weight: torch.Tensor) -> torch.Tensor:
         """An int8 weight [n, k] in the tiles of the W8A8 linear, uint8 (needs `w8a8_linear`)."""
-        _require(self.w8a8_linear, "the W8A8 linear kernel is not built here (it needs "
+        _require(self.w8a8_linear is not None, "the W8A8 linear kernel is not built here (it needs "
                  "AVX512-VNNI or AVX2): use quant.w8a8_reference")  # fmt: skip
         return self._pack_int8(weight, self.lib.kvtier_linear_w8a8_pack, torch.uint8)
 
@@ -603,6 +607,6 @@ def build(isa: str | None = None) -> Kernels | None:
         path,
         LINEAR_KINDS[lib.kvtier_linear_available()],
         lib.kvtier_linear_f32_available() == 1,
-        lib.kvtier_linear_i8_available() == 1,
-        lib.kvtier_linear_w8a8_available() == 1,
+        I8_KINDS[lib.kvtier_linear_i8_available()],
+        W8A8_KINDS[lib.kvtier_linear_w8a8_available()],
     )

@@ -132,8 +132,8 @@ class Int8Linear(nn.Module):
     def kernel_serves(self, kernels: native_kernels.Kernels) -> bool:
         """Whether `kernels` has this linear's kernel (W8A16's or W8A8's) for its shape."""
         if self.int8_activations:
-            return kernels.w8a8_linear and self.in_features < native_kernels.W8A8_MAX_K
-        return kernels.i8_linear
+            return kernels.w8a8_linear is not None and self.in_features < native_kernels.W8A8_MAX_K
+        return kernels.i8_linear is not None
 
     def tiles(self, kernels: native_kernels.Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """(the int8 weight in the kernel's tiles, W8A16's or W8A8's, float32 scales), made on

@@ -25,15 +25,23 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define KVTIER_AVX2 1 /* x86-64-v3 without AVX-512: the bfloat16 linear widened to float32 FMAs */
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* AVX512-VNNI, BF16 or not (Cascade Lake and Ice Lake have no BF16): the int8 linears' VNNI
- * blocks (linear_i8_avx512.c's int16 blocks, linear_w8a8_avx512.c) */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512 with BW, VNNI or not (Skylake-SP has none; Cascade Lake and Ice Lake have it without
+ * BF16): W8A16's int16 blocks (linear_i8_avx512.c), by VPDPWSSD or by VPMADDWD + VPADDD */
 #define KVTIER_AVX512_INT8 1
 #endif
+#if defined(KVTIER_AVX512_INT8) && defined(__AVX512VNNI__)
+#define KVTIER_AVX512_W8A8 1 /* and VNNI, BF16 or not: W8A8 by VPDPBUSD (linear_w8a8_avx512.c) */
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(KVTIER_AVX512_INT8)
-/* AVX2 without AVX512-VNNI (x86-64-v3, and AVX-512 CPUs without VNNI such as Skylake-SP): the
- * int8 linears in int16 pair products (linear_i8_avx2.c, linear_w8a8_avx2.c) */
+/* AVX2 without AVX-512 (x86-64-v3): W8A16 in int16 pair products on 256-bit registers
+ * (linear_i8_avx2.c) */
 #define KVTIER_INT8_AVX2 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVTIER_AVX512_W8A8)
+/* AVX2 without AVX512-VNNI (x86-64-v3, and Skylake-SP): W8A8 in int16 pair products
+ * (linear_w8a8_avx2.c; VPMADDUBSW, the only byte product without VNNI, saturates) */
+#define KVTIER_W8A8_AVX2 1
 #endif
 #if defined(KVTIER_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__)

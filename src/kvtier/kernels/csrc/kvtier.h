@@ -125,13 +125,15 @@ KVTIER_API void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint
 KVTIER_API int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m,
                              const uint16_t *packed, int64_t n, int64_t k, const uint16_t *bias,
                              uint16_t *out, int threads);
-/* int8 weights, bfloat16 activations (W8A16): 1 where built (AVX512-BF16), 0 where not; the
- * weight packed into kvtier_linear_pack's tiles a byte an element, scales [n] per column */
+/* int8 weights, bfloat16 activations (W8A16): which blocks are built (1: AVX-512, with BW;
+ * 2: AVX2; 0: none); the weight packed into kvtier_linear_pack's tiles a byte an element,
+ * scales [n] per column */
 KVTIER_API int kvtier_linear_i8_available(void);
 KVTIER_API void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed);
 KVTIER_API int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m,
                                 const int8_t *packed, const float *scales, int64_t n, int64_t k,
                                 const uint16_t *bias, uint16_t *out, int threads);
+/* int8 weights and activations (W8A8): which path is built (1: AVX512-VNNI, 2: AVX2, 0: none) */
 KVTIER_API int kvtier_linear_w8a8_available(void);
 KVTIER_API void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed);
 KVTIER_API int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m,

@@ -180,13 +180,14 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
  * conversions and scaled adds per row block and k block; at 16 rows it cost more. The two sides
  * round x differently (int16 blocks, bfloat16), so a row's bits depend on which side of the
  * bound its batch is.
- * With AVX512-VNNI but not AVX512-BF16 (Cascade Lake, Ice Lake) there is no widened side: the
- * VNNI int16 blocks serve every row count. With AVX2 and no AVX512-VNNI (linear_i8_avx2.c:
- * x86-64-v3, and AVX-512 CPUs such as Skylake-SP) the int16 blocks serve every row count, with the
- * VNNI path's bits, in the AVX2 paths' row blocks and column groups. */
+ * On AVX-512 without AVX512-BF16 (Skylake-SP, Cascade Lake, Ice Lake) there is no widened side:
+ * the int16 blocks serve every row count, by VPDPWSSD or, without AVX512-VNNI (Skylake-SP),
+ * VPMADDWD + VPADDD. With AVX2 and no AVX-512 (linear_i8_avx2.c: x86-64-v3) the int16 blocks
+ * serve every row count, with the same bits, in the AVX2 paths' row blocks and column groups. */
 #define I8_FEW_ROWS 4
 #define I8_WIDE_ROWS 16
-int kvtier_linear_i8_available(void) { return LINEAR_I8; }
+/* which int16 blocks are built: 1 the AVX-512 ones, 2 the AVX2 ones, 0 none */
+int kvtier_linear_i8_available(void) { return LINEAR_I8_AVX512 ? 1 : LINEAR_I8_AVX2 ? 2 : 0; }
 
 /* x as kvtier_linear's; packed by kvtier_linear_i8_pack; scales [n] float32: column j's weights
  * are packed[.., j] * scales[j]. Returns as kvtier_linear (-2: neither AVX512-VNNI nor AVX2). */
@@ -228,7 +229,8 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
  * operand), zero weights (128) past n and k; BF16 or not. With AVX2 and no AVX512-VNNI
  * (linear_w8a8_avx2.c, the same bits): the W8A16 int8 tiles (kvtier_linear_i8_pack), zero past
  * n and k. */
-int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8 || LINEAR_W8A8_AVX2; }
+/* which W8A8 path is built: 1 VPDPBUSD, 2 the AVX2 int16 pairs, 0 none */
+int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8 ? 1 : LINEAR_W8A8_AVX2 ? 2 : 0; }
 
 void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed) {
     if (LINEAR_W8A8_AVX2) {

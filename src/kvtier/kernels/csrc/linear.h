@@ -151,7 +151,7 @@ void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1);
 NO_GROUPS(linear_i8_avx2_groups)
 #endif
 
-#if defined(KVTIER_AVX512_INT8)
+#if defined(KVTIER_AVX512_W8A8)
 #define LINEAR_W8A8 1 /* linear_w8a8_avx512.c */
 /* rows [r0, r1) of a job's x quantized into its xq8, xs, xsum (a pool's chunk function) */
 void linear_w8a8_quantize_rows(const void *job, int64_t r0, int64_t r1);
@@ -162,7 +162,7 @@ NO_GROUPS(linear_w8a8_quantize_rows)
 NO_GROUPS(linear_w8a8_groups)
 #endif
 
-#if defined(KVTIER_INT8_AVX2)
+#if defined(KVTIER_W8A8_AVX2)
 #define LINEAR_W8A8_AVX2 1 /* linear_w8a8_avx2.c */
 /* rows [r0, r1) of a job's x quantized into its xq (int16 [m][k blocks × 32]) and xs */
 void linear_w8a8_avx2_quantize_rows(const void *job, int64_t r0, int64_t r1);

@@ -3,7 +3,8 @@
  * docs/kernels.md): each walks a call's items as register blocks of a->rows rows by a->tiles
  * column tiles and plans the same prefetch of the next column group; only a block's arithmetic
  * differs, which each file writes once as its BlockFn. Included by those files, which are
- * compiled with AVX-512 (the int8 ones also with AVX512-VNNI alone, without BF16). */
+ * compiled with AVX-512 (the int8 ones also without BF16: W8A16's int16 blocks with AVX512-BW,
+ * W8A8 with AVX512-VNNI). */
 #ifndef KVTIER_LINEAR_BLOCKS_H
 #define KVTIER_LINEAR_BLOCKS_H
 
@@ -95,7 +96,7 @@ static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
     }
 }
 #else
-/* Without AVX512-BF16 only the int8 VNNI blocks include this file, and they never widen (the
+/* Without AVX512-BF16 only the int8 blocks include this file, and they never widen (the
  * W8A16 widened path is built with BF16 only) */
 static inline void widen_i8(const int8_t *w, int64_t count, uint16_t *out) {
     (void)w, (void)count, (void)out;

@@ -1,5 +1,6 @@
-/* The int8-weight linear (W8A16) on AVX2 with FMA where the VNNI paths are not built (x86-64-v3,
- * and AVX-512 CPUs without AVX512-BF16: KVTIER_INT8_AVX2), at every row count: the AVX512-VNNI few-rows path's arithmetic (linear_i8_avx512.c) on 256-bit registers.
+/* The int8-weight linear (W8A16) on AVX2 with FMA without AVX-512 (x86-64-v3: KVTIER_INT8_AVX2),
+ * at every row count: the AVX-512 int16 blocks' arithmetic (linear_i8_avx512.c) on 256-bit
+ * registers.
  * x's rows become int16 fixed point a k block of 32 at a time (the same power-of-two scale a
  * block), a tile row's int8 weights are sign-extended to int16, and VPMADDWD + VPADDD sum each
  * k block exactly in int32 (VPDPWSSD's sum: no product pair can saturate, |x| < 2^15, |w| ≤ 127);

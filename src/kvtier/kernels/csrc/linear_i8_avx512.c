@@ -1,9 +1,10 @@
-/* The int8-weight linear's column groups (W8A16) for a few rows, with AVX512-VNNI (and every row
- * count where AVX512-BF16 is not built: Cascade Lake, Ice Lake; KVTIER_AVX512_INT8): each row of x
- * is turned into int16 fixed point a k block of 32 at a time (the block's largest magnitude
- * sets its power-of-two scale, 2^14 ≤ that value's image < 2^15: every bfloat16 within 2^7 of the
- * block's largest is exact, the others off by at most 2^-15 of it), a tile row's int8 weights are
- * sign-extended to int16, and VPDPWSSD sums each k block exactly in int32; the block's sum is
+/* The int8-weight linear's column groups (W8A16) for a few rows with AVX512-BF16, and at every
+ * row count on AVX-512 CPUs without it (Skylake-SP, Cascade Lake, Ice Lake; KVTIER_AVX512_INT8):
+ * each row of x is turned into int16 fixed point a k block of 32 at a time (the block's largest
+ * magnitude sets its power-of-two scale, 2^14 ≤ that value's image < 2^15: every bfloat16 within
+ * 2^7 of the block's largest is exact, the others off by at most 2^-15 of it), a tile row's int8
+ * weights are sign-extended to int16, and VPDPWSSD (without AVX512-VNNI, VPMADDWD + VPADDD: the
+ * same sums) sums each k block exactly in int32; the block's sum is
  * scaled into a float32 accumulator, a column's scale applied once at the end, then the bias
  * and the one bfloat16 rounding (linear_store). Decode reads every weight once a step: widening
  * int8 to bfloat16 for VDPBF16PS took five instructions a tile row and bound the call by
@@ -47,6 +48,17 @@ void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
         }
 }
 
+/* acc + each lane's two int16 products of x and w: VPDPWSSD, or VPMADDWD + VPADDD without
+ * AVX512-VNNI (Skylake-SP), the same int32 bits (a pair is at most 2 × 2^15 × 128: neither
+ * instruction saturates or overflows) */
+static inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, x, w);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+
 /* b's rows by T column tiles (R = b->rows): per k block, R × T int32 sums, then into float32 */
 static inline __attribute__((always_inline)) void i8_block(const Job *a, const Block *b,
                                                             const int R, const int T) {
@@ -79,7 +91,7 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const B
             for (int i = 0; i < R; i++) {
                 const __m512i xb = _mm512_set1_epi32(xp[i][r]);
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) sum[i][t] = _mm512_dpwssd_epi32(sum[i][t], xb, wt[t]);
+                for (int t = 0; t < T; t++) sum[i][t] = dot_pairs(sum[i][t], xb, wt[t]);
             }
         }
 #pragma GCC unroll 4

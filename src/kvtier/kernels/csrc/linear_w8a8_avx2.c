@@ -1,5 +1,5 @@
 /* The W8A8 linear on AVX2 with FMA where AVX512-VNNI is not built (x86-64-v3, and AVX-512 CPUs
- * without VNNI such as Skylake-SP: KVTIER_INT8_AVX2): linear_w8a8_avx512.c's bits without
+ * without VNNI such as Skylake-SP: KVTIER_W8A8_AVX2): linear_w8a8_avx512.c's bits without
  * VPDPBUSD.
  * Each row of x is quantized to int8 by the same rule (its largest magnitude over 127; x times
  * the scale's inverse taken in double, rounded to nearest even and clamped), kept as int16; the
@@ -14,7 +14,7 @@
 
 #include "linear.h"
 
-#if defined(KVTIER_INT8_AVX2)
+#if defined(KVTIER_W8A8_AVX2)
 #include "linear_int8_avx2.h"
 
 /* k block kb of a row of x (32 bf16), zero past k */

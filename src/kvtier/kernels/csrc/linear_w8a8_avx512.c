@@ -1,5 +1,5 @@
 /* The int8 linear with int8 activations (W8A8, compressed-tensors' dynamic per-token scheme),
- * with AVX512-VNNI, BF16 or not (KVTIER_AVX512_INT8): each row of x is quantized on the fly to
+ * with AVX512-VNNI, BF16 or not (KVTIER_AVX512_W8A8): each row of x is quantized on the fly to
  * int8 with one scale (its largest magnitude over 127; x times the scale's inverse, rounded to
  * nearest even and clamped: vLLM's dynamic per-token int8, step for step), and
  * VPDPBUSD multiplies four k at a time, 64 products an instruction against VPDPWSSD's 32 and
@@ -15,7 +15,7 @@
 
 #include "linear.h"
 
-#if defined(KVTIER_AVX512_INT8)
+#if defined(KVTIER_AVX512_W8A8)
 #include "linear_blocks.h"
 
 void linear_w8a8_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {

@@ -68,15 +68,16 @@ def int8_only(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir):
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3", "skylake-avx512", "cascadelake"])
 def built(request: pytest.FixtureRequest, isa_build) -> native.Kernels:
-    """The W8A8 kernel of this CPU's build; linear_w8a8_avx2.c (other tiles, the same bits) where
-    AVX512-VNNI is not built: the AVX2 build (x86-64-v3) and an AVX-512 CPU without it
-    (skylake-avx512); linear_w8a8_avx512.c without BF16 (cascadelake: its scalar store)."""
+    """The W8A8 kernel of this CPU's build; without AVX512-VNNI x in int16 on the W8A16 tiles
+    (other tiles, the same bits): linear_w8a8_avx2.c's blocks on the AVX2 build (x86-64-v3),
+    linear_i8_avx512.c's on an AVX-512 CPU without VNNI (skylake-avx512); linear_w8a8_avx512.c
+    without BF16 (cascadelake: its integer store)."""
     if request.param == "native":
         if kernels is None or not kernels.w8a8_linear:
             pytest.skip("no W8A8 linear kernel in this CPU's build")
         return kernels
     got = isa_build(request.param)
-    want = {"x86-64-v3": ("avx2", "avx2"), "skylake-avx512": ("avx2", "avx512")}.get(
+    want = {"x86-64-v3": ("avx2", "avx2"), "skylake-avx512": ("avx512", "avx512")}.get(
         request.param, ("avx512vnni", "avx512")
     )
     assert (got.w8a8_linear, got.i8_linear) == want, f"the {request.param} build's int8 linears"

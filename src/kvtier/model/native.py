@@ -29,7 +29,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers (kvtier.h)
 LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2"}  # kvtier_linear_available's answers
 I8_KINDS = {0: None, 1: "avx512", 2: "avx2"}  # kvtier_linear_i8_available's
-W8A8_KINDS = {0: None, 1: "avx512vnni", 2: "avx2"}  # kvtier_linear_w8a8_available's
+W8A8_KINDS = {0: None, 1: "avx512vnni", 2: "avx2", 3: "avx512"}  # kvtier_linear_w8a8_available's
 CPU = torch.device("cpu")
 
 
@@ -71,8 +71,8 @@ class Kernels:
     `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`:
     the int8-weight linear (W8A16)'s int16 blocks ("avx512": AVX-512 with BW, by VPDPWSSD or,
     without VNNI, VPMADDWD; "avx2": AVX2 without AVX-512; None: not built); `w8a8_linear`: the
-    int8 linear with int8 activations (W8A8) ("avx512vnni": VPDPBUSD; "avx2": int16 pairs, no
-    AVX512-VNNI; None: not built)."""
+    int8 linear with int8 activations (W8A8) ("avx512vnni": VPDPBUSD; without AVX512-VNNI x in
+    int16, on W8A16's int16 blocks with AVX-512, "avx512", or AVX2's, "avx2"; None: not built)."""
 
     lib: ctypes.CDLL
     path: Path

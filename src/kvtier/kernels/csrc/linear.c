@@ -229,8 +229,11 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
  * operand), zero weights (128) past n and k; BF16 or not. With AVX2 and no AVX512-VNNI
  * (linear_w8a8_avx2.c, the same bits): the W8A16 int8 tiles (kvtier_linear_i8_pack), zero past
  * n and k. */
-/* which W8A8 path is built: 1 VPDPBUSD, 2 the AVX2 int16 pairs, 0 none */
-int kvtier_linear_w8a8_available(void) { return LINEAR_W8A8 ? 1 : LINEAR_W8A8_AVX2 ? 2 : 0; }
+/* which W8A8 path is built: 1 VPDPBUSD, 2 the AVX2 int16 pairs, 3 the AVX-512 int16 blocks
+ * (AVX-512 without VNNI: x quantized as on AVX2, the W8A16 path's 512-bit blocks), 0 none */
+int kvtier_linear_w8a8_available(void) {
+    return LINEAR_W8A8 ? 1 : LINEAR_W8A8_I16 ? 3 : LINEAR_W8A8_AVX2 ? 2 : 0;
+}
 
 void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *packed) {
     if (LINEAR_W8A8_AVX2) {
@@ -249,9 +252,10 @@ void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *pac
                     }
 }
 
-/* The AVX2 path's call: x's rows quantized into int16 on the pool, then blocks of up to 4 rows
- * in column groups of l2_tiles (6-row blocks ran slower) */
-static int w8a8_avx2(Job job, int threads) {
+/* The call without VNNI: x's rows quantized into int16 on the pool, then on AVX2 blocks of up to
+ * 4 rows in column groups of l2_tiles (6-row blocks ran slower), on AVX-512 the W8A16 path's
+ * 512-bit int16 blocks (2 rows by 4 tiles, or 4 by 2) */
+static int w8a8_int16(Job job, int threads) {
     const int64_t m = job.m, kpad = (job.k + 31) / 32 * 32;
     int16_t *xq = malloc((size_t)(m * kpad) * sizeof(int16_t));
     float *xs = malloc((size_t)m * sizeof(float));
@@ -259,7 +263,11 @@ static int w8a8_avx2(Job job, int threads) {
     if (xq && xs) {
         job.xq = xq, job.xs = xs;
         prepare_rows(linear_w8a8_avx2_quantize_rows, &job, threads);
-        status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 4, 1, 0, threads);
+        if (LINEAR_W8A8_I16)
+            status = run_tiles(linear_w8a8_i16_groups, job, m <= 2 ? 4 : 2, m > 2 ? 4 : (int)m, 1,
+                               0, threads);
+        else
+            status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 4, 1, 0, threads);
     }
     free(xq);
     free(xs);
@@ -277,7 +285,7 @@ int kvtier_linear_w8a8(const uint16_t *x, int64_t x_stride, int64_t m, const uin
     if (k >= 65536) return -3;
     Job job = {.x = x, .packed8 = (const int8_t *)packed, .scales = scales, .bias = bias,
                .out = out, .m = m, .n = n, .k = k, .x_stride = x_stride};
-    if (LINEAR_W8A8_AVX2) return w8a8_avx2(job, threads);
+    if (LINEAR_W8A8_AVX2) return w8a8_int16(job, threads);
     const int64_t kpad = (k + 31) / 32 * 32;
     int8_t *xq = aligned_alloc(64, (size_t)((m * kpad + 63) / 64 * 64));
     float *xs = malloc((size_t)m * sizeof(float));

@@ -173,6 +173,14 @@ NO_GROUPS(linear_w8a8_avx2_quantize_rows)
 NO_GROUPS(linear_w8a8_avx2_groups)
 #endif
 
+#if defined(KVTIER_AVX512_INT8) && defined(KVTIER_W8A8_AVX2)
+#define LINEAR_W8A8_I16 1 /* AVX-512 without VNNI: W8A8 on W8A16's 512-bit int16 blocks */
+void linear_w8a8_i16_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_W8A8_I16 0
+NO_GROUPS(linear_w8a8_i16_groups)
+#endif
+
 #if defined(KVTIER_AMX) && defined(KVTIER_AVX512VNNI)
 #define LINEAR_I8_AMX 1
 void linear_i8_amx_groups(const void *job, int64_t i0, int64_t i1);

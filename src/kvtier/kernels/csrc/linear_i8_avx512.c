@@ -59,16 +59,21 @@ static inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
 #endif
 }
 
-/* b's rows by T column tiles (R = b->rows): per k block, R × T int32 sums, then into float32 */
-static inline __attribute__((always_inline)) void i8_block(const Job *a, const Block *b,
-                                                            const int R, const int T) {
+/* b's rows by T column tiles (R = b->rows): per k block, R × T int32 sums; W8A16 (`w8a8` 0)
+ * scales each into a float32 accumulator by its row's k-block scale, W8A8 (x quantized per row,
+ * linear_w8a8_avx2_quantize_rows) adds them into int32 totals, scaled once at the end. Summing
+ * all of k into the block's sums instead ran one row at half the speed. */
+static inline __attribute__((always_inline)) void int16_block(const Job *a, const Block *b,
+                                                               const int R, const int T,
+                                                               const int w8a8) {
     const int64_t kbs = (a->k + 31) / 32, m0 = b->m0;
     const int8_t *w = (const int8_t *)b->w;
     __m512 acc[4][4];
+    __m512i tot[4][4];
 #pragma GCC unroll 4
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps(), tot[i][t] = _mm512_setzero_si512();
     for (int64_t kb = 0; kb < kbs; kb++) {
         block_prefetch(b, kb, kbs);
         const int8_t *wk = w + kb * 512;
@@ -96,10 +101,14 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const B
         }
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            const __m512 s = _mm512_set1_ps(a->xs[(m0 + i) * kbs + kb]);
+            const __m512 s = _mm512_set1_ps(w8a8 ? 0.0f : a->xs[(m0 + i) * kbs + kb]);
 #pragma GCC unroll 4
-            for (int t = 0; t < T; t++)
-                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][t]), s, acc[i][t]);
+            for (int t = 0; t < T; t++) {
+                if (w8a8)
+                    tot[i][t] = _mm512_add_epi32(tot[i][t], sum[i][t]);
+                else
+                    acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][t]), s, acc[i][t]);
+            }
         }
     }
     float out[4][4 * 16] __attribute__((aligned(64)));
@@ -107,9 +116,20 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const B
         const int64_t n0 = (b->nb0 + t) * 16;
         const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
         const __m512 s = _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), a->scales + n0);
-        for (int i = 0; i < R; i++) _mm512_store_ps(out[t] + i * 16, _mm512_mul_ps(acc[i][t], s));
+        for (int i = 0; i < R; i++) {
+            /* W8A8: (sum × column scale) × row scale, as linear_w8a8_avx2.c and the reference */
+            const __m512 v = w8a8 ? _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(tot[i][t]), s),
+                                                  _mm512_set1_ps(a->xs[m0 + i]))
+                                  : _mm512_mul_ps(acc[i][t], s);
+            _mm512_store_ps(out[t] + i * 16, v);
+        }
         block_store(a, out[t], m0, R, n0);
     }
+}
+
+static inline __attribute__((always_inline)) void i8_block(const Job *a, const Block *b,
+                                                            const int R, const int T) {
+    int16_block(a, b, R, T, 0);
 }
 
 #define I8_CASES2(R) BLOCK_CASE(i8_block, R, 1) BLOCK_CASE(i8_block, R, 2)
@@ -128,6 +148,29 @@ void linear_i8_avx512_groups(const void *ctx, int64_t i0, int64_t i1) {
     const Job *a = (const Job *)ctx;
     linear_blocks(a, i0, i1, a->packed8, 1, i8_run, NULL);
 }
+
+#if defined(KVTIER_W8A8_AVX2) /* AVX-512 without VNNI (Skylake-SP): W8A8 on these blocks */
+static inline __attribute__((always_inline)) void w8a8_block(const Job *a, const Block *b,
+                                                              const int R, const int T) {
+    int16_block(a, b, R, T, 1);
+}
+
+#define W8A8_CASES2(R) BLOCK_CASE(w8a8_block, R, 1) BLOCK_CASE(w8a8_block, R, 2)
+#define W8A8_CASES(R) W8A8_CASES2(R) BLOCK_CASE(w8a8_block, R, 3) BLOCK_CASE(w8a8_block, R, 4)
+
+static void w8a8_run(const Job *a, const Block *b) {
+    switch (BLOCK_KEY(b->rows, b->tiles)) {
+        W8A8_CASES(1) W8A8_CASES(2) W8A8_CASES2(3) W8A8_CASES2(4)
+    }
+}
+
+/* W8A8's items on the W8A16 int8 tiles, x's rows quantized per row into int16
+ * (linear_w8a8_avx2_quantize_rows): the bits of linear_w8a8_avx2.c and the reference */
+void linear_w8a8_i16_groups(const void *ctx, int64_t i0, int64_t i1) {
+    const Job *a = (const Job *)ctx;
+    linear_blocks(a, i0, i1, a->packed8, 1, w8a8_run, NULL);
+}
+#endif
 
 #if defined(KVTIER_AVX512VNNI) /* with AVX512-BF16 */
 /* A thread's widened column group, kept between calls and grown for a larger k; never freed

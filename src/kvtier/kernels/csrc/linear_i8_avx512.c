@@ -73,7 +73,10 @@ static inline __attribute__((always_inline)) void int16_block(const Job *a, cons
 #pragma GCC unroll 4
     for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps(), tot[i][t] = _mm512_setzero_si512();
+        for (int t = 0; t < T; t++) {
+            acc[i][t] = _mm512_setzero_ps();
+            tot[i][t] = _mm512_setzero_si512();
+        }
     for (int64_t kb = 0; kb < kbs; kb++) {
         block_prefetch(b, kb, kbs);
         const int8_t *wk = w + kb * 512;
@@ -101,14 +104,15 @@ static inline __attribute__((always_inline)) void int16_block(const Job *a, cons
         }
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            const __m512 s = _mm512_set1_ps(w8a8 ? 0.0f : a->xs[(m0 + i) * kbs + kb]);
+            if (w8a8) {
 #pragma GCC unroll 4
-            for (int t = 0; t < T; t++) {
-                if (w8a8)
-                    tot[i][t] = _mm512_add_epi32(tot[i][t], sum[i][t]);
-                else
-                    acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][t]), s, acc[i][t]);
+                for (int t = 0; t < T; t++) tot[i][t] = _mm512_add_epi32(tot[i][t], sum[i][t]);
+                continue;
             }
+            const __m512 s = _mm512_set1_ps(a->xs[(m0 + i) * kbs + kb]);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++)
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][t]), s, acc[i][t]);
         }
     }
     float out[4][4 * 16] __attribute__((aligned(64)));
@@ -132,13 +136,14 @@ static inline __attribute__((always_inline)) void i8_block(const Job *a, const B
     int16_block(a, b, R, T, 0);
 }
 
-#define I8_CASES2(R) BLOCK_CASE(i8_block, R, 1) BLOCK_CASE(i8_block, R, 2)
-#define I8_CASES(R) I8_CASES2(R) BLOCK_CASE(i8_block, R, 3) BLOCK_CASE(i8_block, R, 4)
+/* the int16 blocks' shapes (linear.c): up to 2 rows by 4 tiles, 3-4 rows by 2 (the int32 sums
+ * and the accumulators both in registers) */
+#define INT16_T2(body, R) BLOCK_CASE(body, R, 1) BLOCK_CASE(body, R, 2)
+#define INT16_T4(body, R) INT16_T2(body, R) BLOCK_CASE(body, R, 3) BLOCK_CASE(body, R, 4)
+#define INT16_SHAPES(body) INT16_T4(body, 1) INT16_T4(body, 2) INT16_T2(body, 3) INT16_T2(body, 4)
 
 static void i8_run(const Job *a, const Block *b) {
-    switch (BLOCK_KEY(b->rows, b->tiles)) {
-        I8_CASES(1) I8_CASES(2) I8_CASES2(3) I8_CASES2(4)
-    }
+    switch (BLOCK_KEY(b->rows, b->tiles)) { INT16_SHAPES(i8_block) }
 }
 
 /* items [i0, i1) as the bfloat16 path runs them (linear_blocks), on int8 tiles: blocks of
@@ -155,13 +160,8 @@ static inline __attribute__((always_inline)) void w8a8_block(const Job *a, const
     int16_block(a, b, R, T, 1);
 }
 
-#define W8A8_CASES2(R) BLOCK_CASE(w8a8_block, R, 1) BLOCK_CASE(w8a8_block, R, 2)
-#define W8A8_CASES(R) W8A8_CASES2(R) BLOCK_CASE(w8a8_block, R, 3) BLOCK_CASE(w8a8_block, R, 4)
-
 static void w8a8_run(const Job *a, const Block *b) {
-    switch (BLOCK_KEY(b->rows, b->tiles)) {
-        W8A8_CASES(1) W8A8_CASES(2) W8A8_CASES2(3) W8A8_CASES2(4)
-    }
+    switch (BLOCK_KEY(b->rows, b->tiles)) { INT16_SHAPES(w8a8_block) }
 }
 
 /* W8A8's items on the W8A16 int8 tiles, x's rows quantized per row into int16

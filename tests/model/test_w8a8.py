@@ -227,15 +227,17 @@ def test_float32_goldens_against_transformers(w8a8_dir, int8_only, arch):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_the_one_call_layers_give_the_python_layers_bits(built, w8a8_dir, arch, monkeypatch):
-    """Both paths on one build (on x86-64-v3 layer.c calls linear_w8a8_avx2.c's linear)."""
-    if built.tile_linear is None:  # fused_layer.FusedLayers.run declines every batch there
-        pytest.skip("the one-call layers run only where a bfloat16 tile linear is built")
+    """Both paths on one build (on x86-64-v3 layer.c calls linear_w8a8_avx2.c's linear). The
+    skylake-avx512 and cascadelake builds have no bfloat16 tile linear, and these layers need
+    none: every linear of theirs is int8."""
     monkeypatch.setattr(native, "kernels", lambda: built)
     assert_fused_bits(load_model(w8a8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
 
 
 @needs_w8a8_kernel
-def test_a_layer_takes_the_one_call_path_only_where_its_int8_kernel_serves_it(w8a8_dir):
+def test_a_layer_takes_the_one_call_path_only_where_its_int8_kernel_serves_it(
+    w8a8_dir, tiny_model_dir
+):
     import dataclasses
 
     from kvtier.model.fused_layer import servable
@@ -245,6 +247,12 @@ def test_a_layer_takes_the_one_call_path_only_where_its_int8_kernel_serves_it(w8
     assert servable(layer, kernels)
     assert not servable(layer, dataclasses.replace(kernels, w8a8_linear=None))
     assert servable(layer, dataclasses.replace(kernels, i8_linear=None))  # W8A16's: not needed
+    # a build without the bfloat16 tile linear (AVX-512 without BF16) serves layers of int8
+    # linears only
+    no_tiles = dataclasses.replace(kernels, tile_linear=None)
+    assert servable(layer, no_tiles)
+    bf16 = load_model(tiny_model_dir("qwen2"), dtype="bfloat16").model.layers[0]
+    assert servable(bf16, kernels) and not servable(bf16, no_tiles)
     layer.mlp.down_proj.int8_activations = False  # one scheme a layer, as the struct says
     assert not servable(layer, kernels)
 

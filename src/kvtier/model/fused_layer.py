@@ -22,7 +22,7 @@ import torch
 
 from kvtier.kernels import abi
 from kvtier.model import native
-from kvtier.model.layers import RMSNorm, takes_tiles
+from kvtier.model.layers import Linear, RMSNorm, takes_tiles
 from kvtier.model.paged import GroupPlan
 from kvtier.model.quant import Int8Linear
 
@@ -88,9 +88,11 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 
 
 def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
-    """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU (int8
-    ones with their scales and bfloat16 biases where the int8 linear is built), every norm, the
-    rope and the MLP's activation on the native kernels, no float32 leftovers."""
+    """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU where
+    the bfloat16 tile linear is built (int8 ones with their scales and bfloat16 biases where the
+    int8 linear is: a layer of int8 linears only runs on a build without the tile linear, such as
+    an AVX-512 CPU without BF16), every norm, the rope and the MLP's activation on the native
+    kernels, no float32 leftovers."""
     attn, mlp = layer.self_attn, layer.mlp
     norms: list[RMSNorm | None] = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.sandwich:
@@ -105,6 +107,8 @@ def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
     if len({m.int8_activations for m in int8}) > 1:  # the struct says one for the layer
         return False
     if not all(m.kernel_serves(kernels) for m in int8):
+        return False
+    if kernels.tile_linear is None and any(isinstance(m, Linear) for m in layer.modules()):
         return False
     scaled = {id(p) for m in int8 for p in (m.weight, m.weight_scale)}
     return all(
@@ -131,7 +135,7 @@ class FusedLayers:
         linear taking the tiles at this row count (the caller then plans a prompt's chunks for
         the attention kernel, which the one-call layer needs)."""
         kernels = native.kernels()
-        if kernels is None or not kernels.tile_linear:
+        if kernels is None:
             return False
         return _fits(self._layers(layers, kernels), rows, kernels.tile_linear)
 
@@ -148,7 +152,7 @@ class FusedLayers:
         """(hidden, residual) after every layer for input x [rows, hidden], or None where some
         layer or query is not served (the caller runs the Python path)."""
         kernels = native.kernels()
-        if kernels is None or not kernels.tile_linear:
+        if kernels is None:
             return None
         if x.dtype != torch.bfloat16:
             return None

@@ -237,6 +237,18 @@ def test_the_one_call_layers_give_the_python_layers_bits(int8_dir, arch, monkeyp
     assert_fused_bits(load_model(int8_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)
 
 
+@pytest.mark.parametrize("isa", ["skylake-avx512", "cascadelake"])
+def test_builds_without_the_tile_linear_run_int8_layers_in_one_call(
+    isa_build, isa, int8_dir, monkeypatch
+) -> None:
+    """AVX-512 without BF16 has no bfloat16 tile linear; a layer of int8 linears needs none and
+    runs in one call there, with the Python layers' bits on the same build."""
+    built = isa_build(isa)
+    assert built.tile_linear is None and built.i8_linear == "avx512"
+    monkeypatch.setattr(native, "kernels", lambda: built)
+    assert_fused_bits(load_model(int8_dir("qwen2"), dtype="bfloat16"), monkeypatch, steps=12)
+
+
 def test_quantization_int8_quantizes_every_linear_as_it_loads(tiny_model_dir, int8_dir):
     """`--quantization int8` on a float checkpoint: the same weights as the compressed-tensors
     folder of it, the LM head included (here untied, quantized in the folder too), and a tied

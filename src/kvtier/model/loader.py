@@ -326,11 +326,11 @@ def _say_where_int8_runs(folder: Path, *, w8a16: bool, w8a8: bool) -> None:
     bfloat16's."""
     kernels = native_kernels.kernels()
     cases = (
-        (w8a16, "int8", "i8_linear", "dequantize their weights on every call"),
-        (w8a8, "W8A8", "w8a8_linear", "run in torch ops"),
+        (w8a16, "int8", kernels and kernels.i8_linear, "dequantize their weights on every call"),
+        (w8a8, "W8A8", kernels and kernels.w8a8_linear, "run in torch ops"),
     )
     for used, name, built, fallback in cases:
-        if used and (kernels is None or getattr(kernels, built) is None):
+        if used and built is None:
             log.warning(
                 "%s: the %s linear kernel is not built here (it needs AVX2 or AVX512-VNNI and a "
                 "C compiler): its linears %s, many times slower than bfloat16; load a bfloat16 "

@@ -73,42 +73,9 @@ void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
         }
 }
 
-/* R rows from m0 by T column tiles from nb0: each k block's int32 sums (kblock_sums) scaled into
- * float32 accumulators (kept in memory: touched once a block) */
 static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t m0, int64_t nb0,
                                                             const int R, const int T) {
-    const int64_t kbs = (a->k + 31) / 32;
-    const int8_t *w = a->packed8 + nb0 * kbs * 512;
-    __m256 acc[4][4][2];
-#pragma GCC unroll 4
-    for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
-    for (int64_t kb = 0; kb < kbs; kb++) {
-        __m256i sum[4][4][2];
-        kblock_sums(a, w, m0, kb, R, T, sum);
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) {
-            const __m256 s = _mm256_set1_ps(a->xs[(m0 + i) * kbs + kb]);
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    acc[i][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i][t][h]), s, acc[i][t][h]);
-        }
-    }
-    float out[4 * 16];
-    for (int t = 0; t < T; t++) {
-        const int64_t n0 = (nb0 + t) * 16;
-        const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
-        float scales[16] = {0};
-        memcpy(scales, a->scales + n0, (size_t)cols * sizeof(float));
-        for (int i = 0; i < R; i++)
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(out + i * 16 + h * 8,
-                                 _mm256_mul_ps(acc[i][t][h], _mm256_loadu_ps(scales + h * 8)));
-        linear_store_rows(a, out, m0, R, n0);
-    }
+    int16_block_avx2(a, m0, nb0, R, T, 0);
 }
 
 INT8_AVX2_ROWS(i8_rows, i8_block)

@@ -81,47 +81,9 @@ void linear_w8a8_avx2_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* R rows from m0 by T column tiles from nb0: each k block's int32 sums (kblock_sums) added into
- * int32 totals. Summing all of k in registers instead ran 1.4× slower: GCC kept those sums on
- * the stack across the k loop. */
 static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64_t m0, int64_t nb0,
                                                               const int R, const int T) {
-    const int64_t kbs = (a->k + 31) / 32;
-    const int8_t *w = a->packed8 + nb0 * kbs * 512;
-    __m256i tot[4][4][2]; /* the sums over the k blocks done (touched once a block) */
-#pragma GCC unroll 4
-    for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) tot[i][t][0] = tot[i][t][1] = _mm256_setzero_si256();
-    for (int64_t kb = 0; kb < kbs; kb++) {
-        __m256i sum[4][4][2];
-        kblock_sums(a, w, m0, kb, R, T, sum);
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++)
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++)
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) tot[i][t][h] = _mm256_add_epi32(tot[i][t][h], sum[i][t][h]);
-    }
-    float out[4 * 16];
-#pragma GCC unroll 4 /* constant indices: the sums stay in registers */
-    for (int t = 0; t < T; t++) {
-        const int64_t n0 = (nb0 + t) * 16;
-        const int cols = a->n - n0 < 16 ? (int)(a->n - n0) : 16;
-        float scales[16] = {0};
-        memcpy(scales, a->scales + n0, (size_t)cols * sizeof(float));
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) {
-            const __m256 xs = _mm256_set1_ps(a->xs[m0 + i]);
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(out + i * 16 + h * 8,
-                                 _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(tot[i][t][h]),
-                                                             _mm256_loadu_ps(scales + h * 8)),
-                                               xs));
-        }
-        linear_store_rows(a, out, m0, R, n0);
-    }
+    int16_block_avx2(a, m0, nb0, R, T, 1);
 }
 
 INT8_AVX2_ROWS(w8a8_rows, w8a8_block)

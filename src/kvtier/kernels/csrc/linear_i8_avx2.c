@@ -73,12 +73,7 @@ void linear_i8_quantize_x(const Job *a, int16_t *xq, float *xs) {
         }
 }
 
-static inline __attribute__((always_inline)) void i8_block(const Job *a, int64_t m0, int64_t nb0,
-                                                            const int R, const int T) {
-    int16_block_avx2(a, m0, nb0, R, T, 0);
-}
-
-INT8_AVX2_ROWS(i8_rows, i8_block)
+INT8_AVX2_ROWS(i8_rows, 0)
 
 /* Items [i0, i1): column groups by row blocks (item_row_blocks) */
 void linear_i8_avx2_groups(const void *job, int64_t i0, int64_t i1) {

@@ -112,23 +112,23 @@ static inline __attribute__((always_inline)) void int16_block_avx2(const Job *a,
     }
 }
 
-/* A path's rows_fn for item_row_blocks (`name`), running `block`(a, m0, nb0, R, T) for R rows by
- * T tiles: 1 row by up to 4 tiles (only its sums stay in registers: each widened tile row is used
- * once), 2 rows by up to 2, 3-4 rows one tile at a time */
-#define INT8_AVX2_ROWS(name, block)                                                              \
+/* A path's rows_fn for item_row_blocks (`name`), running int16_block_avx2 with the path's `w8a8`
+ * for R rows by T tiles: 1 row by up to 4 tiles (only its sums stay in registers: each widened
+ * tile row is used once), 2 rows by up to 2, 3-4 rows one tile at a time */
+#define INT8_AVX2_ROWS(name, w8a8)                                                               \
     static void name(const Job *a, int64_t m0, int rows, int64_t nb0, int tiles) {               \
         for (int t = 0; t < tiles;) {                                                            \
             const int left = tiles - t;                                                          \
             const int T = rows == 1 ? (left < 4 ? left : 4) : rows == 2 ? (left < 2 ? left : 2) : 1; \
             switch (rows * 4 + T) {                                                              \
-            case 5: block(a, m0, nb0 + t, 1, 1); break;                                          \
-            case 6: block(a, m0, nb0 + t, 1, 2); break;                                          \
-            case 7: block(a, m0, nb0 + t, 1, 3); break;                                          \
-            case 8: block(a, m0, nb0 + t, 1, 4); break;                                          \
-            case 9: block(a, m0, nb0 + t, 2, 1); break;                                          \
-            case 10: block(a, m0, nb0 + t, 2, 2); break;                                         \
-            case 13: block(a, m0, nb0 + t, 3, 1); break;                                         \
-            default: block(a, m0, nb0 + t, 4, 1); break;                                         \
+            case 5: int16_block_avx2(a, m0, nb0 + t, 1, 1, w8a8); break;                         \
+            case 6: int16_block_avx2(a, m0, nb0 + t, 1, 2, w8a8); break;                         \
+            case 7: int16_block_avx2(a, m0, nb0 + t, 1, 3, w8a8); break;                         \
+            case 8: int16_block_avx2(a, m0, nb0 + t, 1, 4, w8a8); break;                         \
+            case 9: int16_block_avx2(a, m0, nb0 + t, 2, 1, w8a8); break;                         \
+            case 10: int16_block_avx2(a, m0, nb0 + t, 2, 2, w8a8); break;                        \
+            case 13: int16_block_avx2(a, m0, nb0 + t, 3, 1, w8a8); break;                        \
+            default: int16_block_avx2(a, m0, nb0 + t, 4, 1, w8a8); break;                        \
             }                                                                                    \
             t += T;                                                                              \
         }                                                                                        \

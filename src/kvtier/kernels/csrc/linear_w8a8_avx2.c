@@ -81,12 +81,7 @@ void linear_w8a8_avx2_quantize_rows(const void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-static inline __attribute__((always_inline)) void w8a8_block(const Job *a, int64_t m0, int64_t nb0,
-                                                              const int R, const int T) {
-    int16_block_avx2(a, m0, nb0, R, T, 1);
-}
-
-INT8_AVX2_ROWS(w8a8_rows, w8a8_block)
+INT8_AVX2_ROWS(w8a8_rows, 1)
 
 /* Items [i0, i1): column groups by row blocks (item_row_blocks) */
 void linear_w8a8_avx2_groups(const void *job, int64_t i0, int64_t i1) {

@@ -116,3 +116,17 @@ def test_a_replaced_weight_is_used(tiny_model_dir, served, monkeypatch):
     post = model.model.layers[2].post_attention_layernorm  # assigned, as load_state_dict(assign)
     post.weight = torch.nn.Parameter(post.weight.detach() * 3, requires_grad=False)
     assert_fused_steps_match_python(model, served, monkeypatch)
+
+
+@pytest.mark.parametrize("isa", ["skylake-avx512", "cascadelake"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_builds_without_bf16_run_bfloat16_layers_in_one_call(
+    isa_build, isa, arch, tiny_model_dir, monkeypatch
+):
+    """AVX-512 without BF16 (Skylake-SP, Cascade Lake): the tile linear widened to float32
+    (linear_wide_avx512.c) serves a bfloat16 layer's linears, so the layer runs in one call, with
+    the Python layers' bits on the same build."""
+    built = isa_build(isa)
+    assert built.tile_linear == "avx512"
+    monkeypatch.setattr(native, "kernels", lambda: built)
+    assert_fused_bits(load_model(tiny_model_dir(arch), dtype="bfloat16"), monkeypatch, steps=12)

@@ -1,6 +1,6 @@
-"""The tile linear kernel (kernels/csrc/linear*.c, AMX, AVX512-BF16 or AVX2) gives the bits of bfloat16
-products summed over k in order in float32 and rounded once — on AMX what oneDNN gives a row in a
-batch of up to 32 rows; on AVX512-BF16 and AVX2 exactly VDPBF16PS's sums (each pair's odd product
+"""The tile linear kernel (kernels/csrc/linear*.c, AMX, AVX512-BF16, or widened on AVX2 or AVX-512)
+gives the bits of bfloat16 products summed over k in order in float32 and rounded once — on AMX
+what oneDNN gives a row in a batch of up to 32 rows; elsewhere exactly VDPBF16PS's sums (each pair's odd product
 added, then its even one), which are oneDNN's wherever oneDNN sums in order (k ≤ 512) — with partial k blocks and
 output tiles, bias or none, strided rows, and any number of threads; `Linear` picks it for few
 rows and oneDNN above."""
@@ -132,7 +132,8 @@ def test_linear_takes_the_tiles_for_few_rows_and_onednn_above() -> None:
     assert takes_tiles(64, 2048 * 1100) and not takes_tiles(65, 2048 * 1100)
     assert takes_tiles(65, 2 << 20) and not takes_tiles(65, (2 << 20) + 1)
     assert takes_tiles(10_000, 256 * 512)
-    assert takes_tiles(10_000, 2048 * 1100, "avx2")  # oneDNN's bfloat16 is emulated there
+    # oneDNN's bfloat16 is emulated where the tiles widen to float32
+    assert takes_tiles(10_000, 2048 * 1100, "avx2") and takes_tiles(10_000, 2048 * 1100, "avx512")
     gen = torch.Generator().manual_seed(2)
     small = Linear(256, 512, bias=True).to(torch.bfloat16)
     down = Linear(1024, 256, bias=False).to(torch.bfloat16)
@@ -192,13 +193,21 @@ def test_f32_linear_rows_do_not_depend_on_the_batch_and_strided_rows() -> None:
         assert torch.equal(layer(wide[:, 20:276]), layer(wide[:, 20:276].contiguous()))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 37])
+# the builds whose tile linear widens to float32 FMAs, and its kind there
+WIDENED_BUILDS = {"x86-64-v3": "avx2", "skylake-avx512": "avx512", "cascadelake": "avx512"}
+
+
+@pytest.mark.parametrize("isa", WIDENED_BUILDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 37, 70])
 @pytest.mark.parametrize(("k", "n"), [(100, 77), (896, 1152)])
-def test_the_avx2_build_gives_the_in_order_bits(isa_build, rows: int, k: int, n: int) -> None:
-    """The AVX2 path (linear_avx2.c, the x86-64-v3 build) whatever this CPU builds natively:
+def test_the_widened_builds_give_the_in_order_bits(
+    isa_build, isa: str, rows: int, k: int, n: int
+) -> None:
+    """The widened paths whatever this CPU builds natively — AVX2 (linear_avx2.c, the x86-64-v3
+    build) and AVX-512 without BF16 (linear_wide_avx512.c, Skylake-SP and Cascade Lake builds):
     VDPBF16PS's sums by FMA, each row block and column group, with and without a bias."""
-    built = isa_build("x86-64-v3")
-    assert built.tile_linear == "avx2"
+    built = isa_build(isa)
+    assert built.tile_linear == WIDENED_BUILDS[isa]
     gen = torch.Generator().manual_seed(rows * k)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()

@@ -42,6 +42,7 @@ SOURCES: dict[str, tuple[str, ...]] = {  # every object of the library and its o
     "linear_amx.c": (),
     "linear_avx512bf16.c": (),
     "linear_avx2.c": (),
+    "linear_wide_avx512.c": (),
     "linear_i8_amx.c": (),
     "linear_i8_avx512.c": (),
     "linear_i8_avx2.c": (),

@@ -24,18 +24,23 @@ def _can_pack_bf16() -> bool:
 PACK_BF16 = _can_pack_bf16()  # oneDNN runs bf16 here (AVX-512 BF16 / AMX or emulated)
 
 
+WIDENED = ("avx2", "avx512")  # tile linears widened to float32 FMAs: oneDNN emulates bfloat16
 MAX_TILE_ROWS = 64  # any weight
 SMALL_WEIGHT = 2 << 20  # the small models' weights: at most 2M elements, any row count
 
 
 def takes_tiles(rows: int, numel: int, kind: str | None = None) -> bool:
     """Whether the tile linear of `kind` (`Kernels.tile_linear`) serves `rows` rows of a weight of
-    `numel` elements: on AVX2 every call; else up to 64 rows on any weight, any row count on
-    weights of at most 2M elements. Why (measured against oneDNN, one call alone, and end to end):
+    `numel` elements: on the widened paths every call; else up to 64 rows on any weight, any row
+    count on weights of at most 2M elements. Why (measured against oneDNN, one call alone, and
+    end to end):
 
     - AVX2 without AVX-512 (AMD Zen 3): oneDNN has no bfloat16 instructions to run and gives
       ~10 GFLOP/s a core at every row count, a sixth of its own float32 rate; the tiles widened to
       float32 gave 4-8× that from 1 to 256 rows (docs/benchmarks.md, "An AVX2 CPU").
+    - AVX-512 without its BF16 (Intel Skylake-SP, Cascade Lake, Ice Lake): oneDNN emulates
+      bfloat16 at ~35 GFLOP/s a core from 1 to 2048 rows; the tiles widened to float32 on 512-bit
+      registers gave 2× that at one row and ~3× from 16 rows on (docs/kernels.md).
 
     - AMX: up to 64 rows the tiles beat oneDNN on any weight, small or streamed from memory;
       above that, on large weights, oneDNN's blocking wins. On small weights the tiles run the
@@ -51,14 +56,14 @@ def takes_tiles(rows: int, numel: int, kind: str | None = None) -> bool:
     in order (AVX512-BF16: k ≤ 512; with k of 896 and more oneDNN's bits depend on the batch's
     row count, 2-300 outputs in 10^5 one bfloat16 ulp apart) — the tiles give a row the same
     bits whatever its batch."""
-    return kind == "avx2" or rows <= MAX_TILE_ROWS or numel <= SMALL_WEIGHT
+    return kind in WIDENED or rows <= MAX_TILE_ROWS or numel <= SMALL_WEIGHT
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose weight on a CPU is multiplied through a copy prepacked once. bfloat16:
     for the rows `takes_tiles` gives them, the tile layout of `model/native.py`'s linear kernel
-    (AMX, AVX512-BF16 or AVX2; at small shapes oneDNN's set-up per call costs more than the tiles'
-    whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
+    (AMX, AVX512-BF16, or widened to float32 on AVX2 or AVX-512; at small shapes oneDNN's set-up
+    per call costs more than the tiles' whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
     every call); the tiles give `F.linear`'s bits
     where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
     is built (AVX-512F or AVX2; why: `forward`), else `F.linear`. Either way a row's result does

@@ -27,7 +27,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types the kernels take
 KV_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_NORM_DIM, MAX_HEAD_DIM = 8192, 512  # the kernels' stack buffers (kvtier.h)
-LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2"}  # kvtier_linear_available's answers
+# kvtier_linear_available's answers (4: widened to float32 on AVX-512 without BF16)
+LINEAR_KINDS = {0: None, 1: "amx", 2: "avx512bf16", 3: "avx2", 4: "avx512"}
 I8_KINDS = {0: None, 1: "avx512", 2: "avx2"}  # kvtier_linear_i8_available's
 W8A8_KINDS = {0: None, 1: "avx512vnni", 2: "avx2", 3: "avx512"}  # kvtier_linear_w8a8_available's
 CPU = torch.device("cpu")
@@ -67,7 +68,8 @@ def _elements(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 class Kernels:
     """The loaded library and where it came from; `tile_linear`: which instructions the bfloat16
     linear runs on here ("amx": AMX tiles, granted by the OS; "avx512bf16": VDPBF16PS; "avx2":
-    the tiles widened to float32 FMAs, no AVX-512; None: none, oneDNN serves every linear);
+    the tiles widened to float32 FMAs, no AVX-512; "avx512": the same on 512-bit registers, AVX-512
+    without BF16; None: none, oneDNN serves every linear);
     `f32_linear`: the batch-invariant float32 linear is built (AVX-512F or AVX2); `i8_linear`:
     the int8-weight linear (W8A16)'s int16 blocks ("avx512": AVX-512 with BW, by VPDPWSSD or,
     without VNNI, VPMADDWD; "avx2": AVX2 without AVX-512; None: not built); `w8a8_linear`: the
@@ -281,7 +283,7 @@ class Kernels:
             self.lib.kvtier_linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
             return packed
         _require(self.tile_linear is not None, "the bfloat16 tile linear is not built here "
-                 "(neither AMX nor AVX512-BF16): use F.linear")  # fmt: skip
+                 "(it needs AVX2 or AVX-512): use F.linear")  # fmt: skip
         packed = torch.empty(_packed_size(weight.dtype, n, k), dtype=torch.bfloat16)
         self.lib.kvtier_linear_pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed

@@ -30,6 +30,11 @@
  * BF16): W8A16's int16 blocks (linear_i8_avx512.c), by VPDPWSSD or by VPMADDWD + VPADDD */
 #define KVTIER_AVX512_INT8 1
 #endif
+#if defined(KVTIER_AVX512_INT8) && !defined(KVTIER_AVX512BF16)
+/* AVX-512 without BF16 (Skylake-SP, Cascade Lake, Ice Lake): the bfloat16 linear widened to
+ * float32 FMAs on 512-bit registers (linear_wide_avx512.c) */
+#define KVTIER_AVX512_WIDE 1
+#endif
 #if defined(KVTIER_AVX512_INT8) && defined(__AVX512VNNI__)
 #define KVTIER_AVX512_W8A8 1 /* and VNNI, BF16 or not: W8A8 by VPDPBUSD (linear_w8a8_avx512.c) */
 #endif

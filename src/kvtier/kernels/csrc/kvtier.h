@@ -119,7 +119,7 @@ KVTIER_API void kvtier_apply_bitmask(void *logits, int64_t stride, int64_t vocab
 /* ---- linear layers (linear*.c) ------------------------------------------------------------ */
 
 /* 1: bfloat16 tiles on AMX (granted by the OS), 2: on AVX512-BF16, 3: widened to float32 on
- * AVX2 with FMA (no AVX-512), 0: none */
+ * AVX2 with FMA (no AVX-512), 4: widened to float32 on AVX-512 without BF16, 0: none */
 KVTIER_API int kvtier_linear_available(void);
 KVTIER_API void kvtier_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed);
 KVTIER_API int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m,

@@ -1,5 +1,5 @@
 /* A bfloat16 decoder layer's step in one call, for batches the other kernels serve whole: every
- * linear on the tile kernel (linear.c: AMX or AVX512-BF16) and every query on the paged attention
+ * linear on the tile kernel (linear.c: any of its paths) and every query on the paged attention
  * kernel (decodes, drafts, a prompt's chunks planned for it). Python's layer makes ~11 kernel
  * calls, each with its ctypes call, output allocation and GIL release; here one call runs them
  * back to back (docs/architecture.md §Kernels).

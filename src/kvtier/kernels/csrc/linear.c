@@ -14,8 +14,9 @@
  * Output columns are split in groups of four tiles among the pool's threads (pool.c): each
  * element is computed by one thread in one order, so results do not depend on the thread count.
  * `kvtier_linear_available` returns 1 (AMX, granted by the OS), 2 (AVX512-BF16), 3 (AVX2 with
- * FMA, no AVX-512: the tiles widened to float32, linear_avx2.c) or 0 (none: the caller uses
- * oneDNN).
+ * FMA, no AVX-512: the tiles widened to float32, linear_avx2.c), 4 (AVX-512 without its BF16:
+ * the tiles widened to float32 on 512-bit registers, linear_wide_avx512.c) or 0 (none: the
+ * caller uses oneDNN).
  */
 #include <stdlib.h>
 
@@ -48,20 +49,21 @@ void kvtier_linear_i8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed
 }
 
 /* The one dispatch of the bfloat16 linear: 1 AMX where built and granted by the OS (asked
- * once), else 2 AVX512-BF16 where built, else 3 AVX2 with FMA where no AVX-512 is (a CPU with
- * AVX-512F but not its BF16 keeps oneDNN, whose AVX-512 emulation was not measured against it),
- * else 0. */
+ * once), else 2 AVX512-BF16 where built, else 3 AVX2 with FMA where no AVX-512 is, else 4
+ * AVX-512 without BF16, else 0. The widened paths (3, 4) run where oneDNN has no bfloat16
+ * instruction either and emulates it. */
 static int tile_path(void) {
     static _Atomic int granted = -1;
     if (granted < 0) granted = linear_amx_granted();
     if (LINEAR_AMX && granted) return 1;
-    return LINEAR_AVX512BF16 ? 2 : LINEAR_AVX2 ? 3 : 0;
+    return LINEAR_AVX512BF16 ? 2 : LINEAR_AVX2 ? 3 : LINEAR_AVX512_WIDE ? 4 : 0;
 }
 
 static ChunkFn groups_of(int path) {
     return path == 1   ? linear_amx_groups
            : path == 2 ? linear_avx512bf16_groups
            : path == 3 ? linear_avx2_groups
+           : path == 4 ? linear_wide_avx512_groups
                        : NULL;
 }
 
@@ -139,22 +141,23 @@ static void widen_rows(const void *ctx, int64_t r0, int64_t r1) {
         for (int64_t i = 0; i < a->k; i++) xf[r * xs + i] = bf16_to_f32(a->x[r * a->x_stride + i]);
 }
 
-/* The AVX2 path's call (`run`: its column groups): x widened to float32 once, on the pool (zero
- * past k, so no partial k block remains), rows in blocks of 4, column groups of l2_tiles. */
-static int avx2_linear(ChunkFn run, Job job, int threads) {
+/* The widened paths' call (`run`: their column groups): x widened to float32 once, on the pool
+ * (zero past k, so no partial k block remains), then column groups of `tiles` by row blocks of
+ * `rows` (AVX2: blocks of 4 rows, groups of l2_tiles; AVX-512: the AVX512-BF16 path's shapes). */
+static int wide_linear(ChunkFn run, Job job, int tiles, int rows, int threads) {
     const int64_t m = job.m, k = job.k, xs = (k + 31) / 32 * 32;
     float *xf = calloc((size_t)(m * xs), sizeof(float));
     if (!xf) return -1;
     job.xf = xf;
     prepare_rows(widen_rows, &job, threads);
-    const int status = run_tiles(run, job, l2_tiles(k, 2), 4, 2, 0, threads);
+    const int status = run_tiles(run, job, tiles, rows, 2, 0, threads);
     free(xf);
     return status;
 }
 
 /* x [m, k] bf16 rows `x_stride` apart; packed by kvtier_linear_pack; out [m, n] contiguous.
- * Returns 0, -1 when the scratch for x's last partial k block could not be allocated, or -2
- * where neither tile path is built. */
+ * Returns 0, -1 when the scratch for x's last partial k block (or the widened x) could not be
+ * allocated, or -2 where no tile path is built. */
 int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                   int64_t n, int64_t k, const uint16_t *bias, uint16_t *out, int threads) {
     const int path = tile_path();
@@ -162,10 +165,11 @@ int kvtier_linear(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t
     if (!run) return -2;
     Job job = {.x = x, .packed = packed, .bias = bias, .out = out, .m = m, .n = n, .k = k,
                .x_stride = x_stride};
-    if (path == 3) return avx2_linear(run, job, threads);
+    if (path == 3) return wide_linear(run, job, l2_tiles(k, 2), 4, threads);
     /* AMX: 16 rows by 4 tiles */
     int tiles = 4, rows = 16;
-    if (path == 2) avx_block_shape(m, &tiles, &rows);
+    if (path != 1) avx_block_shape(m, &tiles, &rows);
+    if (path == 4) return wide_linear(run, job, tiles, rows, threads);
     return run_tiles(run, job, tiles, rows, 2, 0, threads);
 }
 

@@ -15,7 +15,7 @@ typedef struct {
     const int16_t *xq; /* W8A16: x in int16 [m][k blocks][32] and each block's scale; W8A8 on
                         * AVX2: x's int8 rows in int16, [m][k blocks × 32], and a row's scale */
     const float *xs;
-    const float *xf; /* AVX2: x widened to float32, [m][k blocks × 32], zero past k */
+    const float *xf; /* the widened paths: x as float32, [m][k blocks × 32], zero past k */
     const int8_t *xq8; /* W8A8: x's rows in int8 [m][k blocks × 32], zero past k; xs: a scale
                         * a row; xsum: each row's sum of its int8 values */
     const int32_t *xsum;
@@ -115,6 +115,14 @@ void linear_avx2_groups(const void *job, int64_t i0, int64_t i1);
 #else
 #define LINEAR_AVX2 0
 NO_GROUPS(linear_avx2_groups)
+#endif
+
+#if defined(KVTIER_AVX512_WIDE)
+#define LINEAR_AVX512_WIDE 1
+void linear_wide_avx512_groups(const void *job, int64_t i0, int64_t i1);
+#else
+#define LINEAR_AVX512_WIDE 0
+NO_GROUPS(linear_wide_avx512_groups)
 #endif
 
 #if defined(KVTIER_AVX512_INT8) || defined(KVTIER_INT8_AVX2)

@@ -7,7 +7,9 @@ JSON; they never assert timings."""
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -31,18 +33,70 @@ BENCHMARKS = (
 )
 
 
+# environment variables that change what a run measures (the kernels' build, oneDNN's ISA, thread
+# counts): recorded with every result. An allow-list: others may hold secrets (KVTIER_API_KEY).
+RECORDED_ENV = (
+    "KVTIER_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+
+
+def run_meta() -> dict[str, Any]:
+    """What a saved result was measured on: when, the machine (its CPU model and the CPUs this
+    process may use), the environment that changes the kernels (`RECORDED_ENV`) and the commit
+    of the checkout the code ran from (None outside one; `dirty` when it has uncommitted
+    changes)."""
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu": _cpu_model(),
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        **_commit(),
+    }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name as /proc/cpuinfo gives it (None elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _commit() -> dict[str, Any]:
+    """{"commit": the HEAD of the git checkout this package runs from, "dirty": uncommitted
+    changes to tracked files}; {"commit": None} for an installed package or without git."""
+    root = Path(__file__).resolve().parents[3]  # src/kvtier/bench/ → the checkout
+    if not (root / ".git").exists():
+        return {"commit": None}
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                 "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
 def save_json(result: dict[str, Any], out: str | Path) -> Path:
-    """Write `result` plus machine metadata to `out` (parents created) and return the path."""
+    """Write `result` plus `run_meta()` to `out` (parents created) and return the path."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "meta": {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-        },
-        **result,
-    }
+    payload = {"meta": run_meta(), **result}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path

@@ -205,13 +205,20 @@ def test_the_widened_builds_give_the_in_order_bits(
 ) -> None:
     """The widened paths whatever this CPU builds natively — AVX2 (linear_avx2.c, the x86-64-v3
     build) and AVX-512 without BF16 (linear_wide_avx512.c, Skylake-SP and Cascade Lake builds):
-    VDPBF16PS's sums by FMA, each row block and column group, with and without a bias."""
+    VDPBF16PS's sums by FMA, each row block and column group, with and without a bias, rows
+    read `x.stride(0)` apart (x is widened once per call), on one thread and on two."""
     built = isa_build(isa)
     assert built.tile_linear == WIDENED_BUILDS[isa]
     gen = torch.Generator().manual_seed(rows * k)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k + 9, generator=gen).bfloat16()[:, 5 : 5 + k]
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16()
     packed = built.pack_linear(w)
-    for bias in (None, b):
-        assert torch.equal(built.linear_bf16(x, packed, n, bias), in_order(x, w, bias))
+    for threads in (1, 2):
+        native.set_threads(threads)
+        try:
+            for bias in (None, b):
+                got = built.linear_bf16(x, packed, n, bias)
+                assert torch.equal(got, in_order(x, w, bias)), (threads, bias is None)
+        finally:
+            native.set_threads(None)

@@ -63,9 +63,9 @@ class Linear(nn.Linear):
     """`nn.Linear` whose weight on a CPU is multiplied through a copy prepacked once. bfloat16:
     for the rows `takes_tiles` gives them, the tile layout of `model/native.py`'s linear kernel
     (AMX, AVX512-BF16, or widened to float32 on AVX2 or AVX-512; at small shapes oneDNN's set-up
-    per call costs more than the tiles' whole product), otherwise oneDNN's blocked layout (`F.linear` would reorder the weight on
-    every call); the tiles give `F.linear`'s bits
-    where oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
+    per call costs more than the tiles' whole product), otherwise oneDNN's blocked layout
+    (`F.linear` would reorder the weight on every call); the tiles give `F.linear`'s bits where
+    oneDNN sums in order (see `takes_tiles`). float32: the native float32 kernel where it
     is built (AVX-512F or AVX2; why: `forward`), else `F.linear`. Either way a row's result does
     not depend on its batch on the native kernels. Copies derive from the weight, not state:
     rebuilt whenever the weight tensor is another one (loading, `.to()`)."""

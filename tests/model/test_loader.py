@@ -4,6 +4,7 @@ or unsupported (naming the file or field and the fix)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from kvtier.model import native
 from kvtier.model.loader import (
     empty_weights,
     load_generation_defaults,
@@ -150,3 +152,32 @@ def test_loading_a_model_does_not_import_dynamo() -> None:
         "sys.exit('torch._dynamo' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _assert_logged(folder, built, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(native, "kernels", lambda: built)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.model"):
+        load_model(folder, dtype="bfloat16")
+    assert native.describe(built) in caplog.text
+
+
+def test_loading_says_where_each_kernel_family_runs(tiny_model_dir, monkeypatch, caplog):
+    """The log names the library and each family's path (this CPU's build), or that torch ops
+    serve where no library is built; a model loaded without the kernels says nothing of them."""
+    folder = tiny_model_dir("llama")
+    _assert_logged(folder, native.kernels(), monkeypatch, caplog)
+    _assert_logged(folder, None, monkeypatch, caplog)
+    assert "torch ops serve" in native.describe(None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.model"):
+        load_model(folder, dtype="bfloat16", native=False)
+    assert "native kernels" not in caplog.text
+
+
+def test_a_build_without_bf16_says_its_linear_is_widened(
+    tiny_model_dir, isa_build, monkeypatch, caplog
+):
+    built = isa_build("skylake-avx512")
+    _assert_logged(tiny_model_dir("llama"), built, monkeypatch, caplog)
+    assert "bfloat16 linear on avx512," in native.describe(built)

@@ -142,6 +142,8 @@ def load_model(
     method = resolve_quantization(quantization, folder)
     with empty_weights():
         model = CausalLM(config, spec, native=native)
+    if native:
+        log.info("%s", native_kernels.describe(native_kernels.kernels()))
     raw = read_safetensors(folder)
     check_kv_cache_scheme(config.hf_config, folder)
     kv_scales = take_kv_scales(raw, config.num_layers, folder)

@@ -553,6 +553,18 @@ def pool_yield() -> Iterator[None]:
         lib.lib.kvtier_pool_yield(0)
 
 
+def describe(k: Kernels | None) -> str:
+    """Where each kernel family runs with `k` (the start-up log says it once a model loads)."""
+    if k is None:
+        return "native kernels not built (no C compiler, or the build failed): torch ops serve"
+    return (
+        f"native kernels {k.path.name}: bfloat16 linear on {k.tile_linear or 'oneDNN'}, "
+        f"int8 weights (W8A16) on {k.i8_linear or 'none (dequantized per call)'}, "
+        f"int8 activations (W8A8) on {k.w8a8_linear or 'none (torch ops)'}, "
+        f"float32 linear {'native' if k.f32_linear else 'in torch'}"
+    )
+
+
 def pool_stats() -> dict[str, int]:
     """The kernel pool's counters since the process started (pool.c): calls run with helpers,
     calls run alone because helpers did not pay lately (a co-tenant on their cores), and the

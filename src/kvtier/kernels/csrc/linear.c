@@ -127,6 +127,15 @@ static int l2_tiles(int64_t k, int64_t elem) {
     return fit < 1 ? 1 : fit > 4 ? 4 : (int)fit;
 }
 
+/* The int16 blocks' shape for m rows (W8A16 and, without VNNI, W8A8): on AVX-512 (INT16_SHAPES,
+ * linear_i8_avx512.c) 1-2 rows by 4 tiles or up to 4 by 2, the int32 sums and the accumulators
+ * both in registers; on AVX2 blocks of 4 rows in column groups of l2_tiles (6-row blocks ran
+ * slower) */
+static void int16_shape(int64_t m, int64_t k, int *tiles, int *rows) {
+    *tiles = LINEAR_I8_AVX512 ? (m <= 2 ? 4 : 2) : l2_tiles(k, 1);
+    *rows = LINEAR_I8_AVX512 && m <= 2 ? (int)m : 4;
+}
+
 /* x's rows prepared (widened or quantized) by `fn` on the pool, one thread below 64K elements */
 static void prepare_rows(ChunkFn fn, const Job *job, int threads) {
     pool_run(fn, job, job->m, job->m / (4 * threads), job->m * job->k < (1 << 16) ? 1 : threads);
@@ -210,11 +219,9 @@ int kvtier_linear_i8(const uint16_t *x, int64_t x_stride, int64_t m, const int8_
         return run_tiles(linear_i8_wide_groups, job, tiles, rows, 2, 0, threads);
     }
     const int64_t kbs = (k + 31) / 32;
-    /* AVX2: blocks of 4 rows, groups of l2_tiles; VNNI: int32 sums and float32 accumulators in
-     * registers, 2 rows by 4 tiles or 4 by 2 */
     const ChunkFn run = LINEAR_I8_AVX2 ? linear_i8_avx2_groups : linear_i8_avx512_groups;
-    const int tiles = LINEAR_I8_AVX2 ? l2_tiles(k, 1) : m <= 2 ? 4 : 2;
-    const int rows = LINEAR_I8_AVX2 || m > 2 ? 4 : (int)m;
+    int tiles, rows;
+    int16_shape(m, k, &tiles, &rows);
     int16_t *xq = malloc((size_t)(m * kbs * 32) * sizeof(int16_t));
     float *xs = malloc((size_t)(m * kbs) * sizeof(float));
     int status = -1;
@@ -256,9 +263,8 @@ void kvtier_linear_w8a8_pack(const int8_t *w, int64_t n, int64_t k, uint8_t *pac
                     }
 }
 
-/* The call without VNNI: x's rows quantized into int16 on the pool, then on AVX2 blocks of up to
- * 4 rows in column groups of l2_tiles (6-row blocks ran slower), on AVX-512 the W8A16 path's
- * 512-bit int16 blocks (2 rows by 4 tiles, or 4 by 2) */
+/* The call without VNNI: x's rows quantized into int16 on the pool, then the int16 blocks
+ * (int16_shape): on AVX2 linear_w8a8_avx2.c's, on AVX-512 the W8A16 path's 512-bit ones */
 static int w8a8_int16(Job job, int threads) {
     const int64_t m = job.m, kpad = (job.k + 31) / 32 * 32;
     int16_t *xq = malloc((size_t)(m * kpad) * sizeof(int16_t));
@@ -267,11 +273,10 @@ static int w8a8_int16(Job job, int threads) {
     if (xq && xs) {
         job.xq = xq, job.xs = xs;
         prepare_rows(linear_w8a8_avx2_quantize_rows, &job, threads);
-        if (LINEAR_W8A8_I16)
-            status = run_tiles(linear_w8a8_i16_groups, job, m <= 2 ? 4 : 2, m > 2 ? 4 : (int)m, 1,
-                               0, threads);
-        else
-            status = run_tiles(linear_w8a8_avx2_groups, job, l2_tiles(job.k, 1), 4, 1, 0, threads);
+        int tiles, rows;
+        int16_shape(m, job.k, &tiles, &rows);
+        status = run_tiles(LINEAR_W8A8_I16 ? linear_w8a8_i16_groups : linear_w8a8_avx2_groups, job,
+                           tiles, rows, 1, 0, threads);
     }
     free(xq);
     free(xs);

@@ -5,7 +5,6 @@ no other environment variable (one may hold a secret)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench import save_json
+from kvtier.cpus import usable_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_a_result_records_the_build_the_cpu_and_the_commit(tmp_path, monkeypatch
     assert meta["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
     assert "OMP_NUM_THREADS" not in meta["env"]
     assert "secret-key" not in text and "KVTIER_API_KEY" not in text
-    assert meta["cpus"] == len(os.sched_getaffinity(0))
+    assert meta["cpus"] == usable_cpus()
     if Path("/proc/cpuinfo").exists() and "model name" in Path("/proc/cpuinfo").read_text():
         assert meta["cpu"]
     if (ROOT / ".git").exists():

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.cpus import usable_cpus
+from kvtier.kernels.build import cpu_model
+
 BENCHMARKS = (
     "kv",
     "device",
@@ -46,34 +49,20 @@ RECORDED_ENV = (
 
 
 def run_meta() -> dict[str, Any]:
-    """What a saved result was measured on: when, the machine (its CPU model and the CPUs this
-    process may use), the environment that changes the kernels (`RECORDED_ENV`) and the commit
-    of the checkout the code ran from (None outside one; `dirty` when it has uncommitted
-    changes)."""
+    """What a saved result was measured on: when, the machine (its CPU model, and the CPUs this
+    process may use as every thread count kvtier chooses counts them: `usable_cpus`), the
+    environment that changes the kernels (`RECORDED_ENV`) and the commit of the checkout the code
+    ran from (None outside one; `dirty` when it has uncommitted changes)."""
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
-        "cpu": _cpu_model(),
-        "cpus": len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
+        "cpu": cpu_model(),
+        "cpus": usable_cpus(),
         "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
         **_commit(),
     }
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name as /proc/cpuinfo gives it (None elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _commit() -> dict[str, Any]:

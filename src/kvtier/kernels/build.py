@@ -116,15 +116,24 @@ def cache_dir() -> Path:
     return Path(base) / "kvtier" / "kernels"
 
 
-def _flags_line() -> str:
-    """/proc/cpuinfo's first `flags` line ("" where there is none)."""
+def _cpuinfo_line(key: str) -> str:
+    """/proc/cpuinfo's first line of `key` ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(key):
                 return line
     except OSError:
         pass
     return ""
+
+
+def _flags_line() -> str:
+    return _cpuinfo_line("flags")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as /proc/cpuinfo gives it (None where it cannot be read)."""
+    return _cpuinfo_line("model name").partition(":")[2].strip() or None
 
 
 def cpu_flags() -> frozenset[str]:

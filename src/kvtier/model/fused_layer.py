@@ -90,9 +90,8 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 def servable(layer: DecoderLayer, kernels: native.Kernels) -> bool:
     """Whether `layer.c` can run this layer at all (any batch): bfloat16 weights on the CPU where
     the bfloat16 tile linear is built (int8 ones with their scales and bfloat16 biases where the
-    int8 linear is: a layer of int8 linears only runs on a build without the tile linear, such as
-    an AVX-512 CPU without BF16), every norm, the rope and the MLP's activation on the native
-    kernels, no float32 leftovers."""
+    int8 linear is; a layer of int8 linears only needs no tile linear), every norm, the rope and
+    the MLP's activation on the native kernels, no float32 leftovers."""
     attn, mlp = layer.self_attn, layer.mlp
     norms: list[RMSNorm | None] = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.sandwich:
